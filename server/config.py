@@ -1,0 +1,149 @@
+"""The run configuration: one validated model, the single source of every default.
+
+Flower hands the ServerApp a flat ``run_config`` (``[tool.flwr.app.config]`` in ``pyproject.toml``
+plus ``--run-config`` overrides). :func:`parse_run_config` validates all of it before round 1 and
+turns every problem into one :class:`ConfigError` that names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class ConfigError(ValueError):
+    """The run configuration is invalid; the message names each bad key, its value and the fix."""
+
+
+DatasetChoice = Literal["digits", "fashion-mnist", "mnist", "synthetic"]
+PartitionChoice = Literal["iid", "dirichlet", "classes"]
+ModelChoice = Literal["logreg", "mlp", "lenet5", "cnn"]
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+StrategyChoice = Literal["fedavg", "elastic", "fedlaw", "fedgma"]
+ServerOptimizerChoice = Literal["sgd", "momentum", "adam"]
+
+
+class RunConfig(BaseModel):
+    """Every option of a run, with its default and its allowed range.
+
+    Field names are the run-config keys with ``-`` written as ``_``; ``pyproject.toml`` repeats the
+    defaults because Flower requires them there, and a test keeps the two identical.
+    """
+
+    model_config = ConfigDict(
+        alias_generator=_kebab, populate_by_name=True, extra="forbid", frozen=True, strict=True
+    )
+
+    # --- run ---------------------------------------------------------------------------------
+    run_name: str = Field("", description="folder under output-dir; empty: <strategy>-<time>")
+    seed: int = Field(0, ge=0, description="seeds data partitioning, model init and sampling")
+    num_server_rounds: int = Field(15, ge=1, le=100_000)
+    num_clients: int = Field(10, ge=1, le=10_000, description="partitions = simulated SuperNodes")
+    fraction_train: float = Field(1.0, gt=0.0, le=1.0, description="share of nodes sampled")
+    fraction_evaluate: float = Field(0.0, ge=0.0, le=1.0, description="federated evaluation")
+    min_train_replies: int = Field(2, ge=1, description="valid replies needed to aggregate")
+    output_dir: str = Field("runs", min_length=1)
+    # --- data --------------------------------------------------------------------------------
+    dataset: DatasetChoice = "digits"
+    data_dir: str = Field("", description="IDX folder; empty: the dataset's default location")
+    partition: PartitionChoice = "dirichlet"
+    dirichlet_alpha: float = Field(0.5, gt=0.0)
+    classes_per_client: int = Field(2, ge=1)
+    proxy_per_class: int = Field(10, ge=0, description="server proxy set, samples per class")
+    synthetic_alpha: float = Field(1.0, ge=0.0)
+    synthetic_beta: float = Field(1.0, ge=0.0)
+    # --- model and local training ------------------------------------------------------------
+    model: ModelChoice = "mlp"
+    device: DeviceChoice = "auto"
+    local_epochs: int = Field(2, ge=1)
+    batch_size: int = Field(32, ge=1)
+    learning_rate: float = Field(0.05, gt=0.0)
+    lr_decay: float = Field(0.99, gt=0.0, le=1.0, description="client lr x this per round")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(5e-4, ge=0.0)
+    proximal_mu: float = Field(0.0, ge=0.0, description="FedProx proximal term on clients")
+    # --- server update (FedAvg and Elastic feed a server optimizer) ---------------------------
+    strategy: StrategyChoice = "fedavg"
+    server_lr: float = Field(1.0, ge=0.0)
+    server_optimizer: ServerOptimizerChoice = "sgd"
+    server_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    server_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    server_beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    server_eps: float = Field(1e-3, gt=0.0, description="FedAdam's tau (adaptivity)")
+    # --- Elastic aggregation -----------------------------------------------------------------
+    elastic_tau: float = Field(0.5, ge=0.0, le=1.0)
+    sensitivity_decay: float = Field(0.9, ge=0.0, lt=1.0)
+    sensitivity_dtype: Literal["float32", "float16"] = "float32"
+    # --- FedLAW ------------------------------------------------------------------------------
+    fedlaw_learn: Literal["both", "shrink", "clients"] = "both"
+    fedlaw_epochs: int = Field(100, ge=0)
+    fedlaw_lr: float = Field(0.005, ge=0.0)
+    fedlaw_batch_size: int = Field(128, ge=1)
+    fedlaw_lr_step: int = Field(20, ge=1, description="StepLR period, server epochs")
+    fedlaw_lr_gamma: float = Field(0.5, gt=0.0, le=1.0)
+    fedlaw_swa: bool = False
+    proxy_dir: str = Field("", description="IDX folder used as proxy set instead of held-out")
+    # --- FedGMA ------------------------------------------------------------------------------
+    gma_mask: Literal["hard", "soft"] = "hard"
+    gma_threshold: float = Field(0.8, ge=0.0, le=1.0)
+    gma_server_lr: float = Field(1.0, ge=0.0)
+    # --- diagnostics -------------------------------------------------------------------------
+    diagnostics: bool = False
+    diagnostics_mi_coordinates: int = Field(256, ge=2)
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> RunConfig:
+        if self.min_train_replies > self.num_clients:
+            raise ValueError(
+                f"min-train-replies = {self.min_train_replies} exceeds num-clients = "
+                f"{self.num_clients}: allowed is 1..num-clients"
+            )
+        if self.strategy == "fedlaw" and self.proxy_per_class == 0 and not self.proxy_dir:
+            raise ValueError(
+                "strategy = 'fedlaw' with proxy-per-class = 0 and no proxy-dir leaves FedLAW "
+                "without a proxy set: set proxy-per-class >= 1 (the paper uses 10)"
+            )
+        return self
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The resolved configuration as Flower run-config keys (kebab-case)."""
+        return self.model_dump(by_alias=True)
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    location = ".".join(_kebab(str(part)) for part in error.get("loc", ()))
+    value = error.get("input")
+    message = str(error.get("msg", "invalid"))
+    if error.get("type") == "extra_forbidden":
+        return f"unknown key '{location}' (value {value!r}): not a run option of this app"
+    if not location:  # a relation between keys, already phrased with names and values
+        return message.removeprefix("Value error, ")
+    return f"key '{location}' = {value!r} is not allowed: {message}"
+
+
+def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
+    """Validate Flower's flat run config.
+
+    Raises
+    ------
+    ConfigError
+        One message listing every bad key with its value and what is allowed, and the list of
+        known keys when a key is unknown.
+    """
+    try:
+        return RunConfig.model_validate(dict(run_config))
+    except ValidationError as err:
+        problems = [_describe(e) for e in err.errors()]
+        hint = ""
+        if any(e.get("type") == "extra_forbidden" for e in err.errors()):
+            known = ", ".join(sorted(f.alias or n for n, f in RunConfig.model_fields.items()))
+            hint = f"\nKnown keys: {known}"
+        raise ConfigError(
+            "Invalid run configuration:\n  - " + "\n  - ".join(problems) + hint
+        ) from None
