@@ -1,0 +1,1 @@
+"""ClientApp: local training and the extra records (gradients, sensitivity) it reports."""

@@ -1,0 +1,129 @@
+"""The ClientApp: trains the received global model on this node's partition and replies.
+
+Reply records follow :mod:`tasks.protocol`: ``arrays`` and ``metrics`` always, plus the extra
+ArrayRecords a strategy requests through the train config (``gradient``, ``sensitivity``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from tasks.evaluation import evaluate, make_loader, resolve_device
+from tasks.federation import DataSpec, load_client_partition
+from tasks.models import build_model
+
+from client.training import train_local
+from tasks.protocol import (
+    ARRAYS_RECORD,
+    CONFIG_RECORD,
+    GRADIENT_RECORD,
+    METRICS_RECORD,
+    NUM_EXAMPLES_KEY,
+    SERVER_ROUND_KEY,
+    TRAIN_LOSS_KEY,
+    ClientTask,
+    requested_records,
+)
+
+app = ClientApp()
+
+#: Extra records this ClientApp knows how to produce when a strategy asks for them.
+SUPPORTED_RECORDS = frozenset({GRADIENT_RECORD})
+
+
+def _partition(context: Context) -> tuple[int, int]:
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except KeyError as err:
+        raise KeyError(
+            f"node config lacks {err}: start the SuperNode with "
+            "--node-config 'partition-id=<i> num-partitions=<n>'"
+        ) from None
+
+
+def prepare(message: Message, context: Context) -> tuple[ClientTask, Any, torch.nn.Module, int]:
+    """Read the task, load this node's partition and build the received model on its device."""
+    config: ConfigRecord = message.content[CONFIG_RECORD]  # type: ignore[assignment]
+    task = ClientTask.from_config(config)
+    partition_id, num_partitions = _partition(context)
+    spec = DataSpec(
+        dataset=task.dataset,
+        data_dir=task.data_dir,
+        partition=task.partition,
+        dirichlet_alpha=task.dirichlet_alpha,
+        classes_per_partition=task.classes_per_client,
+        num_partitions=num_partitions,
+        seed=task.seed,
+        proxy_per_class=0,
+        synthetic_alpha=task.synthetic_alpha,
+        synthetic_beta=task.synthetic_beta,
+    )
+    data = load_client_partition(spec, partition_id)
+    model = build_model(task.model, data.input_shape, data.num_classes)  # type: ignore[arg-type]
+    received: ArrayRecord = message.content[ARRAYS_RECORD]  # type: ignore[assignment]
+    model.load_state_dict(received.to_torch_state_dict())
+    server_round = int(config.get(SERVER_ROUND_KEY, 1))  # type: ignore[arg-type]
+    return task, data, model.to(resolve_device(task.device)), server_round  # type: ignore[arg-type]
+
+
+def cpu_state(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    """An ArrayRecord of CPU copies (a model trained on CUDA is sent from host memory)."""
+    return ArrayRecord({key: value.detach().cpu() for key, value in tensors.items()})
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    """Local training; replies with ``arrays``, ``metrics`` and any requested extra records."""
+    config: ConfigRecord = message.content[CONFIG_RECORD]  # type: ignore[assignment]
+    requested = requested_records(config)
+    unsupported = sorted(requested - SUPPORTED_RECORDS)
+    if unsupported:
+        raise ValueError(
+            f"the strategy requested records {unsupported} that this ClientApp cannot produce "
+            f"(it supports {sorted(SUPPORTED_RECORDS)})"
+        )
+    task, data, model, server_round = prepare(message, context)
+    device = next(model.parameters()).device
+    partition_id, _ = _partition(context)
+    loader = make_loader(
+        data,
+        task.batch_size,
+        shuffle=True,
+        seed=task.seed * 1_000_003 + server_round * 1009 + partition_id,
+    )
+    result = train_local(
+        model,
+        loader,
+        epochs=task.local_epochs,
+        learning_rate=task.round_learning_rate(server_round),
+        momentum=task.momentum,
+        weight_decay=task.weight_decay,
+        device=device,
+        proximal_mu=task.proximal_mu,
+        keep_last_gradient=GRADIENT_RECORD in requested,
+    )
+    content = RecordDict(
+        {
+            ARRAYS_RECORD: cpu_state(model.state_dict()),
+            METRICS_RECORD: MetricRecord(
+                {NUM_EXAMPLES_KEY: result.num_examples, TRAIN_LOSS_KEY: result.mean_loss}
+            ),
+        }
+    )
+    if result.last_gradient is not None:
+        content[GRADIENT_RECORD] = cpu_state(result.last_gradient)
+    return Message(content=content, reply_to=message)
+
+
+@app.evaluate()
+def evaluate_local(message: Message, context: Context) -> Message:
+    """Evaluate the received global model on this node's partition."""
+    _, data, model, _ = prepare(message, context)
+    loss, accuracy = evaluate(model, data, next(model.parameters()).device)
+    metrics = MetricRecord(
+        {NUM_EXAMPLES_KEY: len(data), "eval-loss": loss, "eval-accuracy": accuracy}
+    )
+    return Message(content=RecordDict({METRICS_RECORD: metrics}), reply_to=message)
