@@ -1,0 +1,1 @@
+"""ServerApp, run configuration, proxy set, checkpoints, metrics and the simulation launcher."""

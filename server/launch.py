@@ -1,0 +1,254 @@
+"""``ba-run``: run the app in Flower simulation with the runtime environment handled for you.
+
+Plain ``flwr run .`` needs several environment variables set by hand, leaves a detached SuperLink
+running and exits 0 even when the run failed. This launcher
+
+1. sets a project-local ``FLWR_HOME`` (``.flwr/sim-<port>/``), disables runtime dependency
+   installation, telemetry and the update check, and puts this interpreter's
+   ``bin/`` first on ``PATH`` (the SuperLink starts ``flower-superexec`` from there);
+2. starts its own simulation SuperLink on a free loopback port and registers it as the
+   connection ``ba-local`` in ``$FLWR_HOME/config.toml``;
+3. runs ``flwr run <app> ba-local --stream`` with the given ``--run-config`` overrides and
+   ``num-supernodes = num-clients``;
+4. reads ``<output-dir>/<run-name>/summary.json`` and exits non-zero with the run's error when the
+   run did not complete;
+5. always stops the SuperLink it started, by its PID (process group), never by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+CONNECTION = "ba-local"
+
+
+class LaunchError(RuntimeError):
+    """The run could not be started, or did not complete."""
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def flower_environment(flwr_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment every Flower process of this project needs."""
+    env = dict(os.environ if base is None else base)
+    env["FLWR_HOME"] = str(flwr_home)
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    env["FLWR_TELEMETRY_ENABLED"] = "0"
+    env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    return env
+
+
+def app_defaults(app_dir: Path) -> dict[str, Any]:
+    """``[tool.flwr.app.config]`` of the app's pyproject.toml."""
+    pyproject = app_dir / "pyproject.toml"
+    if not pyproject.is_file():
+        raise LaunchError(f"no pyproject.toml in {app_dir}: pass --app <folder of the Flower app>")
+    data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    try:
+        return dict(data["tool"]["flwr"]["app"]["config"])
+    except KeyError:
+        raise LaunchError(f"{pyproject} has no [tool.flwr.app.config] table") from None
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """Flower's ``--run-config`` syntax (``key=value`` pairs, TOML values) as a dict."""
+    from flwr.common.config import parse_config_args
+
+    return dict(parse_config_args(list(overrides)))
+
+
+def write_connection(flwr_home: Path, port: int) -> None:
+    """Register the launcher's SuperLink as connection ``ba-local`` (and make it the default)."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    (flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+        f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n',
+        encoding="utf-8",
+    )
+
+
+def _wait_healthy(port: int, process: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise LaunchError(f"the SuperLink exited with code {process.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise LaunchError(f"the SuperLink did not become healthy in 60 s (log: {log_path})")
+
+
+def stop_process_group(process: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """Stop a process started with ``start_new_session=True`` and all its children, by PID."""
+    if process.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def simulation_superlink(app_dir: Path) -> Iterator[dict[str, str]]:
+    """A simulation SuperLink on a free port, stopped (with its children) on exit.
+
+    Yields the environment for ``flwr`` commands that talk to it. Each launch gets its own
+    ``FLWR_HOME`` under the project's ``.flwr/`` so that concurrent launches never read each
+    other's connection file; it is removed after a clean stop.
+    """
+    port = free_port()
+    flwr_home = app_dir / ".flwr" / f"sim-{port}"
+    env = flower_environment(flwr_home)
+    write_connection(flwr_home, port)
+    log_path = flwr_home / f"superlink-{port}.log"
+    command = [
+        "flower-superlink",
+        "--insecure",
+        "--simulation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--disable-runtime-dependency-installation",
+    ]
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            command,
+            env=dict(env),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=app_dir,
+            start_new_session=True,
+        )
+    try:
+        _wait_healthy(port, process, log_path)
+        yield env
+    finally:
+        stop_process_group(process)
+    shutil.rmtree(flwr_home / "apps", ignore_errors=True)
+
+
+def read_summary(summary_path: Path) -> dict[str, Any]:
+    """The run's summary, or a 'missing' status when the ServerApp never wrote it."""
+    if not summary_path.is_file():
+        return {"status": "missing"}
+    return dict(json.loads(summary_path.read_text(encoding="utf-8")))
+
+
+def launch(
+    app_dir: Path,
+    overrides: Sequence[str],
+    *,
+    timeout: float | None = None,
+    client_cpus: float | None = None,
+) -> Path:
+    """Run the app in simulation; return the run folder, or raise :class:`LaunchError`."""
+    app_dir = app_dir.resolve()
+    settings = app_defaults(app_dir) | parse_overrides(overrides)
+    extra: list[str] = []
+    run_name = str(settings.get("run-name") or "")
+    if not run_name:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        run_name = f"{settings.get('strategy', 'run')}-{settings.get('dataset', 'data')}-{stamp}"
+        extra.append(f'run-name="{run_name}"')
+    output_dir = Path(str(settings.get("output-dir") or "runs")).expanduser()
+    if not output_dir.is_absolute():
+        output_dir = app_dir / output_dir
+        extra.append(f'output-dir="{output_dir}"')
+    num_clients = settings.get("num-clients")
+    if not isinstance(num_clients, int) or num_clients < 1:
+        raise LaunchError(f"num-clients = {num_clients!r}: allowed is an integer >= 1")
+    summary_path = output_dir / run_name / "summary.json"
+    federation = [f"num-supernodes={num_clients}"]
+    if client_cpus is not None:
+        federation.append(f"client-resources-num-cpus={client_cpus}")
+    with simulation_superlink(app_dir) as env:
+        command = ["flwr", "run", str(app_dir), CONNECTION, "--stream"]
+        for override in [*overrides, *extra]:
+            command += ["--run-config", override]
+        for entry in federation:
+            command += ["--federation-config", entry]
+        try:
+            completed = subprocess.run(command, env=env, cwd=app_dir, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            raise LaunchError(f"the run did not finish within {timeout} s") from None
+    summary = read_summary(summary_path)
+    if summary.get("status") != "completed":
+        reason = summary.get("error") or (
+            f"`flwr run` exited with code {completed.returncode} and the ServerApp wrote no "
+            f"summary at {summary_path}; the run failed before round 1 (see the log above, "
+            "e.g. an invalid run configuration)"
+        )
+        raise LaunchError(f"run '{run_name}' did not complete: {reason}")
+    return summary_path.parent
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``ba-run``."""
+    parser = argparse.ArgumentParser(
+        prog="ba-run", description="Run the beyond-averaging Flower app in simulation."
+    )
+    parser.add_argument("--app", type=Path, default=Path.cwd(), help="Flower app folder")
+    parser.add_argument(
+        "--run-config",
+        "-c",
+        action="append",
+        default=[],
+        help="overrides, e.g. -c 'strategy=\"elastic\" num-server-rounds=20'",
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    parser.add_argument(
+        "--client-cpus",
+        type=float,
+        default=None,
+        help="CPUs Ray reserves per simulated client (Flower's default: 2)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        run_dir = launch(
+            args.app, args.run_config, timeout=args.timeout, client_cpus=args.client_cpus
+        )
+    except LaunchError as error:
+        print(f"ba-run: error: {error}", file=sys.stderr)
+        return 1
+    final = read_summary(run_dir / "summary.json").get("final") or {}
+    print(f"ba-run: run completed: {run_dir}")
+    print(
+        f"ba-run: final test accuracy {final.get('test-accuracy')} after round {final.get('round')}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
