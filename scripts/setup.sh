@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create .venv with the project (editable) and its dev tools. Idempotent: when pyproject.toml has not
+# changed since the last successful run, it only checks the environment.
+#
+# torch is installed first, pinned exactly: on a CPU machine a looser requirement makes pip pull
+# several GB of CUDA packages. GPU users install their CUDA build of torch 2.13.0 into .venv first
+# (see README, "GPU"); pip then keeps it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python_bin=${PYTHON:-}
+if [ -z "$python_bin" ]; then
+  if command -v python3.11 >/dev/null 2>&1; then python_bin=python3.11; else python_bin=python3; fi
+fi
+if ! "$python_bin" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  echo "setup: needs Python 3.11 (found $("$python_bin" --version 2>&1)); set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
+
+[ -x .venv/bin/python ] || "$python_bin" -m venv .venv
+stamp=.venv/.beyond-averaging-setup
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c 'import flwr, torch, server' 2>/dev/null; then
+  echo "setup: .venv is up to date"
+  exit 0
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
+echo "$want" > "$stamp"
+echo "setup: .venv ready ($(.venv/bin/python -c 'import flwr, torch; print("flwr", flwr.__version__, "torch", torch.__version__)'))"
