@@ -171,7 +171,7 @@ def launch(
     overrides: Sequence[str],
     *,
     timeout: float | None = None,
-    client_cpus: float | None = None,
+    client_cpus: int | None = None,
 ) -> Path:
     """Run the app in simulation; return the run folder, or raise :class:`LaunchError`."""
     app_dir = app_dir.resolve()
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     parser.add_argument(
         "--client-cpus",
-        type=float,
+        type=int,
         default=None,
         help="CPUs Ray reserves per simulated client (Flower's default: 2)",
     )
