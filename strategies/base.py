@@ -308,7 +308,9 @@ class ContractStrategy(Strategy):
         metrics.update(self.round_metrics())
         self.last_round_metrics = metrics
         record = ArrayRecord(
-            {key: Array(np.ascontiguousarray(value)) for key, value in new_arrays.items()}
+            # asarray(order='C'), not ascontiguousarray: the latter turns 0-d tensors
+            # (BatchNorm's num_batches_tracked) into shape (1,), which round 2 then rejects.
+            {key: Array(np.asarray(value, order="C")) for key, value in new_arrays.items()}
         )
         return record, MetricRecord(metrics)
 
