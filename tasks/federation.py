@@ -1,0 +1,196 @@
+"""One place that turns a data specification into client partitions and server splits.
+
+Clients and the server build the same :class:`DataSpec` from the run configuration, so
+they agree on the data without exchanging it: loading, partitioning and splitting are
+deterministic functions of the spec. The spec-level work is cached per process, so a
+process that hosts many clients (or many rounds) loads and partitions once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+
+from tasks.colored import COLORED_DATASET_NAMES, base_dataset, client_view, server_view
+from tasks.datasets import DATASET_NAMES, DatasetName, LabeledData, load_dataset
+from tasks.partition import PARTITION_SCHEMES, PartitionScheme, partition_indices
+from tasks.splits import split_server_data
+
+# Stage tags for deriving independent seeds from DataSpec.seed, so that the held-out split,
+# the partitioning and the proxy draw do not all consume the same random stream.
+_PARTITION_STAGE = 1
+_PROXY_STAGE = 2
+# Each cached entry holds a whole data set (up to ~200 MB for MNIST-sized data).
+_CACHED_SPECS = 4
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Everything that determines a federation's data; hashable, used as a cache key.
+
+    Attributes
+    ----------
+    dataset : str
+        One of ``tasks.datasets.DatasetName``.
+    data_dir : str
+        Folder of the IDX files; ``""`` selects ``DEFAULT_DATA_DIRS[dataset]``.
+    partition : str
+        One of ``tasks.partition.PartitionScheme``.
+    dirichlet_alpha : float
+        Concentration for ``partition="dirichlet"``.
+    classes_per_partition : int
+        Labels per client for ``partition="classes"``.
+    num_partitions : int
+        Number of clients.
+    seed : int
+        Seeds the held-out split and synthetic data directly, and (through derived seeds)
+        the partitioning and the proxy draw.
+    proxy_per_class : int
+        Server proxy samples per class (0: no proxy).
+    synthetic_alpha, synthetic_beta : float
+        Synthetic(alpha, beta) parameters (``dataset="synthetic"`` only).
+    """
+
+    dataset: str
+    data_dir: str
+    partition: str
+    dirichlet_alpha: float
+    classes_per_partition: int
+    num_partitions: int
+    seed: int
+    proxy_per_class: int
+    synthetic_alpha: float = 1.0
+    synthetic_beta: float = 1.0
+
+    def __post_init__(self) -> None:
+        # Fail when the spec is made, not later inside a cached loader on some client.
+        if self.dataset not in (*DATASET_NAMES, *COLORED_DATASET_NAMES):
+            raise ValueError(
+                f"dataset={self.dataset!r} is not allowed: choose one of "
+                f"{', '.join((*DATASET_NAMES, *COLORED_DATASET_NAMES))}"
+            )
+        if self.partition not in PARTITION_SCHEMES:
+            raise ValueError(
+                f"partition={self.partition!r} is not allowed: choose one of "
+                f"{', '.join(PARTITION_SCHEMES)}"
+            )
+
+
+def load_client_partition(spec: DataSpec, partition_id: int) -> LabeledData:
+    """Return client ``partition_id``'s training data.
+
+    Parameters
+    ----------
+    spec : DataSpec
+        The federation's data specification.
+    partition_id : int
+        In ``[0, spec.num_partitions)``.
+
+    Returns
+    -------
+    LabeledData
+        A fresh (writable) copy of that client's samples, in pool order.
+
+    Raises
+    ------
+    ValueError
+        ``partition_id`` out of range, or an invalid spec.
+    """
+    if not 0 <= partition_id < spec.num_partitions:
+        raise ValueError(
+            f"partition_id={partition_id} is out of range: it must lie in "
+            f"[0, {spec.num_partitions - 1}] for num_partitions={spec.num_partitions}"
+        )
+    train_pool, _ = _spec_data(spec)
+    grey = train_pool.subset(_partitions(spec)[partition_id])
+    # Colored data sets are partitioned grey on the digit, then colored per client (environment).
+    return client_view(spec.dataset, grey, partition_id, spec.num_partitions, spec.seed)
+
+
+def load_server_splits(spec: DataSpec) -> tuple[LabeledData, LabeledData]:
+    """Return the server's ``(test, proxy)`` data, see :func:`tasks.splits.split_server_data`.
+
+    Parameters
+    ----------
+    spec : DataSpec
+        The federation's data specification.
+
+    Returns
+    -------
+    test : LabeledData
+    proxy : LabeledData
+        Both cached and shared within the process; their arrays are read-only.
+    """
+    return _server_splits(spec)
+
+
+def _stage_seed(seed: int, stage: int) -> int:
+    return int(np.random.SeedSequence([seed, stage]).generate_state(1)[0])
+
+
+def _read_only(data: LabeledData) -> LabeledData:
+    # Cached objects are shared by every caller in the process; a write through one of
+    # them would silently change the data the others see.
+    data.features.setflags(write=False)
+    data.labels.setflags(write=False)
+    return data
+
+
+def _spec_data(spec: DataSpec) -> tuple[LabeledData, LabeledData]:
+    return _loaded_data(
+        base_dataset(spec.dataset),
+        spec.data_dir,
+        spec.seed,
+        spec.synthetic_alpha,
+        spec.synthetic_beta,
+    )
+
+
+# Keyed on the fields that decide the data only, so specs that differ in partitioning or
+# proxy size share one loaded copy.
+@functools.lru_cache(maxsize=_CACHED_SPECS)
+def _loaded_data(
+    dataset: str, data_dir: str, seed: int, synthetic_alpha: float, synthetic_beta: float
+) -> tuple[LabeledData, LabeledData]:
+    train_pool, heldout = load_dataset(
+        cast(DatasetName, dataset),
+        data_dir=Path(data_dir) if data_dir else None,
+        seed=seed,
+        synthetic_alpha=synthetic_alpha,
+        synthetic_beta=synthetic_beta,
+    )
+    return _read_only(train_pool), _read_only(heldout)
+
+
+@functools.lru_cache(maxsize=_CACHED_SPECS)
+def _partitions(spec: DataSpec) -> tuple[np.ndarray, ...]:
+    train_pool, _ = _spec_data(spec)
+    partitions = tuple(
+        partition_indices(
+            train_pool.labels,
+            spec.num_partitions,
+            cast(PartitionScheme, spec.partition),
+            alpha=spec.dirichlet_alpha,
+            classes_per_partition=spec.classes_per_partition,
+            seed=_stage_seed(spec.seed, _PARTITION_STAGE),
+        )
+    )
+    for indices in partitions:
+        indices.setflags(write=False)
+    return partitions
+
+
+@functools.lru_cache(maxsize=_CACHED_SPECS)
+def _server_splits(spec: DataSpec) -> tuple[LabeledData, LabeledData]:
+    _, heldout = _spec_data(spec)
+    test, proxy = split_server_data(
+        heldout,
+        proxy_per_class=spec.proxy_per_class,
+        seed=_stage_seed(spec.seed, _PROXY_STAGE),
+    )
+    test, proxy = server_view(spec.dataset, test, proxy, spec.seed)
+    return _read_only(test), _read_only(proxy)
