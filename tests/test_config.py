@@ -74,3 +74,9 @@ def test_min_train_replies_above_num_clients_is_rejected() -> None:
 def test_fedlaw_without_any_proxy_set_is_rejected() -> None:
     with pytest.raises(ConfigError, match=r"proxy-per-class = 0"):
         parse_run_config({"strategy": "fedlaw", "proxy-per-class": 0})
+
+
+def test_readme_documents_every_option() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    undocumented = [key for key in RunConfig().to_run_config() if f"`{key}`" not in readme]
+    assert undocumented == []
