@@ -12,7 +12,7 @@ running and exits 0 even when the run failed. This launcher
    ``num-supernodes = num-clients``;
 4. reads ``<output-dir>/<run-name>/summary.json`` and exits non-zero with the run's error when the
    run did not complete;
-5. always stops the SuperLink it started, by its PID (process group), never by name.
+5. always stops the SuperLink it started and every process below it, by PID, never by name.
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ import sys
 import time
 import tomllib
 import urllib.request
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 CONNECTION = "ba-local"
+#: Environment entry every process of one launch inherits, so that all of them can be stopped.
+LAUNCH_MARKER = "BA_LAUNCH_ID"
 
 
 class LaunchError(RuntimeError):
@@ -103,20 +106,74 @@ def _wait_healthy(port: int, process: subprocess.Popen[bytes], log_path: Path) -
     raise LaunchError(f"the SuperLink did not become healthy in 60 s (log: {log_path})")
 
 
-def stop_process_group(process: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    """Stop a process started with ``start_new_session=True`` and all its children, by PID."""
-    if process.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+def descendants(pid: int) -> list[int]:
+    """PIDs of every process below ``pid`` (children first seen, grandchildren after), from ps."""
+    listing = subprocess.run(
+        ["ps", "-eo", "pid=,ppid="], capture_output=True, text=True, check=False
+    ).stdout
+    children: dict[int, list[int]] = {}
+    for line in listing.splitlines():
+        child, parent = (int(field) for field in line.split())
+        children.setdefault(parent, []).append(child)
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, [])]
+        found.extend(frontier)
+    return found
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
         try:
-            os.killpg(process.pid, sig)
+            os.kill(pid, 0)
         except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
             continue
+        alive.append(pid)
+    return alive
+
+
+def processes_with_environment(marker: str) -> list[int]:
+    """PIDs whose environment holds ``marker`` (Linux ``/proc``; empty elsewhere)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with suppress(OSError):  # ended meanwhile, or not ours to read
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+    return found
+
+
+def stop_process_tree(
+    process: subprocess.Popen[bytes], grace: float = 10.0, marker: str | None = None
+) -> None:
+    """Stop a process and every descendant, by PID.
+
+    Ray's daemons (gcs_server, raylet) start in sessions of their own under the simulation
+    process, so killing the SuperLink's process group alone would orphan them: the whole tree is
+    collected first, then sent SIGTERM, and whatever survives ``grace`` seconds gets SIGKILL.
+    Processes re-parented away from the tree are found by ``marker``, an environment entry that
+    everything the launcher started inherits.
+    """
+    tree = [process.pid, *descendants(process.pid)]
+    if marker is not None:
+        tree = sorted({*tree, *processes_with_environment(marker)} - {os.getpid()})
+    _signal_all(tree, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _alive(tree) and time.monotonic() < deadline:
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=0.2)
+    if marker is not None:
+        tree = sorted({*tree, *processes_with_environment(marker)} - {os.getpid()})
+    _signal_all(_alive(tree), signal.SIGKILL)
+    with suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5.0)
 
 
 @contextmanager
@@ -130,6 +187,7 @@ def simulation_superlink(app_dir: Path) -> Iterator[dict[str, str]]:
     port = free_port()
     flwr_home = app_dir / ".flwr" / f"sim-{port}"
     env = flower_environment(flwr_home)
+    env[LAUNCH_MARKER] = f"{port}-{uuid.uuid4().hex}"
     write_connection(flwr_home, port)
     log_path = flwr_home / f"superlink-{port}.log"
     command = [
@@ -155,7 +213,7 @@ def simulation_superlink(app_dir: Path) -> Iterator[dict[str, str]]:
         _wait_healthy(port, process, log_path)
         yield env
     finally:
-        stop_process_group(process)
+        stop_process_tree(process, marker=env[LAUNCH_MARKER])
     shutil.rmtree(flwr_home / "apps", ignore_errors=True)
 
 
