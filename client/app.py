@@ -11,17 +11,19 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+
+from client.sensitivity import sensitivity_record
+from client.training import train_local
 from tasks.evaluation import evaluate, make_loader, resolve_device
 from tasks.federation import DataSpec, load_client_partition
 from tasks.models import build_model
-
-from client.training import train_local
 from tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
     GRADIENT_RECORD,
     METRICS_RECORD,
     NUM_EXAMPLES_KEY,
+    SENSITIVITY_RECORD,
     SERVER_ROUND_KEY,
     TRAIN_LOSS_KEY,
     ClientTask,
@@ -31,7 +33,7 @@ from tasks.protocol import (
 app = ClientApp()
 
 #: Extra records this ClientApp knows how to produce when a strategy asks for them.
-SUPPORTED_RECORDS = frozenset({GRADIENT_RECORD})
+SUPPORTED_RECORDS = frozenset({GRADIENT_RECORD, SENSITIVITY_RECORD})
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -88,12 +90,14 @@ def train(message: Message, context: Context) -> Message:
     task, data, model, server_round = prepare(message, context)
     device = next(model.parameters()).device
     partition_id, _ = _partition(context)
-    loader = make_loader(
-        data,
-        task.batch_size,
-        shuffle=True,
-        seed=task.seed * 1_000_003 + server_round * 1009 + partition_id,
-    )
+    shuffle_seed = task.seed * 1_000_003 + server_round * 1009 + partition_id
+    loader = make_loader(data, task.batch_size, shuffle=True, seed=shuffle_seed)
+    sensitivity = None
+    if SENSITIVITY_RECORD in requested:
+        # Elastic aggregation: on the received global model, before training, over the batches
+        # of the first local epoch (a loader of its own, so training's shuffling is unchanged).
+        sensitivity_batches = make_loader(data, task.batch_size, shuffle=True, seed=shuffle_seed)
+        sensitivity = sensitivity_record(model, sensitivity_batches, message, context)
     result = train_local(
         model,
         loader,
@@ -115,6 +119,8 @@ def train(message: Message, context: Context) -> Message:
     )
     if result.last_gradient is not None:
         content[GRADIENT_RECORD] = cpu_state(result.last_gradient)
+    if sensitivity is not None:
+        content[SENSITIVITY_RECORD] = sensitivity
     return Message(content=content, reply_to=message)
 
 

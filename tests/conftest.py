@@ -56,6 +56,22 @@ def reply_message(
     return Message(metadata=metadata, content=content)
 
 
+def instruction_message(content: RecordDict, *, node_id: int = 1) -> Message:
+    """A train instruction as a ClientApp receives it, built outside a run (explicit Metadata)."""
+    metadata = Metadata(
+        run_id=1,
+        message_id="instruction",
+        src_node_id=0,
+        dst_node_id=node_id,
+        reply_to_message_id="",
+        group_id="1",
+        created_at=0.0,
+        ttl=60.0,
+        message_type="train",
+    )
+    return Message(metadata=metadata, content=content)
+
+
 def train_reply(
     arrays: Mapping[str, np.ndarray[Any, Any]],
     num_examples: int | float = 10,

@@ -1,0 +1,461 @@
+"""Elastic aggregation vs FedAvg, and FedAdam with and without it: test accuracy per round.
+
+Setting: Dirichlet(0.1) label skew over 10 clients, half of them sampled each round
+(fraction-train 0.5), the default mlp and local training of the run configuration (2 local epochs,
+SGD lr 0.05, momentum 0.9), elastic tau 0.5 and sensitivity decay 0.9 (the paper's). Four variants:
+
+- ``fedavg``: plain averaging;
+- ``elastic``: elastic aggregation, server lr 1 (the paper's rule);
+- ``fedadam``: FedAvg's mean update through the Adam server optimizer (server lr ``--adam-lr``);
+- ``fedadam+elastic``: the zeta-scaled update through the same Adam optimizer.
+
+Two runtimes, chosen with ``--runtime``:
+
+- ``flower``: a real run of the app (ServerApp + ClientApp under Flower simulation) through
+  ``server.launch.launch``, exactly what ``ba-run`` does; its metrics.jsonl gives the centralised
+  test accuracy after every round. On the 2 shared cores this was measured at about 4.5 minutes for
+  one 30-round digits run, mostly Flower/Ray messaging and start-up, far too slow for a sweep.
+- ``inprocess`` (default): the same objects without the transport. The run configuration is
+  validated by ``server.config.parse_run_config``, the strategy comes from
+  ``server.strategy_factory.build_strategy``, its ``configure_train`` samples the nodes and writes
+  the train messages, each is handed to the real ClientApp (``client.app.app``, one Flower
+  ``Context`` per node, kept across rounds, so the sensitivity moving average persists as in a
+  deployment), and the replies go through the strategy's ``aggregate_train`` (reply contract
+  included). Only Ray, gRPC and the SuperLink are left out. Node ids are 1..N in partition order,
+  so the sampled cohorts differ from a Flower run's (whose node ids are random) but are the same
+  for every method of one seed.
+
+One JSON per run goes to
+``benchmarks/results/elastic/`` (git-ignored; existing ones are reused, so an interrupted sweep
+resumes), and the report (a Markdown table and a PNG plot of mean accuracy per round with a band
+of +/- one standard deviation over seeds) to ``benchmarks/results/elastic/`` and, with
+``--publish``, to ``docs/results/``.
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/elastic_evidence.py --publish
+    .venv/bin/python benchmarks/elastic_evidence.py --report-only --publish  # redraw from JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+import torch  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from client.app import app as client_app  # noqa: E402
+from server.app import client_task, data_spec  # noqa: E402
+from server.config import parse_run_config  # noqa: E402
+from server.launch import LaunchError, launch  # noqa: E402
+from server.strategy_factory import ServerResources, build_strategy  # noqa: E402
+from tasks.evaluation import evaluate  # noqa: E402
+from tasks.federation import load_server_splits  # noqa: E402
+from tasks.models import build_model  # noqa: E402
+
+RESULTS_DIR = REPO / "benchmarks" / "results" / "elastic"
+DOCS_DIR = REPO / "docs" / "results"
+REPORT_STEM = "elastic_evidence"
+
+#: The federation every run shares (keys of the run configuration).
+COMMON: dict[str, Any] = {
+    "partition": "dirichlet",
+    "dirichlet-alpha": 0.1,
+    "num-clients": 10,
+    "fraction-train": 0.5,
+    "model": "mlp",
+    "device": "cpu",
+}
+
+
+def variants(adam_lr: float) -> dict[str, dict[str, Any]]:
+    """Run-configuration overrides of each compared method."""
+    adam = {"server-optimizer": "adam", "server-lr": adam_lr}
+    return {
+        "fedavg": {"strategy": "fedavg"},
+        "elastic": {"strategy": "elastic"},
+        "fedadam": {"strategy": "fedavg", **adam},
+        "fedadam+elastic": {"strategy": "elastic", **adam},
+    }
+
+
+def toml_value(value: Any) -> str:
+    """A value in the TOML syntax of Flower's ``--run-config``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+class NodeGrid:
+    """The one Grid method ``configure_train`` uses: the connected node ids."""
+
+    def __init__(self, num_nodes: int) -> None:
+        self.node_ids = list(range(1, num_nodes + 1))
+
+    def get_node_ids(self) -> list[int]:
+        """Node i runs partition i - 1."""
+        return self.node_ids
+
+
+def delivered(message: Message, message_id: str) -> Message:
+    """The instruction as a SuperNode receives it (the SuperLink fills in the metadata)."""
+    metadata = Metadata(
+        run_id=1,
+        message_id=message_id,
+        src_node_id=0,
+        dst_node_id=message.metadata.dst_node_id,
+        reply_to_message_id="",
+        group_id=message.metadata.group_id,
+        created_at=time.time(),
+        ttl=message.metadata.ttl,
+        message_type=message.metadata.message_type,
+    )
+    return Message(metadata=metadata, content=message.content)  # type: ignore[call-overload,no-any-return]
+
+
+def federate_in_process(settings: Mapping[str, Any]) -> list[float]:
+    """Run the ServerApp's loop in this process; centralised test accuracy after every round."""
+    config = parse_run_config(settings)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    device = torch.device("cpu")
+    torch.manual_seed(config.seed)
+    test_set, proxy_set = load_server_splits(data_spec(config))
+    model = build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
+    strategy = build_strategy(config, ServerResources(model, proxy_set, device))
+    grid = NodeGrid(config.num_clients)
+    contexts = {
+        node: Context(
+            run_id=1,
+            node_id=node,
+            node_config={"partition-id": node - 1, "num-partitions": config.num_clients},
+            state=RecordDict(),
+            run_config={},
+        )
+        for node in grid.node_ids
+    }
+    arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    accuracy = [evaluate(model, test_set, device)[1]]
+    for server_round in range(1, config.num_server_rounds + 1):
+        task_config = ConfigRecord(client_task(config).to_config())  # type: ignore[arg-type]
+        messages = strategy.configure_train(server_round, arrays, task_config, grid)  # type: ignore[arg-type]
+        replies = [
+            client_app(delivered(m, f"{server_round}-{i}"), contexts[m.metadata.dst_node_id])
+            for i, m in enumerate(messages)
+        ]
+        new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        if new_arrays is not None:
+            arrays = new_arrays
+        model.load_state_dict(arrays.to_torch_state_dict())
+        accuracy.append(evaluate(model, test_set, device)[1])
+    return accuracy
+
+
+def upload_bytes() -> str:
+    """Markdown: bytes of the ``sensitivity`` record in float32 and float16, next to ``arrays``.
+
+    Two measures per record: the .npy payloads (sum of ``len(Array.data)``) and the size of the
+    ArrayRecord's protobuf message, which is what the reply carries over gRPC.
+    """
+    from flwr.common.serde import array_record_to_proto
+
+    from client.sensitivity import compute_sensitivity, to_upload
+    from tasks.datasets import load_dataset
+
+    digits_shape = load_dataset("digits", seed=0)[0].input_shape
+    rows = [
+        "| model | parameters | arrays (protobuf B) | sensitivity float32: npy / protobuf B | "
+        "sensitivity float16: npy / protobuf B | float16 / float32 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, shape in (
+        (f"mlp on digits {digits_shape}", digits_shape),
+        ("mlp 784-200-200-10", (784,)),
+    ):
+        model = build_model("mlp", shape, 10, seed=0)
+        sensitivity = compute_sensitivity(model, [torch.randn(4, *shape)])
+        arrays = ArrayRecord({k: v.detach() for k, v in model.state_dict().items()})
+        sizes = {}
+        for dtype in ("float32", "float16"):
+            record = to_upload(sensitivity, dtype)
+            payload = sum(len(array.data) for array in record.values())
+            sizes[dtype] = (payload, array_record_to_proto(record).ByteSize())
+        count = sum(value.numel() for value in sensitivity.values())
+        rows.append(
+            f"| {label} | {count:,} | {array_record_to_proto(arrays).ByteSize():,} | "
+            f"{sizes['float32'][0]:,} / {sizes['float32'][1]:,} | "
+            f"{sizes['float16'][0]:,} / {sizes['float16'][1]:,} | "
+            f"{sizes['float16'][1] / sizes['float32'][1]:.3f} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def run_one(
+    dataset: str,
+    variant: str,
+    overrides: Mapping[str, Any],
+    seed: int,
+    rounds: int,
+    client_cpus: int,
+    runs_dir: Path,
+    runtime: str,
+) -> dict[str, Any]:
+    """One run (in this process or through ``launch``) and its per-round record."""
+    settings = {
+        **COMMON,
+        **overrides,
+        "dataset": dataset,
+        "seed": seed,
+        "num-server-rounds": rounds,
+        "output-dir": str(runs_dir),
+        "run-name": f"{dataset}-{variant.replace('+', '-')}-seed{seed}",
+    }
+    started, started_cpu = time.perf_counter(), time.process_time()
+    if runtime == "inprocess":
+        accuracy = federate_in_process(settings)
+    else:
+        run_dir = launch(
+            REPO,
+            [" ".join(f"{key}={toml_value(value)}" for key, value in settings.items())],
+            client_cpus=client_cpus,
+        )
+        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        accuracy = [json.loads(line)["test-accuracy"] for line in lines if line.strip()]
+    return {
+        "dataset": dataset,
+        "variant": variant,
+        "seed": seed,
+        "runtime": runtime,
+        "settings": settings,
+        "wall-seconds": time.perf_counter() - started,
+        "cpu-seconds-this-process": time.process_time() - started_cpu,
+        "accuracy": accuracy,
+    }
+
+
+def result_path(dataset: str, variant: str, seed: int) -> Path:
+    """Where one run's JSON lives."""
+    return RESULTS_DIR / f"{dataset}-{variant.replace('+', '-')}-seed{seed}.json"
+
+
+def load_results() -> list[dict[str, Any]]:
+    """Every saved run."""
+    return [json.loads(path.read_text()) for path in sorted(RESULTS_DIR.glob("*-seed*.json"))]
+
+
+#: Which method each one is compared with: elastic with its own base optimizer.
+BASELINE = {"elastic": "fedavg", "fedadam": "fedavg", "fedadam+elastic": "fedadam"}
+#: Rounds averaged for the "late accuracy" (less noisy than the last round alone).
+TAIL_ROUNDS = 5
+
+
+def curves_by_seed(results: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[int, Any]]:
+    """Accuracy curves (percent) per (dataset, variant), keyed by seed."""
+    grouped: dict[tuple[str, str], dict[int, Any]] = {}
+    for result in results:
+        curve = np.asarray(result["accuracy"], dtype=np.float64) * 100.0
+        grouped.setdefault((result["dataset"], result["variant"]), {})[result["seed"]] = curve
+    return grouped
+
+
+def group(results: Sequence[dict[str, Any]]) -> dict[tuple[str, str], np.ndarray[Any, Any]]:
+    """Accuracy curves stacked over seeds, per (dataset, variant); curves cut to the shortest."""
+    stacked = {}
+    for key, by_seed in curves_by_seed(results).items():
+        length = min(len(curve) for curve in by_seed.values())
+        stacked[key] = np.array([by_seed[seed][:length] for seed in sorted(by_seed)])
+    return stacked
+
+
+def table(results: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
+    """Markdown: final, late and all-round mean accuracy (mean +/- std over seeds), and the
+    seed-paired difference in late accuracy against the method's baseline."""
+    by_seed, stacked = curves_by_seed(results), group(results)
+    header = (
+        f"| dataset | method | seeds | rounds | final acc. (%) | last {TAIL_ROUNDS} rounds (%) | "
+        f"all rounds (%) | last {TAIL_ROUNDS} rounds vs baseline (pts) |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for dataset in dict.fromkeys(result["dataset"] for result in results):
+        for variant in order:
+            curves = stacked.get((dataset, variant))
+            if curves is None:
+                continue
+            final = curves[:, -1]
+            tail = curves[:, -TAIL_ROUNDS:].mean(axis=1)
+            overall = curves[:, 1:].mean(axis=1)
+            delta = "-"
+            baseline = by_seed.get((dataset, BASELINE.get(variant, "")))
+            if baseline:
+                own = by_seed[(dataset, variant)]
+                seeds = sorted(set(own) & set(baseline))
+                difference = np.array(
+                    [
+                        own[s][-TAIL_ROUNDS:].mean() - baseline[s][-TAIL_ROUNDS:].mean()
+                        for s in seeds
+                    ]
+                )
+                better = int((difference > 0).sum())
+                delta = (
+                    f"{difference.mean():+.1f} vs {BASELINE[variant]} "
+                    f"(better in {better}/{len(seeds)} seeds)"
+                )
+            rows.append(
+                f"| {dataset} | {variant} | {len(curves)} | {curves.shape[1] - 1} | "
+                f"{final.mean():.1f} ± {final.std():.1f} | {tail.mean():.1f} ± {tail.std():.1f} | "
+                f"{overall.mean():.1f} ± {overall.std():.1f} | {delta} |"
+            )
+    return header + "\n".join(rows) + "\n"
+
+
+def plot(results: Sequence[dict[str, Any]], order: Sequence[str], path: Path) -> None:
+    """Mean test accuracy per round, +/- one std band over seeds, one panel per dataset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stacked = group(results)
+    datasets = list(dict.fromkeys(result["dataset"] for result in results))
+    figure, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
+    for axis, dataset in zip(axes[0], datasets, strict=True):
+        for variant in order:
+            curves = stacked.get((dataset, variant))
+            if curves is None:
+                continue
+            mean, std = curves.mean(axis=0), curves.std(axis=0)
+            rounds = np.arange(curves.shape[1])
+            # One colour per server optimizer; dashed: with elastic aggregation.
+            color = "tab:red" if "fedadam" in variant else "tab:blue"
+            linestyle = "--" if "elastic" in variant else "-"
+            seeds = f"{len(curves)} seed{'s' if len(curves) > 1 else ''}"
+            axis.plot(rounds, mean, linestyle, color=color, label=f"{variant} ({seeds})")
+            axis.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.12)
+        axis.set_title(f"{dataset}, Dirichlet(0.1), 10 clients, 5 per round")
+        axis.set_xlabel("round")
+        axis.set_ylabel("test accuracy (%)")
+        axis.grid(alpha=0.3)
+        axis.legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def report(order: Sequence[str], adam_lr: float, publish: bool) -> None:
+    """Write the table and the plot from the saved JSON (and copy them to docs/ if asked)."""
+    results = load_results()
+    if not results:
+        raise SystemExit(f"no results in {RESULTS_DIR}: run without --report-only first")
+    wall = sum(result["wall-seconds"] for result in results)
+    markdown = (
+        f"Elastic aggregation evidence ({len(results)} runs, runtime "
+        f"{'/'.join(sorted({r.get('runtime', 'flower') for r in results}))}, "
+        f"{wall / 60:.1f} min of wall time on a shared 2-core CPU; "
+        f"FedAdam server lr {adam_lr}, eps 1e-3, betas 0.9/0.99).\n\n{table(results, order)}"
+    )
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"{REPORT_STEM}.md").write_text(markdown, encoding="utf-8")
+    plot(results, order, RESULTS_DIR / f"{REPORT_STEM}.png")
+    print(markdown)
+    if publish:
+        DOCS_DIR.mkdir(parents=True, exist_ok=True)
+        for suffix in (".md", ".png"):
+            shutil.copyfile(
+                RESULTS_DIR / f"{REPORT_STEM}{suffix}", DOCS_DIR / f"{REPORT_STEM}{suffix}"
+            )
+        print(f"copied the table and the plot to {DOCS_DIR}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the missing runs of the sweep, then write the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--datasets", nargs="+", default=["digits", "fashion-mnist"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument(
+        "--rounds",
+        nargs="+",
+        default=["digits=30", "fashion-mnist=6"],
+        help="server rounds per dataset, as dataset=rounds",
+    )
+    parser.add_argument(
+        "--seeds-for",
+        nargs="*",
+        default=["fashion-mnist=0"],
+        help="seeds of one dataset, e.g. fashion-mnist=0,1,2 (overrides --seeds for it)",
+    )
+    parser.add_argument("--adam-lr", type=float, default=0.03, help="FedAdam server lr")
+    parser.add_argument("--variants", nargs="+", default=None, help="subset of the variants")
+    parser.add_argument("--runtime", choices=["inprocess", "flower"], default="inprocess")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (shared machine)")
+    parser.add_argument(
+        "--client-cpus", type=int, default=2, help="CPUs per simulated client (flower runtime)"
+    )
+    parser.add_argument("--report-only", action="store_true", help="only redraw from saved JSON")
+    parser.add_argument(
+        "--upload-bytes", action="store_true", help="only print the sensitivity upload sizes"
+    )
+    parser.add_argument("--publish", action="store_true", help="copy the report to docs/results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.upload_bytes:
+        print(upload_bytes())
+        return 0
+
+    all_variants = variants(args.adam_lr)
+    order = args.variants or list(all_variants)
+    rounds = {key: int(value) for key, value in (item.split("=") for item in args.rounds)}
+    seeds_for = {
+        key: [int(s) for s in value.split(",")]
+        for key, value in (item.split("=") for item in args.seeds_for)
+    }
+    if not args.report_only:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        runs_dir = RESULTS_DIR / "runs"
+        for dataset in args.datasets:
+            for seed in seeds_for.get(dataset, args.seeds):
+                for variant in order:
+                    path = result_path(dataset, variant, seed)
+                    if path.is_file():
+                        continue
+                    print(f"== {dataset} {variant} seed {seed}", flush=True)
+                    try:
+                        record = run_one(
+                            dataset,
+                            variant,
+                            all_variants[variant],
+                            seed,
+                            rounds[dataset],
+                            args.client_cpus,
+                            runs_dir,
+                            args.runtime,
+                        )
+                    except LaunchError as error:
+                        print(f"run failed: {error}", file=sys.stderr)
+                        return 1
+                    path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+                    print(
+                        f"   final accuracy {record['accuracy'][-1]:.4f} "
+                        f"({record['wall-seconds']:.0f} s)",
+                        flush=True,
+                    )
+    report(order, args.adam_lr, args.publish)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
