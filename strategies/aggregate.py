@@ -45,13 +45,15 @@ def normalise_weights(num_examples: Sequence[float] | npt.NDArray[Any]) -> npt.N
         raise ValueError(f"need a non-empty 1-D list of example counts, got shape {counts.shape}")
     if not np.all(np.isfinite(counts)) or np.any(counts <= 0):
         raise ValueError(f"example counts must be finite and > 0, got {counts.tolist()}")
-    return counts / counts.sum()
+    probabilities: npt.NDArray[np.float64] = counts / counts.sum()
+    return probabilities
 
 
 def _cast_like(value: npt.NDArray[Any], template: npt.NDArray[Any]) -> npt.NDArray[Any]:
     # Integer buffers (BatchNorm's num_batches_tracked) are averaged in float and rounded back.
     if np.issubdtype(template.dtype, np.integer):
-        return np.rint(value).astype(template.dtype)
+        rounded: npt.NDArray[Any] = np.rint(value).astype(template.dtype)
+        return rounded
     return value.astype(template.dtype, copy=False)
 
 

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # flwr stays out of this light module's import at run time
+    from flwr.app import ConfigRecordValues as ConfigValue
 
 ARRAYS_RECORD = "arrays"
 METRICS_RECORD = "metrics"
@@ -56,7 +59,7 @@ class ClientTask:
     weight_decay: float
     proximal_mu: float
 
-    def to_config(self) -> dict[str, int | float | str | bool]:
+    def to_config(self) -> dict[str, ConfigValue]:
         """Flat kebab-case entries for a Flower ConfigRecord."""
         return {key.replace("_", "-"): value for key, value in asdict(self).items()}
 
