@@ -1,0 +1,421 @@
+"""FedGMA: Federated Gradient Masked Averaging (Tenison, Francis and Rish, 2021), two mask variants.
+
+Notation: K clients, p_k = n_k / sum_j n_j, w = the global model sent this round, theta_k = client
+k's trained model, g_k = client k's loss gradient at its *last local step*.
+
+Hard AND-mask (the seed paper, ``mask="hard"``)::
+
+    w_avg = sum_k p_k theta_k
+    keep  = |sum_k sign(g_k)| >= threshold * K          (per coordinate; sign(0) = 0)
+    grad  = sum_k p_k keep * g_k = keep * sum_k p_k g_k
+    w_new = w_avg - server_lr * grad
+
+``server_lr = 0`` is FedAvg exactly. With ``threshold = 0.8`` a coordinate survives when
+|#positive - #negative| >= 0.8 K, i.e. when at least 90 % of K non-zero votes agree.
+
+Soft mask (the later "Gradient Masked Averaging", Tenison et al., TMLR 2023, ``mask="soft"``)::
+
+    D_k   = w - theta_k                                 (pseudo-gradients, no gradient record)
+    A     = |sum_k p_k sign(D_k)|                       (weighted sign agreement, in [0, 1])
+    m     = 1 where A >= threshold, else A
+    w_new = w - server_lr * m * sum_k p_k D_k
+
+``threshold = 0`` with ``server_lr = 1`` is FedAvg exactly. Note the two variants give
+``server_lr`` different roles: the hard variant adds a step to the average (0 turns it off), the
+soft variant scales the masked mean update itself (1 is a full averaging step).
+
+Only floating tensors are masked and stepped; integer buffers (BatchNorm's counter) are averaged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from logging import INFO, WARNING
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+from flwr.supercore import log
+
+from strategies.aggregate import (
+    NDArrayDict,
+    as_numpy,
+    as_numpy_dict,
+    is_floating,
+    normalise_weights,
+    weighted_mean,
+)
+from strategies.base import ClientReply, ContractStrategy
+from tasks.protocol import GRADIENT_RECORD
+
+MaskVariant = Literal["hard", "soft"]
+MASK_VARIANTS: tuple[MaskVariant, ...] = ("hard", "soft")
+
+#: Slack in the agreement comparisons: threshold * K (e.g. 0.7 * 10 = 7.000000000000001) and sums
+#: of the weights p_k carry rounding errors far above this, and a true agreement gap is at least
+#: 1 vote (hard) or the smallest p_k (soft), far above it too.
+_AGREEMENT_TOLERANCE = 1e-9
+
+GRADIENT_HINT = (
+    "This project's ClientApp adds it when the train config's 'request-records' names "
+    "'gradient' (client/training.py train_local(keep_last_gradient=True)); a custom ClientApp must "
+    "send an ArrayRecord 'gradient' holding the loss gradient at its last local step, keyed like "
+    "'arrays'. Alternatively run gma-mask=\"soft\", which uses pseudo-gradients w - theta_k and "
+    "needs no gradient record."
+)
+
+
+class GMAStep(NamedTuple):
+    """Result of one FedGMA aggregation.
+
+    Attributes
+    ----------
+    arrays : dict of numpy arrays
+        The new global model, keyed and typed like the global model.
+    mask_mean : float
+        Mean of the mask over all masked coordinates: the share of coordinates kept (hard) or the
+        mean soft-mask value (soft); 1.0 means no coordinate was damped.
+    """
+
+    arrays: NDArrayDict
+    mask_mean: float
+
+
+def _check_threshold(threshold: float) -> None:
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold = {threshold}: allowed is [0, 1] (the paper uses 0.8)")
+
+
+def _check_same_keys(name: str, dicts: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not dicts:
+        raise ValueError(f"need at least one client's {name}, got none")
+    keys = list(dicts[0])
+    for index, other in enumerate(dicts[1:], start=1):
+        if set(other) != set(keys):
+            raise ValueError(
+                f"client {index}'s {name} keys {sorted(other)[:5]} differ from client 0's "
+                f"{sorted(keys)[:5]}: pass every client's {name} over the same keys"
+            )
+    return keys
+
+
+def hard_mask(
+    gradients: Sequence[Mapping[str, Any]], threshold: float = 0.8
+) -> dict[str, npt.NDArray[np.bool_]]:
+    """The AND-mask: True where |sum_k sign(g_k)| >= threshold * K.
+
+    Parameters
+    ----------
+    gradients : Sequence[Mapping[str, array]]
+        One dict per client (numpy arrays or torch tensors), all over the same keys.
+    threshold : float
+        p in [0, 1]: the share of the K clients whose net sign vote must agree.
+
+    Returns
+    -------
+    dict of bool arrays
+        One mask per key; a zero gradient entry votes for neither sign.
+    """
+    _check_threshold(threshold)
+    keys = _check_same_keys("gradient", gradients)
+    # Vote counts are integers, so ">= threshold * K" is ">= ceil(threshold * K)".
+    votes_needed = math.ceil(threshold * len(gradients) - _AGREEMENT_TOLERANCE)
+    masks: dict[str, npt.NDArray[np.bool_]] = {}
+    for key in keys:
+        sign_sum = np.zeros(as_numpy(gradients[0][key]).shape, dtype=np.int64)
+        for gradient in gradients:
+            sign_sum += np.sign(as_numpy(gradient[key])).astype(np.int64)
+        masks[key] = np.abs(sign_sum) >= votes_needed
+    return masks
+
+
+def soft_mask(
+    updates: Sequence[Mapping[str, Any]],
+    weights: Sequence[float] | npt.NDArray[Any],
+    threshold: float = 0.8,
+) -> dict[str, npt.NDArray[np.float64]]:
+    """The soft mask: A = |sum_k p_k sign(D_k)|; 1 where A >= threshold, A elsewhere.
+
+    Parameters
+    ----------
+    updates : Sequence[Mapping[str, array]]
+        One dict per client (pseudo-gradients w - theta_k), all over the same keys.
+    weights : Sequence[float]
+        Client example counts n_k (normalised here to p_k).
+    threshold : float
+        tau in [0, 1]; 0 gives a mask of ones (FedAvg).
+
+    Returns
+    -------
+    dict of float64 arrays
+        One mask per key, values in [0, 1].
+    """
+    _check_threshold(threshold)
+    keys = _check_same_keys("update", updates)
+    probabilities = normalise_weights(weights)
+    if probabilities.size != len(updates):
+        raise ValueError(f"{len(updates)} clients but {probabilities.size} weights")
+    masks: dict[str, npt.NDArray[np.float64]] = {}
+    for key in keys:
+        agreement = np.zeros(as_numpy(updates[0][key]).shape, dtype=np.float64)
+        for weight, update in zip(probabilities, updates, strict=True):
+            agreement += weight * np.sign(as_numpy(update[key]))
+        agreement = np.abs(agreement)
+        masks[key] = np.where(agreement >= threshold - _AGREEMENT_TOLERANCE, 1.0, agreement)
+    return masks
+
+
+def _masked_gradient_mean(
+    gradients: Sequence[Mapping[str, Any]],
+    probabilities: npt.NDArray[np.float64],
+    threshold: float,
+) -> tuple[dict[str, npt.NDArray[np.float64]], float]:
+    masks = hard_mask(gradients, threshold)
+    # The mask is one per coordinate, shared by all clients, so sum_k p_k mask(g_k) equals
+    # mask * sum_k p_k g_k: one weighted mean, then one multiplication.
+    mean = weighted_mean(gradients, probabilities, keys=list(masks))
+    masked = {key: np.where(masks[key], mean[key].astype(np.float64), 0.0) for key in masks}
+    kept = sum(int(mask.sum()) for mask in masks.values())
+    total = sum(mask.size for mask in masks.values())
+    return masked, kept / max(total, 1)
+
+
+def and_mask(
+    gradients: Sequence[Mapping[str, Any]],
+    weights: Sequence[float] | npt.NDArray[Any],
+    threshold: float = 0.8,
+) -> NDArrayDict:
+    """The data-size-weighted mean of the AND-masked client gradients, sum_k p_k mask(g_k).
+
+    Parameters
+    ----------
+    gradients : Sequence[Mapping[str, array]]
+        One dict per client (numpy arrays or torch tensors), all over the same keys.
+    weights : Sequence[float]
+        Client example counts n_k (normalised here to p_k).
+    threshold : float
+        p in [0, 1]: a coordinate is kept where |sum_k sign(g_k)| >= p * K, zeroed elsewhere.
+
+    Returns
+    -------
+    dict of numpy arrays
+        The masked mean gradient per key, in the dtype of the first client's gradient.
+    """
+    probabilities = normalise_weights(weights)
+    if probabilities.size != len(gradients):
+        raise ValueError(f"{len(gradients)} clients but {probabilities.size} weights")
+    masked, _ = _masked_gradient_mean(gradients, probabilities, threshold)
+    return {
+        key: value.astype(as_numpy(gradients[0][key]).dtype, copy=False)
+        for key, value in masked.items()
+    }
+
+
+def fedgma_step(
+    global_arrays: Mapping[str, Any],
+    client_arrays: Sequence[Mapping[str, Any]],
+    client_gradients: Sequence[Mapping[str, Any]] | None,
+    weights: Sequence[float] | npt.NDArray[Any],
+    *,
+    threshold: float = 0.8,
+    server_lr: float = 1.0,
+    mask: MaskVariant = "hard",
+) -> GMAStep:
+    """One FedGMA aggregation, with the mean mask value (see :func:`aggregate_fedgma`)."""
+    if mask not in MASK_VARIANTS:
+        raise ValueError(f"mask = {mask!r}: allowed is 'hard' or 'soft'")
+    if not (math.isfinite(server_lr) and server_lr >= 0.0):
+        raise ValueError(f"server_lr = {server_lr}: allowed is a finite value >= 0")
+    probabilities = normalise_weights(weights)
+    if probabilities.size != len(client_arrays):
+        raise ValueError(f"{len(client_arrays)} clients but {probabilities.size} weights")
+    global_np = as_numpy_dict(global_arrays)
+    average = weighted_mean(client_arrays, probabilities, keys=list(global_np))
+    float_keys = [key for key, value in global_np.items() if is_floating(value)]
+    if mask == "hard":
+        if client_gradients is None or len(client_gradients) != len(client_arrays):
+            raise ValueError(
+                "mask = 'hard' needs one gradient dict per client "
+                f"(got {0 if client_gradients is None else len(client_gradients)} for "
+                f"{len(client_arrays)} clients); mask = 'soft' needs none"
+            )
+        step_keys = _check_same_keys("gradient", client_gradients)
+        not_float = sorted(set(step_keys) - set(float_keys))
+        if not_float:
+            raise ValueError(
+                f"gradient keys {not_float[:5]} are not floating tensors of the global model"
+            )
+        grad, mask_mean = _masked_gradient_mean(client_gradients, probabilities, threshold)
+        stepped = {
+            key: (average[key].astype(np.float64) - server_lr * grad[key]).astype(
+                global_np[key].dtype
+            )
+            for key in step_keys
+        }
+        return GMAStep({**average, **stepped}, mask_mean)
+    updates = [
+        {key: global_np[key].astype(np.float64) - as_numpy(theta[key]) for key in float_keys}
+        for theta in client_arrays
+    ]
+    masks = soft_mask(updates, probabilities, threshold)
+    mean_update = weighted_mean(updates, probabilities)
+    stepped = {
+        key: (global_np[key].astype(np.float64) - server_lr * masks[key] * mean_update[key]).astype(
+            global_np[key].dtype
+        )
+        for key in float_keys
+    }
+    total = sum(m.size for m in masks.values())
+    mask_mean = sum(float(m.sum()) for m in masks.values()) / max(total, 1)
+    return GMAStep({**average, **stepped}, mask_mean)
+
+
+def aggregate_fedgma(
+    global_arrays: Mapping[str, Any],
+    client_arrays: Sequence[Mapping[str, Any]],
+    client_gradients: Sequence[Mapping[str, Any]] | None,
+    weights: Sequence[float] | npt.NDArray[Any],
+    threshold: float = 0.8,
+    server_lr: float = 1.0,
+    mask: MaskVariant = "hard",
+) -> NDArrayDict:
+    """FedGMA's new global model (formulas in the module docstring).
+
+    Parameters
+    ----------
+    global_arrays : Mapping[str, array]
+        The global model w sent this round (numpy arrays or torch tensors).
+    client_arrays : Sequence[Mapping[str, array]]
+        Each client's trained model theta_k, keyed like ``global_arrays``.
+    client_gradients : Sequence[Mapping[str, array]] or None
+        ``mask="hard"``: each client's last-step gradient g_k, all over the same floating keys of
+        the model (keys without a gradient are only averaged). Unused (may be None) for ``soft``.
+    weights : Sequence[float]
+        Client example counts n_k (normalised here to p_k).
+    threshold : float
+        Hard: p, keep where |sum_k sign(g_k)| >= p K. Soft: tau, mask 1 where A >= tau.
+    server_lr : float
+        Hard: step along the masked gradient after averaging (0 = FedAvg). Soft: step along the
+        masked mean pseudo-gradient from w (1 with tau = 0 = FedAvg).
+    mask : {"hard", "soft"}
+        The seed paper's AND-mask on gradients, or the later soft mask on pseudo-gradients.
+
+    Returns
+    -------
+    dict of numpy arrays
+        Same keys, shapes and dtypes as ``global_arrays``.
+    """
+    return fedgma_step(
+        global_arrays,
+        client_arrays,
+        client_gradients,
+        weights,
+        threshold=threshold,
+        server_lr=server_lr,
+        mask=mask,
+    ).arrays
+
+
+class FedGMA(ContractStrategy):
+    """FedGMA with the seed paper's hard AND-mask on the clients' last-step gradients.
+
+    Every train reply must carry the ArrayRecord ``gradient`` (requested through the train
+    config); use :class:`FedGMASoft` for the pseudo-gradient variant that needs none.
+
+    Parameters
+    ----------
+    threshold : float
+        AND-mask threshold p in [0, 1] (paper: 0.8).
+    server_lr : float
+        Server step along the masked mean gradient (paper tried 0.01, 0.1 and 1).
+    **base : Any
+        Sampling and contract options of :class:`~strategies.base.ContractStrategy`.
+    """
+
+    required_records: ClassVar[Mapping[str, str]] = {GRADIENT_RECORD: GRADIENT_HINT}
+    mask_variant: ClassVar[MaskVariant] = "hard"
+
+    def __init__(self, *, threshold: float = 0.8, server_lr: float = 1.0, **base: Any) -> None:
+        super().__init__(**base)
+        _check_threshold(threshold)
+        if not (math.isfinite(server_lr) and server_lr >= 0.0):
+            raise ValueError(f"server_lr = {server_lr}: allowed is a finite value >= 0")
+        self.threshold = threshold
+        self.server_lr = server_lr
+        self.last_mask_mean = math.nan
+
+    def _gradients(self, replies: Sequence[ClientReply]) -> list[NDArrayDict] | None:
+        if not self.required_records:
+            return None
+        gradients = [reply.records[GRADIENT_RECORD] for reply in replies]
+        # The contract allows each reply a subset of the model's keys; the AND-mask needs every
+        # client's vote, so only keys that all replies carry get the server step.
+        common = set.intersection(*(set(g) for g in gradients))
+        left_out = sorted(set().union(*gradients) - common)
+        if left_out:
+            log(
+                WARNING,
+                "FedGMA: gradient tensors %s are missing from some replies: they are averaged "
+                "without a masked server step this round",
+                left_out[:5],
+            )
+        if not common:
+            raise ValueError(
+                "the replies' 'gradient' records share no tensor name, so no coordinate can be "
+                "masked: every client must send the gradient of the same parameters"
+            )
+        return [{key: g[key] for key in sorted(common)} for g in gradients]
+
+    def aggregate(
+        self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
+    ) -> NDArrayDict:
+        """Weighted model average plus the masked server step, over the valid replies."""
+        result = fedgma_step(
+            global_arrays,
+            [reply.arrays for reply in replies],
+            self._gradients(replies),
+            np.array([reply.num_examples for reply in replies], dtype=np.float64),
+            threshold=self.threshold,
+            server_lr=self.server_lr,
+            mask=self.mask_variant,
+        )
+        self.last_mask_mean = result.mask_mean
+        return result.arrays
+
+    def round_metrics(self) -> dict[str, float | int | list[float]]:
+        """``gma-mask-mean``: share of coordinates kept (hard) or mean soft-mask value (soft)."""
+        return {"gma-mask-mean": self.last_mask_mean}
+
+    def summary(self) -> None:
+        """Log the configuration, mask variant included."""
+        super().summary()
+        turned_off = self.mask_variant == "hard" and self.server_lr == 0.0
+        log(
+            INFO,
+            "\t│\t└── mask %s, threshold %s, server lr %s%s",
+            self.mask_variant,
+            self.threshold,
+            self.server_lr,
+            " (server lr 0: this is FedAvg)" if turned_off else "",
+        )
+
+
+class FedGMASoft(FedGMA):
+    """Gradient Masked Averaging with the soft mask on pseudo-gradients (TMLR 2023 variant).
+
+    Needs no extra record: D_k = w - theta_k comes from the models themselves.
+
+    Parameters
+    ----------
+    threshold : float
+        tau in [0, 1]: mask 1 where the weighted sign agreement reaches it (0 gives FedAvg at
+        ``server_lr = 1``; Inria's declearn defaults to 1.0, this project to the paper's 0.8).
+    server_lr : float
+        Step along the masked mean pseudo-gradient (1 is a full averaging step).
+    **base : Any
+        Sampling and contract options of :class:`~strategies.base.ContractStrategy`.
+    """
+
+    required_records: ClassVar[Mapping[str, str]] = {}
+    mask_variant: ClassVar[MaskVariant] = "soft"
