@@ -21,7 +21,17 @@ class ConfigError(ValueError):
     """The run configuration is invalid; the message names each bad key, its value and the fix."""
 
 
-DatasetChoice = Literal["digits", "fashion-mnist", "mnist", "synthetic"]
+DatasetChoice = Literal[
+    "digits",
+    "fashion-mnist",
+    "mnist",
+    "synthetic",
+    # tasks/colored.py: FedGMA's out-of-distribution benchmark (color flips per client).
+    "colored-digits",
+    "colored-digits-binary",
+    "colored-mnist",
+    "colored-mnist-binary",
+]
 PartitionChoice = Literal["iid", "dirichlet", "classes"]
 ModelChoice = Literal["logreg", "mlp", "lenet5", "cnn"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
@@ -84,7 +94,9 @@ class RunConfig(BaseModel):
     fedlaw_learn: Literal["both", "shrink", "clients"] = "both"
     fedlaw_epochs: int = Field(100, ge=0)
     fedlaw_lr: float = Field(0.005, ge=0.0)
-    fedlaw_batch_size: int = Field(128, ge=1)
+    fedlaw_batch_size: int = Field(
+        100, ge=1, description="proxy batch; the proxy set must fill one (paper: 100 samples)"
+    )
     fedlaw_lr_step: int = Field(20, ge=1, description="StepLR period, server epochs")
     fedlaw_lr_gamma: float = Field(0.5, gt=0.0, le=1.0)
     fedlaw_swa: bool = False

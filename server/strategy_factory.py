@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from tasks.datasets import LabeledData
 
-from server.config import RunConfig
-from strategies import ContractStrategy, FedAvg
+from server.config import ConfigError, RunConfig
+from server.proxy import resolve_proxy_set
+from strategies import (
+    ContractStrategy,
+    ElasticAggregation,
+    FedAvg,
+    FedGMA,
+    FedGMASoft,
+    FedLAW,
+)
+from tasks.datasets import LabeledData
 
 
 @dataclass(frozen=True)
@@ -22,14 +31,14 @@ class ServerResources:
 
 def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStrategy:
     """The configured strategy, validated and ready to start."""
-    base = {
+    base: dict[str, Any] = {
         "fraction_train": config.fraction_train,
         "fraction_evaluate": config.fraction_evaluate,
         "min_train_replies": config.min_train_replies,
         "min_available_nodes": config.min_train_replies,
         "seed": config.seed,
     }
-    server_update = {
+    server_update: dict[str, Any] = {  # keyword arguments of several strategies
         "server_lr": config.server_lr,
         "server_optimizer": config.server_optimizer,
         "server_momentum": config.server_momentum,
@@ -39,4 +48,38 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
     }
     if config.strategy == "fedavg":
         return FedAvg(**server_update, **base)
+    if config.strategy == "elastic":
+        return ElasticAggregation(
+            tau=config.elastic_tau,
+            sensitivity_decay=config.sensitivity_decay,
+            sensitivity_dtype=config.sensitivity_dtype,
+            parameter_keys=[
+                name for name, p in resources.model.named_parameters() if p.requires_grad
+            ],
+            **server_update,
+            **base,
+        )
+    if config.strategy == "fedgma":
+        # The hard AND-mask needs the clients' last-step gradients; the soft mask does not.
+        gma = FedGMA if config.gma_mask == "hard" else FedGMASoft
+        return gma(threshold=config.gma_threshold, server_lr=config.gma_server_lr, **base)
+    if config.strategy == "fedlaw":
+        proxy_set, proxy_source = resolve_proxy_set(config, resources.proxy_set)
+        try:  # the proxy set and the option combination are checked here, before round 1
+            return FedLAW(
+                model=resources.model,
+                proxy_set=proxy_set,
+                device=resources.device,
+                learn=config.fedlaw_learn,
+                epochs=config.fedlaw_epochs,
+                lr=config.fedlaw_lr,
+                batch_size=config.fedlaw_batch_size,
+                lr_step=config.fedlaw_lr_step,
+                lr_gamma=config.fedlaw_lr_gamma,
+                swa=config.fedlaw_swa,
+                proxy_source=proxy_source,
+                **base,
+            )
+        except ValueError as error:
+            raise ConfigError(f"Invalid FedLAW configuration: {error}") from None
     raise ValueError(f"strategy {config.strategy!r} is not available in this build")

@@ -1,14 +1,32 @@
 """Aggregation rules: pure math functions plus thin Flower strategies on one contract base."""
 
 from strategies.base import ClientReply, ContractStrategy, MissingRecordError
+from strategies.elastic import ElasticAggregation, aggregate_elastic
 from strategies.fedavg import FedAvg, aggregate_fedavg
+from strategies.fedgma import FedGMA, FedGMASoft, aggregate_fedgma, and_mask
+from strategies.fedlaw import (
+    FedLAW,
+    ProxySetError,
+    aggregate_fedlaw,
+    learn_aggregation_weights,
+)
 from strategies.server_optimizer import ServerOptimizer
 
 __all__ = [
     "ClientReply",
     "ContractStrategy",
+    "ElasticAggregation",
     "FedAvg",
+    "FedGMA",
+    "FedGMASoft",
+    "FedLAW",
     "MissingRecordError",
+    "ProxySetError",
     "ServerOptimizer",
+    "aggregate_elastic",
     "aggregate_fedavg",
+    "aggregate_fedgma",
+    "aggregate_fedlaw",
+    "and_mask",
+    "learn_aggregation_weights",
 ]

@@ -1,0 +1,679 @@
+"""FedLAW (Li et al., ICML 2023): aggregation weights learned on a small server-side proxy set.
+
+The new global model is a re-weighted, possibly shrunk, sum of the full client models::
+
+    w_new = gamma * sum_k lambda_k * theta_k,    gamma = exp(g) > 0,    lambda = softmax(a)
+
+re-initialised every round at g = 0 and a = log(p_k) (p_k = n_k / sum_j n_j), which is exactly
+FedAvg. g and a are fitted by Adam (betas 0.5, 0.999; step decay of the learning rate every
+``lr_step`` epochs) to the cross-entropy of the weighted model on the proxy set (paper Eq. 8,
+Algorithm 1, appendix C's exponential base function). gamma < 1 is "global weight shrinking";
+lambda re-weights the clients ("client coherence"). Variants: ``learn="shrink"`` (adaptive GWS,
+lambda = p), ``learn="clients"`` (attentive LAW, gamma = 1), ``learn="both"`` (FedLAW), and
+``swa=True`` (FedLAW (SWA)).
+
+**Server epochs.** The paper trains 100 server epochs (appendix D.6) and the Table 3 numbers were
+obtained with that setting; the authors' code defaults to 20. We default to 100: the paper's
+appendix B.3 reports that gamma converges in about 30 server epochs and lambda in about 80, so 20
+epochs would stop lambda well before convergence. With the paper's 100-sample proxy set an epoch
+is a single batch, so 100 epochs cost 100 forward/backward passes per round.
+
+**BatchNorm.** The weighted vector gamma * sum_k lambda_k theta_k covers every *parameter* of the
+model, BatchNorm's affine weight and bias included (so gamma shrinks them too), as in the authors'
+code. Running statistics are not part of it:
+
+- while g and a are learned, every normalisation layer uses the batch statistics of the current
+  proxy batch (training-mode BatchNorm, as the authors' code runs it) and every other layer runs
+  in evaluation mode (dropout off, so the loss is a deterministic function of g and a);
+- the returned model's BatchNorm ``running_mean`` / ``running_var`` are re-estimated from forward
+  passes of the *final* weighted model over the proxy set (a cumulative average over its batches,
+  i.e. the exact proxy statistics when the proxy set is one batch). Averaging the clients' running
+  statistics would not match the shrunk model: gamma rescales every layer's pre-activations, and
+  the clients' statistics describe their own, unscaled models;
+- integer counters (``num_batches_tracked``) and any other buffer are the lambda-weighted mean of
+  the clients' values, unscaled (counters rounded back to integers).
+
+**SWA variant.** Two stages, as in the paper's section 6.1 and the authors' code: first lambda
+alone (gamma = 1) for the first half of the server epochs, averaging its logits a by stochastic
+weight averaging (the running mean of a at the end of every epoch of the stage's second half,
+during which the learning rate is held constant as SWA prescribes); then gamma alone, with lambda
+fixed at the softmax of the averaged logits, for the remaining epochs. The paper describes the
+stages in the other order and notes that both orders work; this order is the authors' code's.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from logging import INFO, WARNING
+from typing import Any, Literal, get_args
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as functional
+from flwr.supercore import log
+from torch import nn
+from torch.func import functional_call
+from torch.nn.modules.batchnorm import _NormBase
+
+from strategies.aggregate import NDArrayDict, as_numpy, normalise_weights, weighted_mean
+from strategies.base import ClientReply, ContractStrategy
+from tasks.datasets import LabeledData
+
+LearnWhat = Literal["both", "shrink", "clients"]
+LEARN_CHOICES: tuple[str, ...] = get_args(LearnWhat)
+
+#: Share of the lambda stage after which SWA starts averaging (SWA's usual "second half").
+SWA_START_FRACTION = 0.5
+
+ProxyBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+class ProxySetError(ValueError):
+    """The proxy set cannot drive FedLAW; the message names the values and the fix."""
+
+
+# ----------------------------------------------------------------------------- proxy set
+def validate_proxy_set(
+    features: npt.NDArray[Any],
+    labels: npt.NDArray[Any],
+    num_classes: int,
+    batch_size: int,
+    *,
+    source: str = "the proxy set",
+) -> None:
+    """Reject a proxy set that is empty, lacks a class, or cannot fill one batch.
+
+    "Smaller than a batch" means fewer samples than ``batch_size`` (``fedlaw-batch-size``): a
+    configured batch size the proxy set cannot fill would silently become a smaller one.
+
+    Parameters
+    ----------
+    features, labels : np.ndarray
+        The proxy samples, shape ``(N, *input_shape)`` and ``(N,)``.
+    num_classes : int
+        Classes of the model's output; every one must occur (the paper's proxy set is
+        class-balanced, like the global objective it stands for).
+    batch_size : int
+        Proxy batch size of the weight learning.
+    source : str
+        Where the set came from, for the message (e.g. ``"proxy-dir = /data/proxy"``).
+
+    Raises
+    ------
+    ProxySetError
+        With the offending values and the run-config keys that fix it.
+    """
+    size = int(labels.shape[0])
+    if size == 0:
+        raise ProxySetError(
+            f"FedLAW's proxy set ({source}) is empty: it learns the aggregation weights on it. "
+            "Set proxy-per-class >= 1 (the paper uses 10) or point proxy-dir to a folder whose "
+            "IDX files hold samples."
+        )
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise ProxySetError(
+            f"FedLAW's proxy set ({source}) has labels in [{int(labels.min())}, "
+            f"{int(labels.max())}] but the model has {num_classes} classes: use labels "
+            f"0..{num_classes - 1}."
+        )
+    missing = np.flatnonzero(np.bincount(labels, minlength=num_classes) == 0)
+    if missing.size:
+        raise ProxySetError(
+            f"FedLAW's proxy set ({source}, {size} samples) has no sample of class(es) "
+            f"{missing.tolist()} of the {num_classes} classes: the proxy set stands for the "
+            "global objective and must cover every class. Use proxy-per-class >= 1, or add "
+            "samples of those classes to the proxy-dir files."
+        )
+    if size < batch_size:
+        per_class = math.ceil(batch_size / num_classes)
+        raise ProxySetError(
+            f"FedLAW's proxy set ({source}) holds {size} samples, fewer than one batch "
+            f"(fedlaw-batch-size = {batch_size}): set fedlaw-batch-size <= {size}, or enlarge "
+            f"the proxy set (proxy-per-class >= {per_class}, or more samples in proxy-dir)."
+        )
+    if not np.all(np.isfinite(features)):
+        raise ProxySetError(f"FedLAW's proxy set ({source}) holds NaN or Inf features.")
+
+
+def make_proxy_batches(
+    proxy_set: LabeledData, batch_size: int, *, seed: int, device: torch.device
+) -> list[ProxyBatch]:
+    """Split the proxy set, shuffled once by ``seed``, into ceil(N / batch_size) batches.
+
+    The batches differ in size by at most one sample (``np.array_split``), so there is no small
+    remainder batch: a one-sample batch would make the step noisy and break BatchNorm. Every
+    batch holds at most ``batch_size`` samples and, for N >= batch_size, more than half of it.
+    """
+    order = np.random.default_rng(seed).permutation(len(proxy_set))
+    count = math.ceil(len(proxy_set) / batch_size)
+    return [
+        (
+            torch.from_numpy(np.ascontiguousarray(proxy_set.features[part])).to(device),
+            torch.from_numpy(np.ascontiguousarray(proxy_set.labels[part])).to(device),
+        )
+        for part in np.array_split(order, count)
+    ]
+
+
+# ----------------------------------------------------------------------------- weight learning
+def _norm_modules(model: nn.Module) -> list[tuple[str, _NormBase]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _NormBase)]
+
+
+@contextmanager
+def _batch_statistics_mode(model: nn.Module) -> Iterator[None]:
+    """Normalisation layers on batch statistics, everything else in eval mode; restored after."""
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        model.eval()
+        for _, norm in _norm_modules(model):
+            norm.train()
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _stack_clients(
+    model: nn.Module,
+    client_params: Sequence[Mapping[str, Any]],
+    names: Sequence[str],
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Per tensor name, the clients' tensors stacked on a leading client axis (K, *shape)."""
+    templates = dict(model.state_dict(keep_vars=False))
+    stacked: dict[str, torch.Tensor] = {}
+    for name in names:
+        template = templates[name]
+        stack = np.stack([as_numpy(client[name]) for client in client_params])
+        if stack.shape[1:] != tuple(template.shape):
+            raise ValueError(
+                f"client tensor '{name}' has shape {stack.shape[1:]}, the model's is "
+                f"{tuple(template.shape)}"
+            )
+        stacked[name] = torch.from_numpy(stack).to(device=device, dtype=template.dtype)
+    return stacked
+
+
+def _check_inputs(
+    model: nn.Module,
+    client_params: Sequence[Mapping[str, Any]],
+    data_weights: Sequence[float] | npt.NDArray[Any],
+    *,
+    epochs: int,
+    lr: float,
+    learn: str,
+    swa: bool,
+) -> None:
+    if learn not in LEARN_CHOICES:
+        raise ValueError(f"learn = {learn!r} is unknown: use one of {LEARN_CHOICES}")
+    if swa and learn == "shrink":
+        raise ValueError(
+            "swa = True averages the client-weight logits, but learn = 'shrink' keeps the client "
+            "weights fixed: use learn = 'both' or 'clients' with SWA, or swa = False"
+        )
+    if epochs < 0 or not lr >= 0.0:
+        raise ValueError(f"epochs = {epochs} and lr = {lr}: both must be >= 0")
+    if not client_params or len(client_params) != len(data_weights):
+        raise ValueError(
+            f"{len(client_params)} client models but {len(data_weights)} data weights: need "
+            "one weight per client and at least one client"
+        )
+    expected = set(model.state_dict())
+    for index, client in enumerate(client_params):
+        missing = sorted(expected - set(client))
+        if missing:
+            raise ValueError(f"client {index} lacks model tensors {missing[:5]}")
+
+
+def _adam_epochs(
+    variables: Sequence[torch.Tensor],
+    loss_of_batch: Any,
+    proxy_batches: Sequence[ProxyBatch],
+    *,
+    epochs: int,
+    lr: float,
+    betas: tuple[float, float],
+    lr_step: int,
+    lr_gamma: float,
+    constant_lr_from: int | None = None,
+    after_epoch: Any = None,
+) -> bool:
+    """Adam over ``variables`` with step decay; False when the proxy loss became non-finite.
+
+    From epoch ``constant_lr_from`` on the learning rate stops decaying (SWA's constant phase);
+    ``after_epoch(epoch)`` runs at the end of every epoch.
+    """
+    if epochs == 0:
+        return True
+    optimizer = torch.optim.Adam(list(variables), lr=lr, betas=betas)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=lr_step, gamma=lr_gamma)
+    for epoch in range(epochs):
+        for features, labels in proxy_batches:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_of_batch(features, labels)
+            if not torch.isfinite(loss):
+                return False
+            loss.backward()
+            optimizer.step()
+        if after_epoch is not None:
+            after_epoch(epoch)
+        if constant_lr_from is None or epoch + 1 < constant_lr_from:
+            scheduler.step()
+    return True
+
+
+def learn_aggregation_weights(
+    model: nn.Module,
+    client_params: Sequence[Mapping[str, Any]],
+    data_weights: Sequence[float] | npt.NDArray[Any],
+    proxy_batches: Sequence[ProxyBatch],
+    *,
+    epochs: int,
+    lr: float,
+    learn: LearnWhat = "both",
+    swa: bool = False,
+    betas: tuple[float, float] = (0.5, 0.999),
+    lr_step: int = 20,
+    lr_gamma: float = 0.5,
+    device: torch.device | None = None,
+) -> tuple[float, list[float]]:
+    """Learn FedLAW's shrinking factor gamma and client weights lambda on the proxy set.
+
+    Minimises ``CE(f(x; gamma * sum_k lambda_k theta_k), y)`` over the proxy batches with
+    ``gamma = exp(g)``, ``lambda = softmax(a)``, starting at ``g = 0``, ``a = log p`` (FedAvg).
+    The weighted model runs through :func:`torch.func.functional_call`, so only g and a receive
+    gradients: ``model`` (its tensors and its train/eval flags) and the client tensors are left
+    exactly as they were.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The architecture (its own tensors are not used, only its structure).
+    client_params : Sequence[Mapping[str, array]]
+        Each client's full trained model (``state_dict`` keys; numpy arrays or torch tensors).
+    data_weights : Sequence[float]
+        The clients' example counts n_k (normalised here to p_k).
+    proxy_batches : Sequence[tuple[Tensor, Tensor]]
+        (features, labels) batches of the proxy set, visited in this order every epoch.
+    epochs : int
+        Server epochs (passes over ``proxy_batches``); 0 returns FedAvg's weights.
+    lr : float
+        Adam's initial learning rate; 0 returns FedAvg's weights.
+    learn : {"both", "shrink", "clients"}
+        Which factor is learned: both (FedLAW), gamma only (adaptive GWS, lambda = p) or lambda
+        only (attentive LAW, gamma = 1).
+    swa : bool
+        FedLAW (SWA): lambda first, with stochastic weight averaging of its logits, then gamma
+        with lambda fixed (see the module docstring). Needs ``learn`` "both" or "clients".
+    betas : tuple of float
+        Adam's betas (the paper's 0.5, 0.999).
+    lr_step, lr_gamma : int, float
+        The learning rate is multiplied by ``lr_gamma`` every ``lr_step`` epochs.
+    device : torch.device, optional
+        Where the learning runs; default the model's device.
+
+    Returns
+    -------
+    gamma : float
+        exp(g); exactly 1.0 when g never moved. NaN when the proxy loss became non-finite.
+    lambdas : list of float
+        softmax(a), in the order of ``client_params``; exactly p when a never moved (softmax of
+        log p is p, returned without round-off). NaN when the proxy loss became non-finite.
+    """
+    _check_inputs(model, client_params, data_weights, epochs=epochs, lr=lr, learn=learn, swa=swa)
+    probabilities = normalise_weights(data_weights)
+    fedavg_lambdas = probabilities.tolist()
+    if epochs == 0 or lr == 0.0:
+        return 1.0, fedavg_lambdas
+    if not proxy_batches:
+        raise ValueError("proxy_batches is empty: FedLAW needs at least one proxy batch")
+    target = device if device is not None else next(model.parameters()).device
+    parameter_names = [name for name, _ in model.named_parameters()]
+    buffer_names = [name for name, _ in model.named_buffers()]
+    stacked = _stack_clients(model, client_params, parameter_names, target)
+    dtype = stacked[parameter_names[0]].dtype
+    # Buffers are fixed inputs of the forward pass (BatchNorm in batch-statistics mode ignores
+    # its running statistics); FedAvg's mean of the clients' values, fresh tensors that the
+    # forward passes may update in place without touching the model or the clients.
+    buffer_means = weighted_mean(client_params, probabilities, keys=buffer_names)
+    buffers = {
+        name: torch.from_numpy(np.array(value)).to(target) for name, value in buffer_means.items()
+    }
+    batches = [(features.to(target), labels.to(target)) for features, labels in proxy_batches]
+
+    initial_logits = torch.log(torch.as_tensor(probabilities, dtype=dtype, device=target))
+    log_gamma = torch.zeros((), dtype=dtype, device=target, requires_grad=True)
+    logits = initial_logits.clone().requires_grad_(True)
+
+    def loss_with(gamma_log: torch.Tensor, client_logits: torch.Tensor) -> Any:
+        def loss_of_batch(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            scale = torch.exp(gamma_log)
+            lambdas = torch.softmax(client_logits, dim=0)
+            weighted = {
+                name: scale * torch.tensordot(lambdas, stacked[name], dims=1)
+                for name in parameter_names
+            }
+            output = functional_call(model, {**weighted, **buffers}, (features,))
+            return functional.cross_entropy(output, labels)
+
+        return loss_of_batch
+
+    def run(variables: list[torch.Tensor], loss_of_batch: Any, count: int, **phase: Any) -> bool:
+        return _adam_epochs(
+            variables,
+            loss_of_batch,
+            batches,
+            epochs=count,
+            lr=lr,
+            betas=betas,
+            lr_step=lr_step,
+            lr_gamma=lr_gamma,
+            **phase,
+        )
+
+    with _batch_statistics_mode(model):
+        if not swa:
+            learned = {"both": [log_gamma, logits], "shrink": [log_gamma], "clients": [logits]}
+            finite = run(learned[learn], loss_with(log_gamma, logits), epochs)
+            final_logits = logits.detach()
+        else:
+            # Stage 1: lambda alone (gamma = 1) with SWA of its logits; stage 2: gamma alone.
+            client_epochs = epochs if learn == "clients" else epochs - epochs // 2
+            swa_start = int(client_epochs * SWA_START_FRACTION)
+            averaged = initial_logits.clone()
+            averaged_count = 0
+
+            def average(epoch: int) -> None:
+                nonlocal averaged, averaged_count
+                if epoch >= swa_start:
+                    averaged_count += 1
+                    averaged = averaged + (logits.detach() - averaged) / averaged_count
+
+            unit_gamma_log = torch.zeros((), dtype=dtype, device=target)
+            finite = run(
+                [logits],
+                loss_with(unit_gamma_log, logits),
+                client_epochs,
+                constant_lr_from=swa_start,
+                after_epoch=average,
+            )
+            final_logits = averaged
+            if finite and learn == "both":
+                finite = run([log_gamma], loss_with(log_gamma, final_logits), epochs // 2)
+    if not finite:
+        return math.nan, [math.nan] * len(client_params)
+    gamma = float(torch.exp(log_gamma.detach()).item())
+    if torch.equal(final_logits, initial_logits):
+        return gamma, fedavg_lambdas
+    lambdas = torch.softmax(final_logits.to(torch.float64), dim=0)
+    return gamma, [float(value) for value in lambdas.cpu()]
+
+
+# ----------------------------------------------------------------------------- aggregation
+def _qualified(module_name: str, tensor_name: str) -> str:
+    return f"{module_name}.{tensor_name}" if module_name else tensor_name
+
+
+def proxy_running_statistics(
+    model: nn.Module,
+    state: Mapping[str, npt.NDArray[Any]],
+    proxy_batches: Sequence[ProxyBatch],
+    device: torch.device | None = None,
+) -> NDArrayDict:
+    """BatchNorm running mean/var of the model ``state`` estimated on the proxy batches.
+
+    A copy of ``model`` loads ``state``, resets its running statistics and, with normalisation
+    layers in training mode and a cumulative average (``momentum = None``), forwards every proxy
+    batch once. Returns only the ``running_mean`` / ``running_var`` entries (empty without
+    BatchNorm); ``model`` is not modified.
+    """
+    tracked = [(name, m) for name, m in _norm_modules(model) if m.track_running_stats]
+    if not tracked:
+        return {}
+    target = device if device is not None else next(model.parameters()).device
+    scratch = copy.deepcopy(model).to(target)
+    scratch.load_state_dict(
+        {key: torch.from_numpy(np.array(value)) for key, value in state.items()}
+    )
+    scratch_modules = dict(scratch.named_modules())
+    for name, _ in tracked:
+        module = scratch_modules[name]
+        assert isinstance(module, _NormBase)
+        module.reset_running_stats()
+        module.momentum = None  # cumulative average over the proxy batches
+    with _batch_statistics_mode(scratch), torch.no_grad():
+        for features, _ in proxy_batches:
+            scratch(features.to(target))
+    statistics: NDArrayDict = {}
+    for name, _ in tracked:
+        module = scratch_modules[name]
+        for stat in ("running_mean", "running_var"):
+            value = getattr(module, stat)
+            key = _qualified(name, stat)
+            statistics[key] = value.detach().cpu().numpy().astype(state[key].dtype)
+    return statistics
+
+
+def aggregate_fedlaw(
+    model: nn.Module,
+    client_params: Sequence[Mapping[str, Any]],
+    gamma: float,
+    lambdas: Sequence[float],
+    proxy_batches: Sequence[ProxyBatch],
+    *,
+    device: torch.device | None = None,
+) -> NDArrayDict:
+    """The FedLAW global model: ``gamma * sum_k lambda_k theta_k`` over the full client models.
+
+    Parameters (BatchNorm's affine ones included) are the gamma-scaled lambda-weighted sum;
+    BatchNorm running statistics are re-estimated on the proxy set for that final model (see
+    :func:`proxy_running_statistics`); every other buffer (counters) is the lambda-weighted mean,
+    unscaled. With ``gamma = 1`` and ``lambdas = p`` the parameters equal FedAvg's bit for bit.
+
+    Returns
+    -------
+    dict of np.ndarray
+        Keyed and ordered like ``model.state_dict()``, in each tensor's dtype.
+    """
+    weights = np.asarray(lambdas, dtype=np.float64)
+    names = list(model.state_dict())
+    parameter_names = [name for name, _ in model.named_parameters()]
+    buffer_names = [name for name, _ in model.named_buffers()]
+    state = weighted_mean(client_params, gamma * weights, keys=parameter_names)
+    state.update(weighted_mean(client_params, weights, keys=buffer_names))
+    state.update(proxy_running_statistics(model, state, proxy_batches, device))
+    return {name: state[name] for name in names}
+
+
+def weights_are_usable(gamma: float, lambdas: Sequence[float]) -> bool:
+    """Whether learned weights may build a model: finite, gamma > 0, lambda >= 0."""
+    values = np.asarray(lambdas, dtype=np.float64)
+    return bool(
+        math.isfinite(gamma) and gamma > 0.0 and np.all(np.isfinite(values)) and np.all(values >= 0)
+    )
+
+
+# ----------------------------------------------------------------------------- Flower strategy
+class FedLAW(ContractStrategy):
+    """FedLAW on the project's strategy base: learns gamma and lambda on a server proxy set.
+
+    Needs nothing from clients beyond ``arrays`` and ``num-examples``, so any stock Flower
+    ClientApp works with it. Each round writes ``fedlaw-gamma``, ``fedlaw-lambdas`` (in reply
+    order), ``fedlaw-data-weights`` (FedAvg's p, same order), ``fedlaw-lambda-<node id>`` per
+    client and ``fedlaw-fallback`` (1 when the learned weights were non-finite and FedAvg's were
+    used instead, with a logged warning) into the round's metrics.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The global model's architecture; the strategy keeps its own copy on ``device``.
+    proxy_set : LabeledData
+        Small class-balanced server data; validated here (before round 1).
+    device : torch.device, optional
+        Where the weight learning runs; default CUDA when present, else CPU.
+    learn : {"both", "shrink", "clients"}
+        FedLAW, adaptive GWS (gamma only) or attentive LAW (lambda only).
+    epochs : int
+        Server epochs per round (paper: 100; see the module docstring).
+    lr : float
+        Adam's learning rate (authors' code: 0.005, 0.01 for CIFAR-10).
+    batch_size : int
+        Proxy batch size; the proxy set must hold at least one batch. 100 = the paper's proxy
+        set of 10 samples x 10 classes in one batch, which is what the authors' loader (batch
+        size 128) made of it.
+    lr_step, lr_gamma : int, float
+        Step decay: x ``lr_gamma`` every ``lr_step`` epochs (authors' code: 20, 0.5).
+    swa : bool
+        FedLAW (SWA).
+    betas : tuple of float
+        Adam's betas (paper: 0.5, 0.999).
+    proxy_source : str
+        Where the proxy set came from, for error messages.
+    **base : Any
+        Sampling and contract options of :class:`~strategies.base.ContractStrategy`.
+
+    Raises
+    ------
+    ProxySetError
+        The proxy set is empty, lacks a class or is smaller than one batch.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        proxy_set: LabeledData,
+        device: torch.device | None = None,
+        learn: LearnWhat = "both",
+        epochs: int = 100,
+        lr: float = 0.005,
+        batch_size: int = 100,
+        lr_step: int = 20,
+        lr_gamma: float = 0.5,
+        swa: bool = False,
+        betas: tuple[float, float] = (0.5, 0.999),
+        proxy_source: str = "the proxy set",
+        **base: Any,
+    ) -> None:
+        super().__init__(**base)
+        if learn not in LEARN_CHOICES:
+            raise ValueError(f"learn = {learn!r} is unknown: use one of {LEARN_CHOICES}")
+        if swa and learn == "shrink":
+            raise ValueError(
+                "fedlaw-swa = true averages the client weights, which fedlaw-learn = 'shrink' "
+                "keeps fixed: use fedlaw-learn = 'both' or 'clients', or fedlaw-swa = false"
+            )
+        if epochs < 0 or lr < 0.0 or batch_size < 1 or lr_step < 1 or not 0.0 < lr_gamma <= 1.0:
+            raise ValueError(
+                f"epochs = {epochs}, lr = {lr}, batch_size = {batch_size}, lr_step = {lr_step}, "
+                f"lr_gamma = {lr_gamma}: allowed are epochs >= 0, lr >= 0, batch_size >= 1, "
+                "lr_step >= 1, 0 < lr_gamma <= 1"
+            )
+        output_classes = proxy_set.num_classes
+        validate_proxy_set(
+            proxy_set.features, proxy_set.labels, output_classes, batch_size, source=proxy_source
+        )
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = copy.deepcopy(model).to(self.device)
+        self.proxy_size = len(proxy_set)
+        self.proxy_batches = make_proxy_batches(
+            proxy_set, batch_size, seed=self.seed, device=self.device
+        )
+        smallest = min(len(labels) for _, labels in self.proxy_batches)
+        if _norm_modules(self.model) and smallest < 2:
+            raise ProxySetError(
+                f"the model has BatchNorm, which needs at least 2 samples per proxy batch, but "
+                f"fedlaw-batch-size = {batch_size} gives batches of {smallest}: set "
+                "fedlaw-batch-size >= 2"
+            )
+        self.learn: LearnWhat = learn
+        self.epochs, self.lr, self.batch_size = epochs, lr, batch_size
+        self.lr_step, self.lr_gamma, self.swa, self.betas = lr_step, lr_gamma, swa, betas
+        self._metrics: dict[str, float | int | list[float]] = {}
+
+    def summary(self) -> None:
+        """Log the strategy's configuration."""
+        super().summary()
+        log(
+            INFO,
+            "\t│\t└── FedLAW: learn %s, %d server epochs, Adam lr %s betas %s, x%s every %d "
+            "epochs, SWA %s, proxy set %d samples in %d batch(es) on %s",
+            self.learn,
+            self.epochs,
+            self.lr,
+            self.betas,
+            self.lr_gamma,
+            self.lr_step,
+            self.swa,
+            self.proxy_size,
+            len(self.proxy_batches),
+            self.device,
+        )
+
+    def aggregate(
+        self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
+    ) -> NDArrayDict:
+        """Learn gamma and lambda on the proxy set, then build gamma * sum_k lambda_k theta_k."""
+        client_params = [reply.arrays for reply in replies]
+        counts = [reply.num_examples for reply in replies]
+        data_weights = normalise_weights(counts).tolist()
+        gamma, lambdas = learn_aggregation_weights(
+            self.model,
+            client_params,
+            counts,
+            self.proxy_batches,
+            epochs=self.epochs,
+            lr=self.lr,
+            learn=self.learn,
+            swa=self.swa,
+            betas=self.betas,
+            lr_step=self.lr_step,
+            lr_gamma=self.lr_gamma,
+            device=self.device,
+        )
+        fallback = not weights_are_usable(gamma, lambdas)
+        if fallback:
+            log(
+                WARNING,
+                "round %d: FedLAW learned unusable weights (gamma = %s, lambdas = %s): keeping "
+                "FedAvg's weights (gamma = 1, lambda = data sizes) for this round. If it "
+                "recurs, lower fedlaw-lr or check the proxy set",
+                server_round,
+                gamma,
+                lambdas,
+            )
+            gamma, lambdas = 1.0, data_weights
+        else:
+            log(
+                INFO,
+                "round %d: FedLAW gamma = %.4f, lambda in [%.4f, %.4f] (data weights in "
+                "[%.4f, %.4f])",
+                server_round,
+                gamma,
+                min(lambdas),
+                max(lambdas),
+                min(data_weights),
+                max(data_weights),
+            )
+        self._metrics = {
+            "fedlaw-gamma": gamma,
+            "fedlaw-lambdas": [float(value) for value in lambdas],
+            "fedlaw-data-weights": data_weights,
+            "fedlaw-fallback": int(fallback),
+            **{
+                f"fedlaw-lambda-{reply.node_id}": float(value)
+                for reply, value in zip(replies, lambdas, strict=True)
+            },
+        }
+        return aggregate_fedlaw(
+            self.model, client_params, gamma, lambdas, self.proxy_batches, device=self.device
+        )
+
+    def round_metrics(self) -> dict[str, float | int | list[float]]:
+        """gamma, every lambda (list and per node id), FedAvg's weights and the fallback flag."""
+        return dict(self._metrics)

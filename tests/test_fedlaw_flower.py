@@ -1,0 +1,225 @@
+"""FedLAW with Flower: a stock quickstart-style ClientApp, and the real app in simulation."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    Metadata,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from strategies import FedLAW
+from tasks.datasets import LabeledData
+from tests.conftest import read_metrics
+
+NUM_NODES = 3
+SERVER_NODE_ID = 0
+
+# ----------------------------------------------------------------------------- a stock ClientApp
+# Written the way Flower's PyTorch quickstart writes its client: its own Net and data loading,
+# and a train function that replies with `arrays` and `metrics` (train loss and num-examples).
+# It knows nothing of this project.
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    data = load_digits()
+    order = np.random.default_rng(0).permutation(len(data.target))
+    return (data.images[order] / 16.0).astype(np.float32), data.target[order].astype(np.int64)
+
+
+def load_data(partition_id: int, num_partitions: int) -> DataLoader[tuple[torch.Tensor, ...]]:
+    images, labels = digits()
+    part = np.array_split(np.arange(1200), num_partitions)[partition_id]
+    dataset = TensorDataset(torch.from_numpy(images[part]), torch.from_numpy(labels[part]))
+    return DataLoader(dataset, batch_size=32, shuffle=True)
+
+
+def train_fn(
+    net: nn.Module, loader: DataLoader[tuple[torch.Tensor, ...]], epochs: int, lr: float
+) -> float:
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    net.train()
+    running_loss = 0.0
+    for _ in range(epochs):
+        for images, labels in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(net(images), labels)
+            loss.backward()
+            optimizer.step()
+            running_loss += loss.item()
+    return running_loss / (epochs * len(loader))
+
+
+stock_app = ClientApp()
+
+
+@stock_app.train()
+def train(msg: Message, context: Context) -> Message:
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())  # type: ignore[union-attr]
+    partition_id = int(context.node_config["partition-id"])
+    num_partitions = int(context.node_config["num-partitions"])
+    trainloader = load_data(partition_id, num_partitions)
+    train_loss = train_fn(
+        model,
+        trainloader,
+        int(context.run_config["local-epochs"]),
+        float(msg.content["config"]["lr"]),  # type: ignore[index,arg-type]
+    )
+    model_record = ArrayRecord(model.state_dict())
+    metrics = {"train_loss": train_loss, "num-examples": len(trainloader.dataset)}  # type: ignore[arg-type]
+    content = RecordDict({"arrays": model_record, "metrics": MetricRecord(metrics)})
+    return Message(content=content, reply_to=msg)
+
+
+# ----------------------------------------------------------------------------- in-process grid
+class InProcessGrid(Grid):
+    """Delivers each message to the ClientApp of its node, in this process (no SuperLink)."""
+
+    def __init__(self, app: ClientApp, contexts: dict[int, Context]) -> None:
+        self.app, self.contexts = app, contexts
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        replies = []
+        for message in messages:
+            delivered = Message(
+                content=message.content,
+                metadata=Metadata(
+                    run_id=1,
+                    message_id=uuid.uuid4().hex,
+                    src_node_id=SERVER_NODE_ID,
+                    dst_node_id=message.metadata.dst_node_id,
+                    reply_to_message_id="",
+                    group_id="1",
+                    created_at=time.time(),
+                    ttl=600.0,
+                    message_type=message.metadata.message_type,
+                ),
+            )
+            replies.append(self.app(delivered, self.contexts[message.metadata.dst_node_id]))
+        return replies
+
+    def _unused(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError("not needed by Strategy.start")
+
+    create_message = push_messages = pull_messages = set_run = _unused  # type: ignore[assignment]
+
+    @property
+    def run(self) -> None:  # type: ignore[override]
+        raise NotImplementedError
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: small problems run faster and steadier on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_stock_quickstart_clientapp_trains_under_fedlaw(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Strategy.start builds instruction Messages, which read the ServerApp's task identity.
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", SERVER_NODE_ID)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
+    images, labels = digits()
+    heldout = np.arange(1200, len(labels))
+    proxy_rows = np.concatenate([heldout[labels[heldout] == c][:10] for c in range(10)])
+    test_rows = np.setdiff1d(heldout, proxy_rows)
+    proxy = LabeledData(images[proxy_rows], labels[proxy_rows], 10)
+    torch.manual_seed(0)
+    net = Net()
+    strategy = FedLAW(model=net, proxy_set=proxy, epochs=20, lr=0.05, min_train_replies=NUM_NODES)
+    node_ids = [101, 202, 303]
+    contexts = {
+        node: Context(
+            run_id=1,
+            node_id=node,
+            node_config={"partition-id": index, "num-partitions": NUM_NODES},
+            state=RecordDict(),
+            run_config={"local-epochs": 1},
+        )
+        for index, node in enumerate(node_ids)
+    }
+    accuracies: list[float] = []
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model = Net()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        with torch.no_grad():
+            predictions = model(torch.from_numpy(images[test_rows])).argmax(1).numpy()
+        accuracies.append(float(np.mean(predictions == labels[test_rows])))
+        return MetricRecord({"accuracy": accuracies[-1]})
+
+    result = strategy.start(
+        grid=InProcessGrid(stock_app, contexts),
+        initial_arrays=ArrayRecord(net.state_dict()),
+        num_rounds=2,
+        train_config=ConfigRecord({"lr": 0.1}),
+        evaluate_fn=evaluate_fn,
+    )
+
+    for server_round in (1, 2):
+        metrics = result.train_metrics_clientapp[server_round]
+        assert metrics["replies-valid"] == NUM_NODES
+        assert metrics["fedlaw-fallback"] == 0
+        lambdas = [metrics[f"fedlaw-lambda-{node}"] for node in node_ids]
+        assert sum(lambdas) == pytest.approx(1.0)
+        assert metrics["fedlaw-gamma"] > 0
+    assert accuracies[-1] > max(0.5, accuracies[0])  # chance is 0.1
+
+
+# ----------------------------------------------------------------------------- real simulation
+@pytest.mark.simulation
+def test_two_round_simulation_with_fedlaw_records_gamma_and_lambdas(
+    run_simulation: Callable[..., Path],
+) -> None:
+    run_dir = run_simulation(
+        {"strategy": "fedlaw", "num-server-rounds": 2, "num-clients": 3, "dataset": "digits"}
+    )
+    rounds = [entry for entry in read_metrics(run_dir) if entry["round"] > 0]
+    assert [entry["round"] for entry in rounds] == [1, 2]
+    for entry in rounds:
+        assert entry["aggregated"] == 1
+        assert entry["fedlaw-fallback"] == 0
+        assert entry["fedlaw-gamma"] > 0
+        assert len(entry["fedlaw-lambdas"]) == 3
+        assert sum(entry["fedlaw-lambdas"]) == pytest.approx(1.0)
+        per_node = [v for k, v in entry.items() if k.startswith("fedlaw-lambda-")]
+        assert sorted(per_node) == sorted(entry["fedlaw-lambdas"])
+    assert rounds[-1]["test-accuracy"] > 0.3  # ten digit classes: chance is 0.1
