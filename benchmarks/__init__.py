@@ -1,0 +1,1 @@
+"""Benchmarks: the strategy grid (``python -m benchmarks.grid``), systems figures and plots."""
