@@ -1,0 +1,100 @@
+#!/bin/sh
+# Entry point of the beyond-averaging image: starts one Flower component with the flags of this
+# project's deployment, configured by environment variables (compose.yaml sets them).
+#
+#   superlink             flower-superlink: Fleet API on 0.0.0.0:9092 (gRPC), Control/Runtime API
+#                         on 0.0.0.0:9093, state in /app/state/superlink.db, ServerApps started
+#                         as subprocesses (isolation "subprocess")
+#   supernode             flower-supernode for partition BA_PARTITION_ID of BA_NUM_PARTITIONS,
+#                         connecting to BA_SUPERLINK (default superlink:9092); ClientApps run as
+#                         subprocesses
+#   register-supernodes   registers the public keys /app/keys-root/supernode-public-keys/
+#                         supernode-<i>.pub (i < BA_NUM_PARTITIONS) with the SuperLink at
+#                         BA_CONTROL (default superlink:9093), waiting for it first; for
+#                         SuperNode authentication
+#   <anything else>       executed as given (e.g. `bash`, `flwr ls`)
+#
+# TLS: with BA_TLS=1 the SuperLink serves /app/certs/server.pem (key server.key, CA ca.crt) and
+# SuperNodes and the registration trust /app/certs/ca.crt; otherwise everything runs insecure.
+# SuperNode authentication: BA_SUPERNODE_AUTH=1 makes the SuperLink accept registered keys only;
+# a SuperNode authenticates with its private key at /app/keys/supernode.key when that file exists.
+# Extra arguments after the role are appended to the Flower command.
+set -eu
+
+role="${1:-superlink}"
+[ "$#" -gt 0 ] && shift
+
+tls_server() {
+  if [ "${BA_TLS:-0}" = "1" ]; then
+    echo --ssl-certfile /app/certs/server.pem --ssl-keyfile /app/certs/server.key \
+      --ssl-ca-certfile /app/certs/ca.crt
+  else
+    echo --insecure
+  fi
+}
+
+case "$role" in
+  superlink)
+    auth=""
+    [ "${BA_SUPERNODE_AUTH:-0}" = "1" ] && auth="--enable-supernode-auth"
+    # shellcheck disable=SC2046  # word splitting of the flag lists is intended
+    exec flower-superlink $(tls_server) $auth \
+      --isolation subprocess \
+      --fleet-api-address 0.0.0.0:9092 \
+      --host 0.0.0.0 --port 9093 \
+      --database /app/state/superlink.db \
+      --health-server-address 127.0.0.1:9098 \
+      --disable-runtime-dependency-installation \
+      "$@"
+    ;;
+  supernode)
+    if [ -z "${BA_PARTITION_ID:-}" ] || [ -z "${BA_NUM_PARTITIONS:-}" ]; then
+      echo "entrypoint: a SuperNode needs BA_PARTITION_ID and BA_NUM_PARTITIONS" \
+        "(its data partition and the number of partitions)" >&2
+      exit 2
+    fi
+    security="--insecure"
+    [ "${BA_TLS:-0}" = "1" ] && security="--root-certificates /app/certs/ca.crt"
+    auth=""
+    [ -f /app/keys/supernode.key ] && auth="--auth-supernode-private-key /app/keys/supernode.key"
+    # shellcheck disable=SC2086
+    exec flower-supernode $security $auth \
+      --superlink "${BA_SUPERLINK:-superlink:9092}" \
+      --isolation subprocess \
+      --node-config "partition-id=${BA_PARTITION_ID} num-partitions=${BA_NUM_PARTITIONS}" \
+      --health-server-address 127.0.0.1:9099 \
+      "$@"
+    ;;
+  register-supernodes)
+    control="${BA_CONTROL:-superlink:9093}"
+    mkdir -p "$FLWR_HOME"
+    if [ "${BA_TLS:-0}" = "1" ]; then
+      security='root-certificates = "/app/certs/ca.crt"'
+      scheme=https
+    else
+      security='insecure = true'
+      scheme=http
+    fi
+    printf '[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\naddress = "%s"\n%s\n' \
+      "$control" "$security" >"$FLWR_HOME/config.toml"
+    tries=0
+    until python - "$scheme://$control/health" <<'PY'
+import ssl, sys, urllib.request
+context = ssl.create_default_context(cafile="/app/certs/ca.crt") if sys.argv[1].startswith("https") else None
+urllib.request.urlopen(sys.argv[1], timeout=3, context=context)
+PY
+    do
+      tries=$((tries + 1))
+      if [ "$tries" -ge 60 ]; then
+        echo "entrypoint: the SuperLink at $control did not answer in 120 s" >&2
+        exit 1
+      fi
+      sleep 2
+    done
+    exec /app/docker/make-certs.sh register --out /app/keys-root \
+      --nodes "${BA_NUM_PARTITIONS:?set BA_NUM_PARTITIONS}" --connection deployment
+    ;;
+  *)
+    exec "$role" "$@"
+    ;;
+esac

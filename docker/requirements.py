@@ -1,0 +1,63 @@
+"""Print the requirements a deployment image installs, read from pyproject.toml.
+
+pyproject.toml stays the single list of dependencies. The images differ from a development
+install in two places only:
+
+- ``flwr[simulation]`` becomes ``flwr``: SuperLink and SuperNode containers run the deployment
+  runtime, so Ray (the simulation engine, hundreds of MB) is left out;
+- ``--torch SPEC`` replaces the torch requirement (e.g. for a CUDA build from another index).
+
+Usage: ``python docker/requirements.py [--torch 'torch==2.13.0'] [--build] > requirements.txt``;
+``--build`` adds the project's build backend (``[build-system] requires``), which installing the
+project from a wheelhouse needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def requirement_name(requirement: str) -> str:
+    """The distribution name a requirement string starts with, lower-cased."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if match is None:
+        raise ValueError(f"cannot read a package name from requirement {requirement!r}")
+    return match.group(1).lower()
+
+
+def deployment_requirements(pyproject: Path, torch_spec: str | None, build: bool) -> list[str]:
+    """The project's dependencies as the deployment images install them."""
+    data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    requirements = []
+    for requirement in data["project"]["dependencies"]:
+        name = requirement_name(requirement)
+        if name == "flwr":
+            requirement = re.sub(r"^flwr\[[^\]]*\]", "flwr", requirement.strip())
+        elif name == "torch" and torch_spec:
+            requirement = torch_spec
+        requirements.append(requirement)
+    if build:
+        requirements += data["build-system"]["requires"]
+    return requirements
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--torch", default="", help="replace the torch requirement")
+    parser.add_argument(
+        "--build", action="store_true", help="add the build backend (setuptools) too"
+    )
+    args = parser.parse_args()
+    for requirement in deployment_requirements(PYPROJECT, args.torch or None, args.build):
+        print(requirement)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

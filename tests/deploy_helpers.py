@@ -1,0 +1,659 @@
+"""A real Flower deployment for tests: SuperLink and SuperNodes as processes or containers.
+
+Unlike the simulation runtime (``ba-run``), every message of a run started here crosses the
+SuperLink's gRPC Fleet API (grpc-rere), optionally over TLS with SuperNode authentication:
+
+- :class:`LocalDeployment` starts ``flower-superlink`` and ``flower-supernode`` as local processes
+  on loopback (each in its own process group, stopped by PID), registers SuperNode keys, and runs
+  the app with ``flwr run <app> <connection> --stream``;
+- :class:`FleetTap` is a byte-counting TCP relay put between one SuperNode and the Fleet API: it
+  records what the SuperNode uploads, so a test can check that replies, extra records included,
+  really crossed the connection (and that under TLS nothing of them is readable on it);
+- :class:`ComposeStack` drives ``docker compose`` (Docker, or podman through podman-compose) for the
+  container tests, with the same connection file and result checks.
+
+The pieces of :mod:`server.launch` (free ports, the Flower environment, stopping a process tree,
+reading a run's summary) are reused, not copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, MetricRecord
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+from server.app import data_spec
+from server.config import parse_run_config
+from server.launch import (
+    LaunchError,
+    flower_environment,
+    free_port,
+    read_summary,
+    stage_app,
+    stop_process_tree,
+)
+from server.strategy_factory import ServerResources, build_strategy
+from tasks.federation import load_server_splits
+from tasks.models import build_model
+from tasks.protocol import (
+    ARRAYS_RECORD,
+    GRADIENT_RECORD,
+    METRICS_RECORD,
+    NUM_EXAMPLES_KEY,
+    SENSITIVITY_RECORD,
+    TRAIN_LOSS_KEY,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MAKE_CERTS = REPO / "docker" / "make-certs.sh"
+CONNECTION = "ba-deploy"
+
+
+# ---------------------------------------------------------------------------------------- config
+def toml_value(value: Any) -> str:
+    """A Python value in the TOML syntax of Flower's ``--run-config``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def run_config_argument(settings: Mapping[str, Any]) -> str:
+    """One ``--run-config`` value holding every override."""
+    return " ".join(f"{key}={toml_value(value)}" for key, value in settings.items())
+
+
+def write_connection(
+    flwr_home: Path, name: str, address: str, root_certificates: Path | None
+) -> None:
+    """Write ``$FLWR_HOME/config.toml`` with one SuperLink connection (the default one)."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    security = (
+        "insecure = true"
+        if root_certificates is None
+        else f'root-certificates = "{root_certificates.resolve()}"'
+    )
+    (flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{name}"\n\n'
+        f'[superlink.{name}]\naddress = "{address}"\n{security}\n',
+        encoding="utf-8",
+    )
+
+
+@dataclass(frozen=True)
+class Certificates:
+    """The files ``docker/make-certs.sh`` writes (CA, SuperLink certificate, SuperNode keys)."""
+
+    directory: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.directory / "ca.crt"
+
+    @property
+    def server_cert(self) -> Path:
+        return self.directory / "server.pem"
+
+    @property
+    def server_key(self) -> Path:
+        return self.directory / "server.key"
+
+    def supernode_key(self, index: int) -> Path:
+        """Private key (OpenSSH EC) of SuperNode ``index``."""
+        return self.directory / "supernode-keys" / f"supernode-{index}"
+
+    def supernode_public_key(self, index: int) -> Path:
+        """Public key of SuperNode ``index`` (what ``make-certs.sh register`` registers)."""
+        return self.directory / "supernode-public-keys" / f"supernode-{index}.pub"
+
+
+def make_certificates(directory: Path, nodes: int, owner: str | None = None) -> Certificates:
+    """Run ``docker/make-certs.sh`` (the script users run) and return its output files."""
+    command = ["bash", str(MAKE_CERTS), "--out", str(directory), "--nodes", str(nodes)]
+    if owner is not None:
+        command += ["--owner", owner]
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    return Certificates(directory)
+
+
+# ------------------------------------------------------------------------------------ wire tap
+class FleetTap:
+    """A TCP relay that records the bytes a SuperNode sends towards the Fleet API.
+
+    Point a SuperNode's ``--superlink`` at :attr:`address`; every connection is relayed to
+    ``target``. :meth:`take` returns (and clears) the bytes uploaded since the last call, so a
+    test attributes them to one run. Under TLS the relay sees only ciphertext, like any
+    on-path observer.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._lock = threading.Lock()
+        self._upload = bytearray()
+        self._download_bytes = 0
+        self._closed = False
+        self._sockets: list[socket.socket] = []
+        #: The first bytes (up to 64) of each relayed connection: a TLS or HTTP/2 opening.
+        self.openings: list[bytes] = []
+        threading.Thread(target=self._accept, name=f"fleet-tap-{self.port}", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def take(self) -> tuple[bytes, int]:
+        """``(uploaded bytes, downloaded byte count)`` since the last call."""
+        with self._lock:
+            upload, download = bytes(self._upload), self._download_bytes
+            self._upload.clear()
+            self._download_bytes = 0
+        return upload, download
+
+    def close(self) -> None:
+        self._closed = True
+        for sock in [self._listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(self.target, timeout=10.0)
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            upstream.settimeout(None)
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, uploading: bool) -> None:
+        first = True
+        try:
+            while chunk := source.recv(1 << 16):
+                with self._lock:
+                    if uploading:
+                        if first:
+                            self.openings.append(chunk[:64])
+                        self._upload += chunk
+                    else:
+                        self._download_bytes += len(chunk)
+                sink.sendall(chunk)
+                first = False
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+# ------------------------------------------------------------------------------ local processes
+@dataclass
+class SuperNodeProcess:
+    """One running ``flower-supernode`` and where its log goes."""
+
+    partition_id: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+
+@dataclass
+class LocalDeployment:
+    """A SuperLink and SuperNodes as local processes on loopback.
+
+    Parameters
+    ----------
+    app_dir : Path
+        The Flower app (this repository).
+    workdir : Path
+        Logs, ``FLWR_HOME`` and the SuperLink database go here.
+    certificates : Certificates, optional
+        TLS for the Fleet, Control and Runtime APIs; ``None`` runs insecure.
+    supernode_auth : bool
+        Start the SuperLink with ``--enable-supernode-auth`` (needs ``certificates``): only
+        SuperNodes whose public key was registered may connect.
+    """
+
+    app_dir: Path
+    workdir: Path
+    certificates: Certificates | None = None
+    supernode_auth: bool = False
+    supernodes: list[SuperNodeProcess] = field(default_factory=list)
+    superlink: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        if self.supernode_auth and self.certificates is None:
+            raise ValueError("supernode_auth=True needs certificates: the SuperLink requires TLS")
+        self.flwr_home = self.workdir / "flwr-home"
+        self.env = flower_environment(self.flwr_home)
+        self.control_port = free_port()
+        self.fleet_port = free_port()
+        self.superlink_log = self.workdir / "superlink.log"
+
+    @property
+    def fleet_address(self) -> str:
+        return f"127.0.0.1:{self.fleet_port}"
+
+    def _tls_arguments(self) -> list[str]:
+        if self.certificates is None:
+            return ["--insecure"]
+        return [
+            "--ssl-certfile",
+            str(self.certificates.server_cert),
+            "--ssl-keyfile",
+            str(self.certificates.server_key),
+            "--ssl-ca-certfile",
+            str(self.certificates.ca_cert),
+        ]
+
+    def _popen(self, command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+        with log_path.open("wb") as log_file:
+            return subprocess.Popen(
+                command,
+                env=self.env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                start_new_session=True,  # its own process group: stopped with its children
+            )
+
+    def start(self) -> LocalDeployment:
+        """Start the SuperLink, wait until it answers, write the connection ``ba-deploy``."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.staged_app = stage_app(self.app_dir, self.workdir / "app")
+        write_connection(
+            self.flwr_home,
+            CONNECTION,
+            f"127.0.0.1:{self.control_port}",
+            None if self.certificates is None else self.certificates.ca_cert,
+        )
+        command = [
+            "flower-superlink",
+            *self._tls_arguments(),
+            "--fleet-api-address",
+            self.fleet_address,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.control_port),
+            "--database",
+            str(self.workdir / "superlink-state.db"),
+            "--disable-runtime-dependency-installation",
+        ]
+        if self.supernode_auth:
+            command.append("--enable-supernode-auth")
+        self.superlink = self._popen(command, self.superlink_log)
+        self._wait_superlink_healthy(timeout=60.0)
+        return self
+
+    def _wait_superlink_healthy(self, timeout: float) -> None:
+        assert self.superlink is not None
+        scheme = "http" if self.certificates is None else "https"
+        context = (
+            None
+            if self.certificates is None
+            else ssl.create_default_context(cafile=str(self.certificates.ca_cert))
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.superlink.poll() is not None:
+                raise LaunchError(
+                    f"the SuperLink exited with code {self.superlink.returncode}:\n"
+                    f"{self.superlink_log.read_text(errors='replace')[-3000:]}"
+                )
+            try:
+                url = f"{scheme}://127.0.0.1:{self.control_port}/health"
+                with urllib.request.urlopen(url, timeout=1.0, context=context):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise LaunchError(f"the SuperLink was not healthy after {timeout} s ({self.superlink_log})")
+
+    def register_supernodes(self, count: int) -> str:
+        """Register the public keys of SuperNodes ``0..count-1`` with ``make-certs.sh register``."""
+        assert self.certificates is not None
+        completed = subprocess.run(
+            [
+                "bash",
+                str(MAKE_CERTS),
+                "register",
+                "--out",
+                str(self.certificates.directory),
+                "--nodes",
+                str(count),
+                "--connection",
+                CONNECTION,
+            ],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if completed.returncode != 0:
+            raise LaunchError(f"make-certs.sh register failed:\n{completed.stderr}")
+        return completed.stdout
+
+    def start_supernode(
+        self,
+        partition_id: int,
+        num_partitions: int,
+        *,
+        superlink_address: str | None = None,
+        auth_key: Path | None = None,
+    ) -> SuperNodeProcess:
+        """Start a SuperNode for one partition (connecting via ``superlink_address`` if given)."""
+        command = ["flower-supernode"]
+        if self.certificates is None:
+            command.append("--insecure")
+        else:
+            command += ["--root-certificates", str(self.certificates.ca_cert)]
+        if auth_key is not None:
+            command += ["--auth-supernode-private-key", str(auth_key)]
+        command += [
+            "--superlink",
+            superlink_address or self.fleet_address,
+            "--port",
+            str(free_port()),  # each SuperNode's own Runtime API, distinct on one host
+            "--node-config",
+            f"partition-id={partition_id} num-partitions={num_partitions}",
+        ]
+        index = len(self.supernodes)
+        node = SuperNodeProcess(
+            partition_id,
+            self._popen(command, self.workdir / f"supernode-{index}.log"),
+            self.workdir / f"supernode-{index}.log",
+        )
+        self.supernodes.append(node)
+        return node
+
+    def flwr(self, *arguments: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Run a ``flwr`` CLI command against this deployment."""
+        return subprocess.run(
+            ["flwr", *arguments],
+            env=self.env,
+            cwd=self.app_dir,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def online_node_ids(self) -> list[int]:
+        """IDs of the SuperNodes the SuperLink reports online (``flwr supernode list``)."""
+        completed = self.flwr("supernode", "list", CONNECTION, "--format", "json")
+        return online_nodes_from_listing(completed.stdout)
+
+    def wait_for_nodes(self, count: int, timeout: float = 120.0) -> None:
+        """Block until ``count`` SuperNodes are online, or raise with their logs."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.online_node_ids()) >= count:
+                return
+            time.sleep(1.0)
+        logs = "\n".join(f"--- {n.log_path.name}\n{n.log()[-1500:]}" for n in self.supernodes)
+        raise LaunchError(f"fewer than {count} SuperNodes online after {timeout} s\n{logs}")
+
+    def run(self, settings: Mapping[str, Any], timeout: float = 300.0) -> Path:
+        """Run the app with these run-config settings; return its run folder (see run_app)."""
+        return run_app(
+            self.staged_app,
+            self.env,
+            CONNECTION,
+            settings,
+            Path(settings["output-dir"]),
+            timeout=timeout,
+            diagnostics=self.superlink_log,
+        )
+
+    def close(self) -> None:
+        """Stop every SuperNode, then the SuperLink (each by its process group)."""
+        for node in self.supernodes:
+            stop_process_tree(node.process)
+        if self.superlink is not None:
+            stop_process_tree(self.superlink)
+        shutil.rmtree(self.flwr_home / "apps", ignore_errors=True)
+
+    def __enter__(self) -> LocalDeployment:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def online_nodes_from_listing(listing: str) -> list[int]:
+    """Online node IDs from ``flwr supernode list --format json`` output (empty if unreadable)."""
+    start = listing.find("{")
+    if start < 0:
+        return []
+    try:
+        nodes = json.loads(listing[start:]).get("nodes", [])
+    except json.JSONDecodeError:
+        return []
+    return [int(node["node-id"]) for node in nodes if node.get("status") == "online"]
+
+
+def run_app(
+    app_dir: Path,
+    env: Mapping[str, str],
+    connection: str,
+    settings: Mapping[str, Any],
+    output_dir: Path,
+    *,
+    timeout: float,
+    diagnostics: Path | None = None,
+) -> Path:
+    """``flwr run <app> <connection> --stream`` with ``settings``; the run folder when completed.
+
+    ``output_dir`` is where this machine sees the ServerApp's ``output-dir`` (the same path for
+    processes, a bind mount for containers). Raises :class:`LaunchError` with the run's error,
+    or the tail of the ``flwr run`` output, when the run did not complete.
+    """
+    run_dir = output_dir / str(settings["run-name"])
+    command = ["flwr", "run", str(app_dir), connection, "--stream"]
+    command += ["--run-config", run_config_argument(settings)]
+    try:
+        completed = subprocess.run(
+            command,
+            env=dict(env),
+            cwd=app_dir,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise LaunchError(
+            f"run {settings['run-name']!r} did not finish within {timeout} s"
+        ) from None
+    summary = read_summary(run_dir / "summary.json")
+    if summary.get("status") != "completed":
+        extra = ""
+        if diagnostics is not None and diagnostics.is_file():
+            extra = f"\n--- {diagnostics.name}\n{diagnostics.read_text(errors='replace')[-3000:]}"
+        raise LaunchError(
+            f"run {settings['run-name']!r} did not complete (status {summary.get('status')!r}, "
+            f"error {summary.get('error')!r}); flwr run exited {completed.returncode}:\n"
+            f"{(completed.stdout + completed.stderr)[-3000:]}{extra}"
+        )
+    return run_dir
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rounds of a run's metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+# ------------------------------------------------------------------------- serialized records
+def serialized_size(record: Any) -> int:
+    """Bytes of a Flower record as the Fleet API carries it: its object tree, each deflated once.
+
+    Flower 1.39 sends a message as content-addressed objects (message, record dict, records,
+    arrays, array chunks); this sums their serialized sizes, the payload before gRPC framing.
+    """
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(record).values())
+
+
+def _built_strategy(strategy: str, settings: Mapping[str, Any]) -> tuple[Any, torch.nn.Module]:
+    """The strategy a run would build, with the run's model (on the run's data shapes)."""
+    config = parse_run_config({**settings, "strategy": strategy})
+    test_set, proxy_set = load_server_splits(data_spec(config))  # as the ServerApp does
+    model = build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
+    resources = ServerResources(model, proxy_set, torch.device("cpu"))
+    return build_strategy(config, resources), model
+
+
+def required_records(strategy: str, settings: Mapping[str, Any]) -> list[str]:
+    """The extra records the configured strategy requests from every client (its contract)."""
+    built, _ = _built_strategy(strategy, settings)
+    return list(built.required_records)
+
+
+def available_strategies(candidates: Sequence[str], settings: Mapping[str, Any]) -> dict[str, str]:
+    """Each candidate strategy mapped to '' when this build has it, else the reason it has not."""
+    status: dict[str, str] = {}
+    for name in candidates:
+        try:
+            _built_strategy(name, settings)
+            status[name] = ""
+        except (ValueError, ImportError) as error:
+            status[name] = f"{type(error).__name__}: {error}"
+    return status
+
+
+def reply_record_sizes(strategy: str, settings: Mapping[str, Any]) -> dict[str, int]:
+    """Serialized bytes of each record of one client's train reply under ``strategy``.
+
+    The records are rebuilt with the keys, shapes and dtypes the ClientApp sends for the run's
+    model: ``arrays`` is the state dict; ``sensitivity`` and ``gradient`` hold one array per
+    trainable parameter (sensitivity in the configured dtype). Raw array bytes do not depend on
+    the values, so these are the sizes of the real replies.
+    """
+    built, model = _built_strategy(strategy, settings)
+    config = parse_run_config({**settings, "strategy": strategy})
+    state = {key: value.detach().cpu().numpy() for key, value in model.state_dict().items()}
+    parameters = [name for name, p in model.named_parameters() if p.requires_grad]
+    sizes = {
+        ARRAYS_RECORD: serialized_size(ArrayRecord({k: Array(v) for k, v in state.items()})),
+        METRICS_RECORD: serialized_size(
+            MetricRecord({NUM_EXAMPLES_KEY: 1000, TRAIN_LOSS_KEY: 0.5})
+        ),
+    }
+    if SENSITIVITY_RECORD in built.required_records:
+        dtype = np.dtype(config.sensitivity_dtype)
+        sizes[SENSITIVITY_RECORD] = serialized_size(
+            ArrayRecord({k: Array(state[k].astype(dtype)) for k in parameters})
+        )
+    if GRADIENT_RECORD in built.required_records:
+        sizes[GRADIENT_RECORD] = serialized_size(
+            ArrayRecord({k: Array(state[k]) for k in parameters})
+        )
+    return sizes
+
+
+# --------------------------------------------------------------------------- container engine
+def container_engine_problem() -> str | None:
+    """Why containers cannot run here, or ``None`` when ``docker`` and ``docker compose`` work."""
+    if shutil.which("docker") is None:
+        return (
+            "no `docker` command: install Docker (or run `bash ../shared/container-engine/"
+            "setup.sh` as root on the project machine, which provides podman behind `docker`)"
+        )
+    for probe in (["docker", "info"], ["docker", "compose", "version"]):
+        try:
+            completed = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"`{' '.join(probe)}` failed: {error}"
+        if completed.returncode != 0:
+            return f"`{' '.join(probe)}` failed: {(completed.stderr or completed.stdout)[-400:]}"
+    return None
+
+
+@dataclass
+class ComposeStack:
+    """``docker compose`` with this repository's compose files, one project name per stack."""
+
+    project: str
+    files: Sequence[Path]
+    env: dict[str, str]
+
+    def command(self, *arguments: str) -> list[str]:
+        files = [part for path in self.files for part in ("-f", str(path))]
+        return ["docker", "compose", "-p", self.project, *files, *arguments]
+
+    def __call__(
+        self, *arguments: str, timeout: float = 600.0, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        completed = subprocess.run(
+            self.command(*arguments),
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and completed.returncode != 0:
+            raise LaunchError(
+                f"`{' '.join(self.command(*arguments))}` exited {completed.returncode}:\n"
+                f"{(completed.stdout + completed.stderr)[-3000:]}"
+            )
+        return completed
+
+    def container(self, service: str) -> str:
+        """The container name of a service (compose's ``<project>_<service>_1`` or ``-1``)."""
+        listing = subprocess.run(
+            ["docker", "ps", "-a", "--format", "{{.Names}}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.split()
+        for name in listing:
+            if name in (f"{self.project}_{service}_1", f"{self.project}-{service}-1"):
+                return name
+        raise LaunchError(f"no container for service {service!r} of project {self.project!r}")
+
+    def logs(self, service: str) -> str:
+        completed = subprocess.run(
+            ["docker", "logs", self.container(service)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        return completed.stdout + completed.stderr
+
+    @contextlib.contextmanager
+    def up(self, *services: str, timeout: float = 600.0) -> Iterator[ComposeStack]:
+        """``up -d`` the services; always ``down -v`` afterwards (containers and volumes)."""
+        try:
+            self("up", "-d", *services, timeout=timeout)
+            yield self
+        finally:
+            self("down", "-v", "-t", "5", timeout=300.0, check=False)

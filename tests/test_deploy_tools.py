@@ -1,0 +1,208 @@
+"""Fast checks of the deployment tooling: image requirements, certificates, the wire tap, staging.
+
+The real deployments (processes and containers) are in test_deployment_local.py and
+test_deployment_containers.py; these run in seconds and need no Flower processes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import tomllib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.deploy_helpers import (
+    REPO,
+    FleetTap,
+    make_certificates,
+    online_nodes_from_listing,
+    stage_app,
+)
+
+
+def _load_requirements_script() -> ModuleType:
+    """docker/requirements.py, a script outside the packages, loaded by path."""
+    spec = importlib.util.spec_from_file_location(
+        "docker_requirements", REPO / "docker" / "requirements.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+deployment_requirements = _load_requirements_script().deployment_requirements
+
+needs_openssl = pytest.mark.skipif(
+    shutil.which("openssl") is None or shutil.which("ssh-keygen") is None,
+    reason="make-certs.sh needs openssl and ssh-keygen",
+)
+
+
+def test_image_requirements_drop_only_the_simulation_extra(tmp_path: Path) -> None:
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(
+        '[build-system]\nrequires = ["setuptools>=69"]\n'
+        '[project]\nname = "x"\ndependencies = ["flwr[simulation]>=1.39.0,<1.40", '
+        '"torch==2.13.0", "numpy>=1.26"]\n',
+        encoding="utf-8",
+    )
+    assert deployment_requirements(pyproject, None, build=False) == [
+        "flwr>=1.39.0,<1.40",
+        "torch==2.13.0",
+        "numpy>=1.26",
+    ]
+    assert deployment_requirements(pyproject, "torch==2.13.0+cu128", build=True) == [
+        "flwr>=1.39.0,<1.40",
+        "torch==2.13.0+cu128",
+        "numpy>=1.26",
+        "setuptools>=69",
+    ]
+
+
+def test_image_requirements_cover_every_project_dependency() -> None:
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text("utf-8"))["project"]
+    image = deployment_requirements(REPO / "pyproject.toml", None, build=False)
+    assert len(image) == len(declared["dependencies"])
+    assert not any("[simulation]" in requirement for requirement in image)
+
+
+@needs_openssl
+def test_make_certs_writes_a_chain_with_the_compose_names_and_ec_node_keys(
+    tmp_path: Path,
+) -> None:
+    certificates = make_certificates(tmp_path / "certs", nodes=2)
+    verify = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(certificates.ca_cert), str(certificates.server_cert)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert verify.returncode == 0, verify.stderr
+    san = subprocess.run(
+        [
+            "openssl",
+            "x509",
+            "-in",
+            str(certificates.server_cert),
+            "-noout",
+            "-ext",
+            "subjectAltName",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for name in ("DNS:superlink", "DNS:localhost", "IP Address:127.0.0.1"):
+        assert name in san
+    for index in range(2):
+        public = certificates.supernode_public_key(index).read_text()
+        assert public.startswith("ecdsa-sha2-nistp384 ")
+        assert certificates.supernode_key(index).stat().st_mode & 0o077 == 0  # private: owner only
+    assert not certificates.supernode_key(2).exists()
+
+
+@needs_openssl
+def test_make_certs_keeps_existing_keys_and_adds_missing_nodes(tmp_path: Path) -> None:
+    first = make_certificates(tmp_path / "certs", nodes=1)
+    key_before = first.supernode_public_key(0).read_text()
+    server_before = first.server_cert.read_bytes()
+    again = make_certificates(tmp_path / "certs", nodes=3)
+    assert again.supernode_public_key(0).read_text() == key_before  # registered keys stay valid
+    assert again.server_cert.read_bytes() == server_before
+    assert again.supernode_public_key(2).is_file()
+
+
+def test_make_certs_register_needs_a_connection(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        ["bash", str(REPO / "docker" / "make-certs.sh"), "register", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert completed.returncode == 2
+    assert "--connection" in completed.stderr
+
+
+def test_fleet_tap_relays_both_ways_and_counts_the_upload() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+
+    def echo() -> None:
+        connection, _ = server.accept()
+        with connection:
+            while len(received) < 100_000:
+                chunk = connection.recv(65536)
+                if not chunk:
+                    break
+                received.extend(chunk)
+            connection.sendall(b"x" * 1234)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    tap = FleetTap(server.getsockname())
+    try:
+        payload = bytes(range(256)) * 400  # 102,400 bytes
+        with socket.create_connection(("127.0.0.1", tap.port)) as client:
+            client.sendall(payload)
+            reply = bytearray()
+            while len(reply) < 1234:
+                chunk = client.recv(65536)
+                if not chunk:
+                    break
+                reply.extend(chunk)
+        thread.join(timeout=10)
+        upload, download = tap.take()
+    finally:
+        tap.close()
+        server.close()
+    assert bytes(received[: len(payload)]) == payload[: len(received)]
+    assert upload == payload[: len(upload)]
+    assert len(upload) >= 100_000
+    assert download == 1234
+    assert bytes(reply) == b"x" * 1234
+    assert tap.openings == [payload[:64]]
+    assert tap.take() == (b"", 0)  # take() clears
+
+
+def test_stage_app_copies_tracked_sources_and_skips_ignored_folders(tmp_path: Path) -> None:
+    source = tmp_path / "app"
+    for relative in (
+        "pyproject.toml",
+        "server/app.py",
+        ".venv/lib/big.py",
+        "runs/x/metrics.jsonl",
+        "keep/data.json",
+        ".git/config",
+    ):
+        path = source / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(relative, encoding="utf-8")
+    (source / ".gitignore").write_text(".venv/\nruns/\n", encoding="utf-8")
+    staged = stage_app(source, tmp_path / "staged")
+    copied = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
+    assert copied == [".gitignore", "keep/data.json", "pyproject.toml", "server/app.py"]
+
+
+def test_online_nodes_are_read_from_the_cli_listing() -> None:
+    listing = "some banner\n" + json.dumps(
+        {
+            "success": True,
+            "nodes": [
+                {"node-id": "11", "status": "online"},
+                {"node-id": "12", "status": "registered"},
+                {"node-id": "13", "status": "offline"},
+                {"node-id": "14", "status": "online"},
+            ],
+        }
+    )
+    assert online_nodes_from_listing(listing) == [11, 14]
+    assert online_nodes_from_listing("Error: connection refused") == []

@@ -1,0 +1,365 @@
+"""End-to-end deployment in containers: the image, compose.yaml and its TLS overlay, for real.
+
+One image build (docker/Dockerfile, from the wheelhouse when present) serves every test. Then:
+
+- the insecure stack of compose.yaml (SuperLink + 3 SuperNodes) runs 2 rounds of each strategy of
+  this build through ``flwr run`` from the host; the compose health checks pass;
+- on the same stack a SuperNode is stopped (``docker compose stop``) while a run is under way, and
+  the run completes with the two others;
+- the TLS + SuperNode-authentication overlay (compose.tls.yaml, certificates from
+  docker/make-certs.sh, keys registered by its one-shot registrar) runs 2 rounds, and a SuperNode
+  container with a key that was never registered is refused.
+
+Skipped, with the reason, where no container engine (``docker`` and ``docker compose``) works;
+``.ci/engine.sh`` sets one up on the project machine. Run with ``-s`` to see the timings.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.launch import LaunchError, flower_environment, free_port, read_summary
+from tests.deploy_helpers import (
+    REPO,
+    Certificates,
+    ComposeStack,
+    available_strategies,
+    container_engine_problem,
+    make_certificates,
+    online_nodes_from_listing,
+    read_metrics,
+    run_app,
+    run_config_argument,
+    stage_app,
+    write_connection,
+)
+
+ENGINE_PROBLEM = container_engine_problem()
+pytestmark = [
+    pytest.mark.deployment,
+    pytest.mark.skipif(
+        ENGINE_PROBLEM is not None,
+        reason=f"no container engine, container deployment tests skipped: {ENGINE_PROBLEM}",
+    ),
+]
+
+IMAGE = "beyond-averaging:cpu"
+#: The uid:gid the image runs as (docker/Dockerfile APP_UID/APP_GID).
+CONTAINER_USER = (1000, 1000)
+NUM_SUPERNODES = 3  # the supernode blocks of compose.yaml
+STRATEGIES = ("fedavg", "elastic", "fedlaw", "fedgma")
+RUN_SETTINGS: dict[str, Any] = {
+    "dataset": "digits",
+    "model": "mlp",
+    "num-clients": NUM_SUPERNODES,
+    "num-server-rounds": 2,
+    "local-epochs": 1,
+    "fraction-train": 1.0,
+    "seed": 0,
+    "output-dir": "/app/runs",  # inside the SuperLink container: the BA_RUNS mount
+}
+AVAILABLE = available_strategies(STRATEGIES, RUN_SETTINGS) if ENGINE_PROBLEM is None else {}
+CONNECTION = "compose"
+
+
+def strategy_params() -> list[Any]:
+    """Every strategy; one this build lacks is skipped with the reason."""
+    return [
+        pytest.param(
+            name,
+            marks=pytest.mark.skip(reason=f"strategy {name!r} not in this build: {why}")
+            if (why := AVAILABLE.get(name, ""))
+            else (),
+            id=name,
+        )
+        for name in STRATEGIES
+    ]
+
+
+def timed(label: str, started: float) -> None:
+    print(f"\n[containers] {label}: {time.monotonic() - started:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    """Build the image once for every test of this module."""
+    started = time.monotonic()
+    completed = subprocess.run(
+        ["docker", "build", "-f", "docker/Dockerfile", "-t", IMAGE, "."],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        check=False,
+    )
+    if completed.returncode != 0:
+        pytest.fail(f"docker build failed:\n{(completed.stdout + completed.stderr)[-4000:]}")
+    timed(f"image build ({'wheelhouse' if 'wheelhouse' in completed.stdout else 'index'})", started)
+    return IMAGE
+
+
+@pytest.fixture(scope="module")
+def staged_app(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return stage_app(REPO, tmp_path_factory.mktemp("app"))
+
+
+class Deployment:
+    """A compose stack plus the host-side ``flwr`` connection to it."""
+
+    def __init__(self, workdir: Path, files: list[str], certificates: Certificates | None) -> None:
+        self.workdir = workdir
+        self.runs = workdir / "runs"
+        self.runs.mkdir()
+        # The ServerApp writes here as the image's user.
+        if os.geteuid() == 0:
+            os.chown(self.runs, *CONTAINER_USER)
+        else:
+            self.runs.chmod(0o777)
+        self.control_port = free_port()
+        self.certificates = certificates
+        env = dict(os.environ)
+        env.update(
+            {
+                "BA_IMAGE": IMAGE,
+                "BA_FLEET_PORT": str(free_port()),
+                "BA_CONTROL_PORT": str(self.control_port),
+                "BA_RUNS": str(self.runs),
+                "BA_NUM_SUPERNODES": str(NUM_SUPERNODES),
+            }
+        )
+        if certificates is not None:
+            env["BA_CERTS"] = str(certificates.directory)
+        self.stack = ComposeStack(
+            f"batest{os.getpid()}{workdir.name[-6:].replace('-', '')}".lower(),
+            [REPO / name for name in files],
+            env,
+        )
+        self.flwr_env = flower_environment(workdir / "flwr-home")
+        write_connection(
+            workdir / "flwr-home",
+            CONNECTION,
+            f"127.0.0.1:{self.control_port}",
+            None if certificates is None else certificates.ca_cert,
+        )
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Wait for the Control API, then for NUM_SUPERNODES SuperNodes online."""
+        deadline = time.monotonic() + timeout
+        scheme = "http" if self.certificates is None else "https"
+        context = None
+        if self.certificates is not None:
+            context = ssl.create_default_context(cafile=str(self.certificates.ca_cert))
+        while time.monotonic() < deadline:
+            try:
+                url = f"{scheme}://127.0.0.1:{self.control_port}/health"
+                with urllib.request.urlopen(url, timeout=2.0, context=context):
+                    break
+            except OSError:
+                time.sleep(2.0)
+        while time.monotonic() < deadline:
+            if len(self.online_node_ids()) >= NUM_SUPERNODES:
+                return
+            time.sleep(2.0)
+        logs = "\n".join(
+            f"--- {service}\n{self.stack.logs(service)[-1500:]}"
+            for service in ["superlink", *(f"supernode-{i}" for i in range(NUM_SUPERNODES))]
+        )
+        raise LaunchError(f"the stack was not ready after {timeout} s\n{logs}")
+
+    def online_node_ids(self) -> list[int]:
+        completed = subprocess.run(
+            ["flwr", "supernode", "list", CONNECTION, "--format", "json"],
+            env=self.flwr_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        return online_nodes_from_listing(completed.stdout)
+
+    def run(self, app: Path, strategy: str, name: str, **overrides: Any) -> Path:
+        settings = {**RUN_SETTINGS, "strategy": strategy, "run-name": name, **overrides}
+        return run_app(app, self.flwr_env, CONNECTION, settings, self.runs, timeout=900.0)
+
+    def healthy(self, service: str) -> bool:
+        """Run the service's compose health check now (podman) or read its status (Docker)."""
+        container = self.stack.container(service)
+        probe = subprocess.run(
+            ["docker", "healthcheck", "run", container], capture_output=True, text=True, check=False
+        )
+        if "unknown command" not in probe.stderr.lower() and "is not a docker command" not in (
+            probe.stderr.lower()
+        ):
+            return probe.returncode == 0
+        status = subprocess.run(
+            ["docker", "inspect", "--format", "{{.State.Health.Status}}", container],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        return status == "healthy"
+
+
+def assert_every_round_aggregated(metrics: list[dict[str, Any]], replies: int) -> None:
+    assert [entry["round"] for entry in metrics] == [0, 1, 2]
+    for entry in metrics[1:]:
+        assert entry["replies-valid"] == replies, entry
+        assert entry["replies-dropped"] == 0, entry
+        assert entry["aggregated"] == 1, entry
+        assert 0.0 <= entry["test-accuracy"] <= 1.0
+
+
+@pytest.fixture(scope="module")
+def insecure_stack(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    deployment = Deployment(tmp_path_factory.mktemp("compose"), ["compose.yaml"], None)
+    started = time.monotonic()
+    with deployment.stack.up(timeout=900.0):
+        deployment.wait_ready()
+        timed("compose up, 3 SuperNodes online", started)
+        yield deployment
+
+
+def test_compose_health_checks_pass(insecure_stack: Deployment) -> None:
+    for service in ["superlink", *(f"supernode-{i}" for i in range(NUM_SUPERNODES))]:
+        assert insecure_stack.healthy(service), f"health check of {service} failed"
+
+
+@pytest.mark.parametrize("strategy", strategy_params())
+def test_two_rounds_of_each_strategy_through_the_compose_stack(
+    insecure_stack: Deployment, staged_app: Path, strategy: str
+) -> None:
+    started = time.monotonic()
+    run_dir = insecure_stack.run(staged_app, strategy, f"{strategy}-compose")
+    timed(f"{strategy}: 2 rounds", started)
+    assert_every_round_aggregated(read_metrics(run_dir), NUM_SUPERNODES)
+
+
+def test_run_completes_when_a_supernode_stops_mid_run(
+    insecure_stack: Deployment, staged_app: Path
+) -> None:
+    name = "supernode-stopped"
+    settings = {**RUN_SETTINGS, "strategy": "fedavg", "run-name": name, "min-train-replies": 2}
+    started = time.monotonic()
+    # `flwr run` in the background; supernode-2 is stopped once the run is under way.
+    command = ["flwr", "run", str(staged_app), CONNECTION, "--stream", "--run-config"]
+    command.append(run_config_argument(settings))
+    process = subprocess.Popen(
+        command,
+        env=insecure_stack.flwr_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        metrics_path = insecure_stack.runs / name / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        # Round 0 (the initial model's evaluation) is written just before round 1 is sent out.
+        while not (metrics_path.is_file() and metrics_path.read_text().strip()):
+            assert process.poll() is None, "flwr run ended before round 1 started"
+            assert time.monotonic() < deadline, "the run did not reach round 1 in 600 s"
+            time.sleep(0.5)
+        insecure_stack.stack("stop", "supernode-2", timeout=120.0)
+        process.wait(timeout=900)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        insecure_stack.stack("start", "supernode-2", timeout=120.0, check=False)
+    timed("run with a SuperNode stopped in round 1", started)
+    summary = read_summary(insecure_stack.runs / name / "summary.json")
+    assert summary["status"] == "completed", summary.get("error")
+    metrics = read_metrics(insecure_stack.runs / name)
+    assert [entry["round"] for entry in metrics] == [0, 1, 2]
+    for entry in metrics[1:]:
+        assert entry["aggregated"] == 1, entry
+        assert entry["replies-valid"] >= 2, entry
+    # The stopped node's round-1 reply is missing or an error; round 2 samples the two left.
+    assert metrics[1]["replies-valid"] == 2, metrics[1]
+    assert metrics[2]["replies-received"] == 2, metrics[2]
+
+
+@pytest.fixture(scope="module")
+def tls_certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    owner = f"{CONTAINER_USER[0]}:{CONTAINER_USER[1]}" if os.geteuid() == 0 else None
+    # One key more than SuperNodes: the last one is never registered.
+    return make_certificates(tmp_path_factory.mktemp("certs"), NUM_SUPERNODES + 1, owner=owner)
+
+
+def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
+    image: str,
+    staged_app: Path,
+    tls_certificates: Certificates,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    deployment = Deployment(
+        tmp_path_factory.mktemp("compose-tls"),
+        ["compose.yaml", "compose.tls.yaml"],
+        tls_certificates,
+    )
+    strategy = next(
+        (name for name in ("elastic", "fedgma", "fedavg") if AVAILABLE.get(name) == ""),
+        "fedavg",
+    )
+    started = time.monotonic()
+    with deployment.stack.up(timeout=900.0):
+        deployment.wait_ready()
+        timed("TLS stack up, keys registered, 3 SuperNodes online", started)
+        registrar = deployment.stack.logs("supernode-registrar")
+        assert f"registered {NUM_SUPERNODES} SuperNode key(s)" in registrar, registrar
+
+        started = time.monotonic()
+        run_dir = deployment.run(staged_app, strategy, f"{strategy}-tls")
+        timed(f"TLS {strategy}: 2 rounds", started)
+        assert_every_round_aggregated(read_metrics(run_dir), NUM_SUPERNODES)
+
+        # A SuperNode whose key was never registered, on the stack's network, is refused.
+        network = subprocess.run(
+            [
+                "docker",
+                "inspect",
+                "--format",
+                "{{range $name, $_ := .NetworkSettings.Networks}}{{$name}} {{end}}",
+                deployment.stack.container("superlink"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()[0]
+        key = tls_certificates.supernode_key(NUM_SUPERNODES)
+        intruder = subprocess.run(
+            [
+                "docker",
+                "run",
+                "--rm",
+                "--network",
+                network,
+                "-e",
+                "BA_TLS=1",
+                "-e",
+                "BA_PARTITION_ID=0",
+                "-e",
+                f"BA_NUM_PARTITIONS={NUM_SUPERNODES}",
+                "-e",
+                "BA_SUPERLINK=superlink:9092",
+                "-v",
+                f"{tls_certificates.ca_cert}:/app/certs/ca.crt:ro",
+                "-v",
+                f"{key}:/app/keys/supernode.key:ro",
+                image,
+                "supernode",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        assert intruder.returncode != 0
+        assert "Failed to activate SuperNode" in intruder.stdout + intruder.stderr
+        assert len(deployment.online_node_ids()) == NUM_SUPERNODES
