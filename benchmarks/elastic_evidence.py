@@ -60,7 +60,7 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from client.app import app as client_app  # noqa: E402
 from server.app import client_task, data_spec  # noqa: E402
 from server.config import parse_run_config  # noqa: E402
-from server.launch import LaunchError, launch  # noqa: E402
+from server.launch import LaunchError, launch, run_config_argument  # noqa: E402
 from server.strategy_factory import ServerResources, build_strategy  # noqa: E402
 from tasks.evaluation import evaluate  # noqa: E402
 from tasks.federation import load_server_splits  # noqa: E402
@@ -90,15 +90,6 @@ def variants(adam_lr: float) -> dict[str, dict[str, Any]]:
         "fedadam": {"strategy": "fedavg", **adam},
         "fedadam+elastic": {"strategy": "elastic", **adam},
     }
-
-
-def toml_value(value: Any) -> str:
-    """A value in the TOML syntax of Flower's ``--run-config``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    return repr(value)
 
 
 class NodeGrid:
@@ -230,7 +221,7 @@ def run_one(
     else:
         run_dir = launch(
             REPO,
-            [" ".join(f"{key}={toml_value(value)}" for key, value in settings.items())],
+            [run_config_argument(settings)],
             client_cpus=client_cpus,
         )
         lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()

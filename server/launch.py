@@ -53,6 +53,20 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def toml_value(value: Any) -> str:
+    """A Python value in the TOML syntax of Flower's ``--run-config``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def run_config_argument(settings: Mapping[str, Any]) -> str:
+    """One ``--run-config`` value holding every override of ``settings``."""
+    return " ".join(f"{key}={toml_value(value)}" for key, value in settings.items())
+
+
 def flower_environment(flwr_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment every Flower process of this project needs."""
     env = dict(os.environ if base is None else base)
@@ -321,8 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--client-cpus",
         type=int,
-        default=None,
-        help="CPUs Ray reserves per simulated client (Flower's default: 2)",
+        default=1,
+        help="CPUs Ray reserves per simulated client (default 1: as many clients train at once "
+        "as there are cores; Flower's own default of 2 runs one at a time on a 2-core machine)",
     )
     args = parser.parse_args(argv)
     try:

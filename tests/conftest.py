@@ -19,18 +19,9 @@ from flwr.app import (
     RecordDict,
 )
 
-from server.launch import launch
+from server.launch import launch, run_config_argument
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def toml_value(value: Any) -> str:
-    """A Python value in the TOML syntax of Flower's ``--run-config``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    return repr(value)
 
 
 def reply_message(
@@ -102,8 +93,7 @@ def run_simulation(tmp_path: Path) -> Callable[..., Path]:
 
     def run(overrides: Mapping[str, Any], timeout: float = 420.0) -> Path:
         settings = {"output-dir": str(tmp_path / "runs"), "run-name": "test", **overrides}
-        pairs = [f"{key}={toml_value(value)}" for key, value in settings.items()]
-        return launch(REPO, [" ".join(pairs)], timeout=timeout, client_cpus=1)
+        return launch(REPO, [run_config_argument(settings)], timeout=timeout, client_cpus=1)
 
     return run
 

@@ -44,6 +44,7 @@ from server.launch import (
     flower_environment,
     free_port,
     read_summary,
+    run_config_argument,
     stage_app,
     stop_process_tree,
 )
@@ -65,18 +66,6 @@ CONNECTION = "ba-deploy"
 
 
 # ---------------------------------------------------------------------------------------- config
-def toml_value(value: Any) -> str:
-    """A Python value in the TOML syntax of Flower's ``--run-config``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    return repr(value)
-
-
-def run_config_argument(settings: Mapping[str, Any]) -> str:
-    """One ``--run-config`` value holding every override."""
-    return " ".join(f"{key}={toml_value(value)}" for key, value in settings.items())
 
 
 def write_connection(
