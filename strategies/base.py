@@ -22,7 +22,7 @@ import random
 import time
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, ClassVar
@@ -41,7 +41,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
-from strategies.aggregate import NDArrayDict, normalise_weights
+from strategies.aggregate import NDArrayDict, normalise_weights, npy_view
 from tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
@@ -64,6 +64,15 @@ class ClientReply:
     num_examples: int
     metrics: dict[str, float]
     records: dict[str, NDArrayDict] = field(default_factory=dict)
+
+
+#: ``fn(server_round, global_arrays, valid_replies, weights) -> metrics``: called after each
+#: aggregation with the round's valid replies and their normalised data-size weights; the metrics it
+#: returns are merged into the round's metrics (e.g. strategies.diagnostics.ClientDiagnostics).
+ReplyObserver = Callable[
+    [int, NDArrayDict, Sequence[ClientReply], np.ndarray[Any, np.dtype[np.float64]]],
+    Mapping[str, float | int | list[float]],
+]
 
 
 class ReplyRejected(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -109,7 +118,9 @@ def _check_like_global(
 
 
 def _to_numpy(record: ArrayRecord) -> NDArrayDict:
-    return {key: array.numpy() for key, array in record.items()}
+    # Read-only views of the received bytes: a copy per tensor (Array.numpy) would hold one more
+    # model-sized buffer per client and record during aggregation (benchmarks/systems.py).
+    return {key: npy_view(array.data) for key, array in record.items()}
 
 
 class ContractStrategy(Strategy):
@@ -157,6 +168,7 @@ class ContractStrategy(Strategy):
         self.global_arrays: NDArrayDict = {}
         self.last_round_metrics: dict[str, Any] = {}
         self.last_aggregation_seconds = 0.0
+        self.reply_observers: list[ReplyObserver] = []
 
     # ------------------------------------------------------------------ what subclasses provide
     @abstractmethod
@@ -164,6 +176,10 @@ class ContractStrategy(Strategy):
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
         """New global arrays from the valid replies (same keys, shapes and dtypes)."""
+
+    def add_reply_observer(self, observer: ReplyObserver) -> None:
+        """Call ``observer`` after every aggregation; its metrics join the round's metrics."""
+        self.reply_observers.append(observer)
 
     def train_config_entries(self) -> dict[str, int | float | str | bool]:
         """Extra config a strategy sends with every train message (e.g. sensitivity options)."""
@@ -306,6 +322,8 @@ class ContractStrategy(Strategy):
         metrics["aggregated"] = 1
         metrics["aggregation-seconds"] = self.last_aggregation_seconds
         metrics.update(self.round_metrics())
+        for observer in self.reply_observers:  # after the timing: observers never inflate it
+            metrics.update(observer(server_round, self.global_arrays, valid, weights))
         self.last_round_metrics = metrics
         record = ArrayRecord(
             # asarray(order='C'), not ascontiguousarray: the latter turns 0-d tensors

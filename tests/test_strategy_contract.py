@@ -1,4 +1,4 @@
-"""ContractStrategy: every bad-reply case is dropped, counted and logged; the round goes on or not."""
+"""ContractStrategy: each bad reply is dropped, counted and logged; the round goes on or not."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def bad_reply(case: str) -> Any:
     if case == "missing-arrays":
         return reply_message(RecordDict({"metrics": MetricRecord({"num-examples": 5})}))
     if case == "missing-metrics":
-        return reply_message(RecordDict({"arrays": ArrayRecord(
-            {k: Array(v) for k, v in client(1.0).items()})}))
+        return reply_message(
+            RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in client(1.0).items()})})
+        )
     if case == "bad-num-examples":
         return train_reply(client(1.0), 0)
     if case == "key-mismatch":
