@@ -1,4 +1,4 @@
-"""The ClientApp's train and evaluate actions, called directly with a Message built outside a run."""
+"""The ClientApp's train and evaluate actions, called with a Message built outside a run."""
 
 from __future__ import annotations
 

@@ -1,0 +1,232 @@
+"""Plots of runs: accuracy per round with a band over seeds, and the client diagnostics.
+
+Diagnostics figures read a run's ``metrics.jsonl`` (written with ``diagnostics = true``):
+
+- coherence: FedLAW's cohort coherence per round (``diag-coherence``, top) and the mean pairwise
+  cosine (``diag-cosine-mean``, bottom), with the *critical point* marked: the first round whose
+  cohort coherence is <= 0 while the round before it was > 0;
+- distances: mean pairwise Euclidean, Manhattan and Chebyshev distances between client models
+  (one panel each: their scales differ by orders of magnitude);
+- mutual information: mean pairwise Gaussian MI of the client parameters and of their updates.
+
+Usage (several runs overlay in each figure, labelled by their folder names)::
+
+    .venv/bin/python -m benchmarks.plots runs/<run-a> runs/<run-b> --output-dir docs/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers and in tests
+
+import matplotlib.pyplot as plt
+import numpy as np
+import numpy.typing as npt
+
+Metrics = list[dict[str, Any]]
+
+COHERENCE_KEY = "diag-coherence"
+COSINE_KEY = "diag-cosine-mean"
+DISTANCE_KEYS = {
+    "Euclidean": "diag-euclidean-mean",
+    "Manhattan": "diag-manhattan-mean",
+    "Chebyshev": "diag-chebyshev-mean",
+}
+INFORMATION_KEYS = {"parameters": "diag-mi-mean", "updates": "diag-update-mi-mean"}
+#: Shared figure look: one size and resolution for every PNG of the project's reports.
+FIGURE_SIZE = (7.0, 4.2)
+DPI = 120
+BAND_ALPHA = 0.2
+
+
+def read_run_metrics(run_dir: Path) -> Metrics:
+    """The rounds of ``<run_dir>/metrics.jsonl``."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: pass the folder of a run (runs/<name>)")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def series(metrics: Metrics, key: str) -> tuple[list[int], list[float]]:
+    """Rounds and values of ``key`` over the rounds that have a finite number for it."""
+    rounds, values = [], []
+    for entry in metrics:
+        value = entry.get(key)
+        if isinstance(value, int | float) and math.isfinite(value):
+            rounds.append(int(entry["round"]))
+            values.append(float(value))
+    return rounds, values
+
+
+def critical_point(rounds: Sequence[int], coherence: Sequence[float]) -> int | None:
+    """The first round whose coherence is <= 0 right after a round with coherence > 0."""
+    for index in range(1, len(coherence)):
+        if coherence[index - 1] > 0.0 >= coherence[index]:
+            return int(rounds[index])
+    return None
+
+
+def _save(figure: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=DPI)
+    plt.close(figure)
+    return path
+
+
+def plot_coherence(runs: Mapping[str, Metrics], path: Path) -> Path:
+    """Cohort coherence (top) and mean pairwise cosine (bottom) per round, critical points marked.
+
+    The cohort value weighs each pair by lambda_i lambda_j / m, so it is about (1 - sum lambda^2)/m
+    times smaller than the mean cosine: two panels keep both readable.
+    """
+    figure, (top, bottom) = plt.subplots(
+        2, 1, figsize=(FIGURE_SIZE[0], FIGURE_SIZE[1] * 1.5), sharex=True
+    )
+    for axes in (top, bottom):
+        axes.axhline(0.0, color="grey", linewidth=0.8)
+    for index, (label, metrics) in enumerate(runs.items()):
+        rounds, coherence = series(metrics, COHERENCE_KEY)
+        (line,) = top.plot(rounds, coherence, marker=".", label=label)
+        bottom.plot(*series(metrics, COSINE_KEY), marker=".", color=line.get_color())
+        point = critical_point(rounds, coherence)
+        if point is None:
+            continue
+        for axes in (top, bottom):
+            axes.axvline(point, color=line.get_color(), linestyle="--", linewidth=1.0)
+        top.annotate(
+            f"critical point: round {point}",
+            (point, 0.0),
+            textcoords="offset points",
+            xytext=(6, 10 + 14 * index),  # one line per run when their points coincide
+            color=line.get_color(),
+        )
+    top.set_ylabel("cohort coherence")
+    top.set_title("Local gradient coherence (FedLAW, section 5)")
+    top.legend(fontsize="small")
+    bottom.set_ylabel("mean pairwise cosine")
+    bottom.set_xlabel("round")
+    return _save(figure, path)
+
+
+def plot_distances(runs: Mapping[str, Metrics], path: Path) -> Path:
+    """Mean pairwise Euclidean, Manhattan and Chebyshev distance between client models."""
+    figure, panels = plt.subplots(1, len(DISTANCE_KEYS), figsize=(FIGURE_SIZE[0] * 1.6, 3.6))
+    for axes, (name, key) in zip(panels, DISTANCE_KEYS.items(), strict=True):
+        for label, metrics in runs.items():
+            axes.plot(*series(metrics, key), marker=".", label=label)
+        axes.set_title(f"{name} distance")
+        axes.set_xlabel("round")
+    panels[0].set_ylabel("mean over client pairs")
+    panels[0].legend(fontsize="small")
+    return _save(figure, path)
+
+
+def plot_mutual_information(runs: Mapping[str, Metrics], path: Path) -> Path:
+    """Mean pairwise Gaussian mutual information of client parameters (solid) and updates."""
+    figure, axes = plt.subplots(figsize=FIGURE_SIZE)
+    for label, metrics in runs.items():
+        (line,) = axes.plot(
+            *series(metrics, INFORMATION_KEYS["parameters"]), marker=".", label=f"{label}"
+        )
+        axes.plot(
+            *series(metrics, INFORMATION_KEYS["updates"]),
+            linestyle=":",
+            color=line.get_color(),
+        )
+    axes.set_xlabel("round")
+    axes.set_ylabel("mutual information (nats)")
+    axes.set_title("Gaussian MI between clients (solid: parameters, dotted: updates)")
+    axes.legend(fontsize="small")
+    return _save(figure, path)
+
+
+def plot_diagnostics(runs: Mapping[str, Metrics], output_dir: Path, stem: str) -> list[Path]:
+    """The three diagnostics figures ``<stem>-coherence/-distances/-mi.png``.
+
+    Raises
+    ------
+    ValueError
+        When no run has diagnostics (they were run without ``diagnostics = true``).
+    """
+    if not any(series(metrics, COHERENCE_KEY)[0] for metrics in runs.values()):
+        raise ValueError(
+            f"runs {sorted(runs)} hold no '{COHERENCE_KEY}' metric: run them with "
+            "-c 'diagnostics=true'"
+        )
+    return [
+        plot_coherence(runs, output_dir / f"{stem}-coherence.png"),
+        plot_distances(runs, output_dir / f"{stem}-distances.png"),
+        plot_mutual_information(runs, output_dir / f"{stem}-mi.png"),
+    ]
+
+
+def plot_accuracy_bands(
+    curves: Mapping[str, tuple[Sequence[int], npt.NDArray[np.float64]]],
+    path: Path,
+    *,
+    title: str,
+    target: float | None = None,
+) -> Path:
+    """Test accuracy per round: one line per strategy (mean over seeds), a band of +- 1 std.
+
+    Parameters
+    ----------
+    curves : Mapping[str, (rounds, accuracies)]
+        Per strategy label, the rounds and a (seeds, rounds) array of accuracies in [0, 1].
+    path : Path
+        The PNG to write.
+    title : str
+        Figure title.
+    target : float, optional
+        A target accuracy, drawn as a dashed horizontal line.
+    """
+    figure, axes = plt.subplots(figsize=FIGURE_SIZE)
+    for label, (rounds, accuracies) in curves.items():
+        values = np.atleast_2d(np.asarray(accuracies, dtype=np.float64)) * 100.0
+        mean = values.mean(axis=0)
+        seeds = values.shape[0]
+        (line,) = axes.plot(rounds, mean, label=f"{label} ({seeds} seed{'s' * (seeds > 1)})")
+        if seeds > 1:
+            spread = values.std(axis=0, ddof=1)
+            axes.fill_between(
+                rounds, mean - spread, mean + spread, color=line.get_color(), alpha=BAND_ALPHA
+            )
+    if target is not None:
+        axes.axhline(target * 100.0, color="grey", linestyle="--", linewidth=0.8, label="target")
+    axes.set_xlabel("round")
+    axes.set_ylabel("test accuracy (%)")
+    axes.set_title(title)
+    axes.legend(fontsize="small")
+    return _save(figure, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Draw the diagnostics figures of one or more runs."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.plots", description="Draw the client-diagnostics figures."
+    )
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders (runs/<name>)")
+    parser.add_argument("--output-dir", type=Path, default=Path("docs/results"))
+    parser.add_argument("--stem", default="diagnostics", help="file name prefix")
+    args = parser.parse_args(argv)
+    runs = {run.name: read_run_metrics(run) for run in args.runs}
+    for path in plot_diagnostics(runs, args.output_dir, args.stem):
+        print(f"wrote {path}")
+    for label, metrics in runs.items():
+        point = critical_point(*series(metrics, COHERENCE_KEY))
+        print(f"{label}: critical point {'none' if point is None else f'at round {point}'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
