@@ -54,9 +54,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 import torch  # noqa: E402
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
+from benchmarks.inprocess import NodeGrid, delivered  # noqa: E402
 from client.app import app as client_app  # noqa: E402
 from server.app import client_task, data_spec  # noqa: E402
 from server.config import parse_run_config  # noqa: E402
@@ -92,33 +93,6 @@ def variants(adam_lr: float) -> dict[str, dict[str, Any]]:
     }
 
 
-class NodeGrid:
-    """The one Grid method ``configure_train`` uses: the connected node ids."""
-
-    def __init__(self, num_nodes: int) -> None:
-        self.node_ids = list(range(1, num_nodes + 1))
-
-    def get_node_ids(self) -> list[int]:
-        """Node i runs partition i - 1."""
-        return self.node_ids
-
-
-def delivered(message: Message, message_id: str) -> Message:
-    """The instruction as a SuperNode receives it (the SuperLink fills in the metadata)."""
-    metadata = Metadata(
-        run_id=1,
-        message_id=message_id,
-        src_node_id=0,
-        dst_node_id=message.metadata.dst_node_id,
-        reply_to_message_id="",
-        group_id=message.metadata.group_id,
-        created_at=time.time(),
-        ttl=message.metadata.ttl,
-        message_type=message.metadata.message_type,
-    )
-    return Message(metadata=metadata, content=message.content)  # type: ignore[call-overload,no-any-return]
-
-
 def federate_in_process(settings: Mapping[str, Any]) -> list[float]:
     """Run the ServerApp's loop in this process; centralised test accuracy after every round."""
     config = parse_run_config(settings)
@@ -142,7 +116,7 @@ def federate_in_process(settings: Mapping[str, Any]) -> list[float]:
     arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
     accuracy = [evaluate(model, test_set, device)[1]]
     for server_round in range(1, config.num_server_rounds + 1):
-        task_config = ConfigRecord(client_task(config).to_config())  # type: ignore[arg-type]
+        task_config = ConfigRecord(client_task(config).to_config())
         messages = strategy.configure_train(server_round, arrays, task_config, grid)  # type: ignore[arg-type]
         replies = [
             client_app(delivered(m, f"{server_round}-{i}"), contexts[m.metadata.dst_node_id])
