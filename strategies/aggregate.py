@@ -62,15 +62,20 @@ def npy_view(data: bytes | bytearray | memoryview) -> npt.NDArray[Any]:
     return flat.reshape(shape, order="F" if fortran_order else "C")
 
 
-def normalise_weights(num_examples: Sequence[float] | npt.NDArray[Any]) -> npt.NDArray[np.float64]:
+def normalise_weights(
+    num_examples: Sequence[float] | npt.NDArray[Any], num_clients: int | None = None
+) -> npt.NDArray[np.float64]:
     """Data-size weights p_k = n_k / sum_j n_j.
 
     Raises
     ------
     ValueError
-        When a count is not finite or not positive, or when there is none.
+        When a count is not finite or not positive, when there is none, or when
+        ``num_clients`` is given and differs from the number of counts.
     """
     counts = np.asarray(num_examples, dtype=np.float64)
+    if num_clients is not None and counts.size != num_clients:
+        raise ValueError(f"{num_clients} clients but {counts.size} weights")
     if counts.ndim != 1 or counts.size == 0:
         raise ValueError(f"need a non-empty 1-D list of example counts, got shape {counts.shape}")
     if not np.all(np.isfinite(counts)) or np.any(counts <= 0):

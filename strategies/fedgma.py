@@ -153,9 +153,7 @@ def soft_mask(
     """
     _check_threshold(threshold)
     keys = _check_same_keys("update", updates)
-    probabilities = normalise_weights(weights)
-    if probabilities.size != len(updates):
-        raise ValueError(f"{len(updates)} clients but {probabilities.size} weights")
+    probabilities = normalise_weights(weights, num_clients=len(updates))
     masks: dict[str, npt.NDArray[np.float64]] = {}
     for key in keys:
         agreement = np.zeros(as_numpy(updates[0][key]).shape, dtype=np.float64)
@@ -202,9 +200,7 @@ def and_mask(
     dict of numpy arrays
         The masked mean gradient per key, in the dtype of the first client's gradient.
     """
-    probabilities = normalise_weights(weights)
-    if probabilities.size != len(gradients):
-        raise ValueError(f"{len(gradients)} clients but {probabilities.size} weights")
+    probabilities = normalise_weights(weights, num_clients=len(gradients))
     masked, _ = _masked_gradient_mean(gradients, probabilities, threshold)
     return {
         key: value.astype(as_numpy(gradients[0][key]).dtype, copy=False)
@@ -227,9 +223,7 @@ def fedgma_step(
         raise ValueError(f"mask = {mask!r}: allowed is 'hard' or 'soft'")
     if not (math.isfinite(server_lr) and server_lr >= 0.0):
         raise ValueError(f"server_lr = {server_lr}: allowed is a finite value >= 0")
-    probabilities = normalise_weights(weights)
-    if probabilities.size != len(client_arrays):
-        raise ValueError(f"{len(client_arrays)} clients but {probabilities.size} weights")
+    probabilities = normalise_weights(weights, num_clients=len(client_arrays))
     global_np = as_numpy_dict(global_arrays)
     average = weighted_mean(client_arrays, probabilities, keys=list(global_np))
     float_keys = [key for key, value in global_np.items() if is_floating(value)]
