@@ -354,13 +354,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--rounds",
         nargs="+",
-        default=["digits=30", "fashion-mnist=6"],
+        default=["digits=30", "fashion-mnist=20"],
         help="server rounds per dataset, as dataset=rounds",
     )
     parser.add_argument(
         "--seeds-for",
         nargs="*",
-        default=["fashion-mnist=0"],
+        default=[],
         help="seeds of one dataset, e.g. fashion-mnist=0,1,2 (overrides --seeds for it)",
     )
     parser.add_argument("--adam-lr", type=float, default=0.03, help="FedAdam server lr")
@@ -396,7 +396,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for variant in order:
                     path = result_path(dataset, variant, seed)
                     if path.is_file():
-                        continue
+                        saved = json.loads(path.read_text(encoding="utf-8"))
+                        if saved["settings"]["num-server-rounds"] == rounds[dataset]:
+                            continue  # finished before: resume without redoing it
+                        print(
+                            f"== {path.name} has {saved['settings']['num-server-rounds']} rounds, "
+                            f"{rounds[dataset]} asked: running it again",
+                            flush=True,
+                        )
                     print(f"== {dataset} {variant} seed {seed}", flush=True)
                     try:
                         record = run_one(
