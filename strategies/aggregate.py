@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Mapping, Sequence
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 from numpy.lib import format as npy_format
 
 NDArrayDict = dict[str, npt.NDArray[Any]]
@@ -62,6 +66,28 @@ def npy_view(data: bytes | bytearray | memoryview) -> npt.NDArray[Any]:
     return flat.reshape(shape, order="F" if fortran_order else "C")
 
 
+_TORCH_FLOATS = frozenset(np.dtype(name) for name in ("float16", "float32", "float64"))
+
+
+def value_range(array: npt.NDArray[Any]) -> tuple[float, float]:
+    """(min, max) of a floating array in one pass; NaN in either when the array holds a NaN.
+
+    Replies are checked with it (finite iff both ends are finite; a sensitivity is >= 0 iff the
+    min is): torch's ``aminmax`` reads the tensor once, with no temporary mask, on several cores,
+    and handles float16 natively, where NumPy's ``isfinite`` and ``min`` emulate it slowly.
+    """
+    if array.size == 0:
+        return 0.0, 0.0
+    if array.dtype.newbyteorder("=") not in _TORCH_FLOATS or not array.dtype.isnative:
+        return float(array.min()), float(array.max())  # rare dtypes: NumPy, also NaN-propagating
+    with warnings.catch_warnings():
+        # A view of a reply's read-only bytes: only read here.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+    low, high = torch.aminmax(tensor)
+    return float(low), float(high)
+
+
 def normalise_weights(
     num_examples: Sequence[float] | npt.NDArray[Any], num_clients: int | None = None
 ) -> npt.NDArray[np.float64]:
@@ -92,24 +118,88 @@ def _cast_like(value: npt.NDArray[Any], template: npt.NDArray[Any]) -> npt.NDArr
     return value.astype(template.dtype, copy=False)
 
 
-def _weighted_sum(
+#: Elements per block of :func:`blockwise_sum`: a float64 accumulator block and its scratch
+#: (512 KiB each) stay in the CPU cache while all K clients are added into them, so main memory
+#: sees each client's tensor read once instead of the accumulator read and written K times.
+BLOCK_ELEMENTS = 1 << 16
+
+#: Threads that share the blocks of one tensor in :func:`blockwise_sum` (NumPy releases the GIL
+#: inside its loops, so they run in parallel); 1 turns threading off.
+SUM_THREADS = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8)
+
+#: ``term(block, weight, where, out)``: write one client's term for the elements ``where`` of the
+#: flattened tensor into ``out`` (float64), given that client's ``block`` of them and its weight.
+#: It may run in several threads at once (on different blocks), so it keeps no shared scratch.
+BlockTerm = Callable[[npt.NDArray[Any], float, slice, npt.NDArray[np.float64]], None]
+
+
+def weighted_term(
+    block: npt.NDArray[Any], weight: float, where: slice, out: npt.NDArray[np.float64]
+) -> None:
+    """The default :data:`BlockTerm`: ``weight * block``."""
+    np.multiply(block, weight, out=out, dtype=np.float64)
+
+
+def blockwise_sum(
     client_arrays: Sequence[Mapping[str, ArrayLike]],
-    weights: npt.NDArray[np.float64],
+    weights: npt.NDArray[np.float64] | Sequence[float],
     key: str,
     shape: tuple[int, ...],
+    term: BlockTerm = weighted_term,
 ) -> npt.NDArray[np.float64]:
-    """sum_k weights[k] * client_arrays[k][key] in float64 (zeros of ``shape`` for no client).
+    """sum_k term(client_arrays[k][key], weights[k]) in float64 (zeros of ``shape`` for no client).
 
-    Each weighted term goes through one scratch buffer reused for every client: a fresh float64
-    temporary per client and tensor costs a page-faulting allocation each time (10-40 % of a
-    weighted mean's time on a 10 M-parameter model). The values are bit for bit the same.
+    The sum runs block by block (``BLOCK_ELEMENTS``), each block over every client in turn, with
+    one scratch buffer for the term, the blocks shared by ``SUM_THREADS`` threads; the values are
+    bit for bit those of summing whole tensors client after client, about twice as fast on a
+    10 M-parameter model, with no per-client temporary.
+
+    Raises
+    ------
+    ValueError
+        When a client's tensor ``key`` does not have ``shape``.
     """
     accumulator = np.zeros(shape, dtype=np.float64)
-    scratch = np.empty_like(accumulator)
-    for weight, arrays in zip(weights, client_arrays, strict=True):
-        np.multiply(as_numpy(arrays[key]), weight, out=scratch, dtype=np.float64)
-        accumulator += scratch
+    flats = []
+    for index, arrays in enumerate(client_arrays):
+        value = as_numpy(arrays[key])
+        if value.shape != accumulator.shape:
+            raise ValueError(
+                f"client {index} tensor {key!r} has shape {value.shape}, expected {shape}"
+            )
+        flats.append(value.reshape(-1))
+    total = accumulator.reshape(-1)
+    starts = range(0, total.size, BLOCK_ELEMENTS)
+    threads = min(SUM_THREADS, len(starts))
+    if threads <= 1:
+        _sum_blocks(flats, weights, total, term, starts)
+        return accumulator
+    # Each thread owns every threads-th block: disjoint slices of the accumulator, so the result
+    # does not depend on the thread count or on scheduling.
+    with ThreadPoolExecutor(threads) as pool:
+        parts = [starts[first::threads] for first in range(threads)]
+        running = [pool.submit(_sum_blocks, flats, weights, total, term, part) for part in parts]
+        for finished in running:
+            finished.result()  # re-raises a worker's exception here
     return accumulator
+
+
+def _sum_blocks(
+    flats: Sequence[npt.NDArray[Any]],
+    weights: npt.NDArray[np.float64] | Sequence[float],
+    total: npt.NDArray[np.float64],
+    term: BlockTerm,
+    starts: range,
+) -> None:
+    """Add every client's term into the blocks of ``total`` that begin at ``starts``."""
+    scratch = np.empty(min(BLOCK_ELEMENTS, total.size), dtype=np.float64)
+    for start in starts:
+        where = slice(start, start + BLOCK_ELEMENTS)
+        block = total[where]
+        out = scratch[: block.size]
+        for weight, flat in zip(weights, flats, strict=True):
+            term(flat[where], float(weight), where, out)
+            block += out
 
 
 def weighted_mean(
@@ -133,7 +223,7 @@ def weighted_mean(
     result: NDArrayDict = {}
     for key in selected:
         template = as_numpy(client_arrays[0][key])
-        accumulator = _weighted_sum(client_arrays, weights_arr, key, template.shape)
+        accumulator = blockwise_sum(client_arrays, weights_arr, key, template.shape)
         result[key] = (
             _cast_like(accumulator, template)
             if dtype is None
@@ -155,7 +245,7 @@ def pseudo_gradient(
     total = weights_arr.sum()
     for key in selected:
         current = as_numpy(global_arrays[key])
-        mean = _weighted_sum(client_arrays, weights_arr, key, current.shape)
+        mean = blockwise_sum(client_arrays, weights_arr, key, current.shape)
         # (sum_k p_k) w - mean, written into the mean's buffer: no further model-sized copy.
         np.subtract(np.multiply(current, total, dtype=np.float64), mean, out=mean)
         result[key] = mean

@@ -41,7 +41,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
-from strategies.aggregate import NDArrayDict, normalise_weights, npy_view
+from strategies.aggregate import NDArrayDict, normalise_weights, npy_view, value_range
 from tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
@@ -86,7 +86,11 @@ class ReplyRejected(Exception):  # noqa: N818 - a control-flow signal, not an er
 
 def _finite(arrays: Mapping[str, np.ndarray[Any, Any]]) -> str | None:
     for key, value in arrays.items():
-        if np.issubdtype(value.dtype, np.number) and not np.all(np.isfinite(value)):
+        if np.issubdtype(value.dtype, np.floating) and not all(
+            np.isfinite(end) for end in value_range(value)
+        ):
+            return key
+        if np.issubdtype(value.dtype, np.complexfloating) and not np.all(np.isfinite(value)):
             return key
     return None
 

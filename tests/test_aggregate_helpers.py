@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 from flwr.app import Array
 
-from strategies.aggregate import npy_view, pseudo_gradient, weighted_mean
+from strategies import aggregate
+from strategies.aggregate import (
+    blockwise_sum,
+    npy_view,
+    pseudo_gradient,
+    value_range,
+    weighted_mean,
+)
 
 
 def npy_bytes(array: np.ndarray[Any, Any], version: tuple[int, int] | None = None) -> bytes:
@@ -87,3 +94,82 @@ def test_pseudo_gradient_matches_a_per_element_loop() -> None:
             )
             assert result[i, j] == pytest.approx(expected, rel=1e-12, abs=1e-12)
     assert result.dtype == np.float64
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_blockwise_sum_equals_whole_tensor_sums_bit_for_bit_across_blocks(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aggregate, "BLOCK_ELEMENTS", 4)  # 3 x 5 = 15 elements: 3 blocks + 3
+    monkeypatch.setattr(aggregate, "SUM_THREADS", threads)
+    rng = np.random.default_rng(5)
+    clients = [{"w": rng.normal(size=(3, 5)).astype(np.float32)} for _ in range(4)]
+    weights = np.array([0.1, 0.2, 0.3, 0.4])
+    reference = np.zeros((3, 5))
+    for weight, client in zip(weights, clients, strict=True):  # client after client
+        reference += weight * client["w"].astype(np.float64)
+    result = blockwise_sum(clients, weights, "w", (3, 5))
+    assert result.dtype == np.float64
+    np.testing.assert_array_equal(result, reference)
+
+
+def test_blockwise_sum_applies_a_custom_term_to_every_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(aggregate, "BLOCK_ELEMENTS", 2)
+    clients = [{"g": np.array([-2.0, 0.0, 3.0])}, {"g": np.array([1.0, -1.0, 5.0])}]
+
+    def sign_votes(block: Any, weight: float, where: slice, out: Any) -> None:
+        np.sign(block, out=out)
+        out *= weight
+
+    result = blockwise_sum(clients, [1.0, 1.0], "g", (3,), sign_votes)
+    np.testing.assert_array_equal(result, [0.0, -1.0, 2.0])  # by hand: -1+1, 0-1, 1+1
+
+
+def test_blockwise_sum_names_a_client_tensor_of_the_wrong_shape() -> None:
+    clients = [{"w": np.zeros((2, 3))}, {"w": np.zeros((3, 2))}]
+    with pytest.raises(ValueError, match=r"client 1 tensor 'w' has shape \(3, 2\)"):
+        blockwise_sum(clients, [0.5, 0.5], "w", (2, 3))
+
+
+@pytest.mark.parametrize(
+    ("array", "expected_low", "expected_high"),
+    [
+        (np.array([3.0, -2.0, 7.5], np.float32), -2.0, 7.5),
+        (np.array([0.5, np.inf, 1.0], np.float16), 0.5, np.inf),
+        (np.array([-np.inf, 0.0]), -np.inf, 0.0),
+        (np.arange(4, dtype=">f8"), 0.0, 3.0),  # not native byte order
+        (np.array([2.0, 5.0], np.longdouble), 2.0, 5.0),  # not a torch dtype
+        (np.asfortranarray(np.array([[1.0, -4.0], [9.0, 2.0]])), -4.0, 9.0),
+    ],
+)
+def test_value_range_is_the_min_and_max(
+    array: np.ndarray[Any, Any], expected_low: float, expected_high: float
+) -> None:
+    assert value_range(array) == (expected_low, expected_high)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_value_range_reports_a_single_nan_at_both_ends(dtype: Any) -> None:
+    array = np.ones(100_003, dtype=dtype)
+    array[77_777] = np.nan
+    array.flags.writeable = False  # like a view of a reply
+    low, high = value_range(array)
+    assert np.isnan(low)
+    assert np.isnan(high)
+
+
+def test_blockwise_sum_raises_a_term_error_from_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(aggregate, "BLOCK_ELEMENTS", 2)
+    monkeypatch.setattr(aggregate, "SUM_THREADS", 2)
+
+    def failing(block: Any, weight: float, where: slice, out: Any) -> None:
+        if where.start == 2:
+            raise RuntimeError("term failed on block 2")
+        out[...] = block
+
+    with pytest.raises(RuntimeError, match="term failed on block 2"):
+        blockwise_sum([{"w": np.zeros(6)}], [1.0], "w", (6,), failing)
