@@ -35,6 +35,7 @@ from strategies.aggregate import (
     as_numpy_dict,
     normalise_weights,
     pseudo_gradient,
+    value_range,
     weighted_mean,
 )
 from strategies.base import ClientReply, ContractStrategy, ReplyRejected
@@ -71,7 +72,8 @@ def elastic_zeta(sensitivity: npt.NDArray[Any], tau: float) -> npt.NDArray[np.fl
     """zeta = 1 + tau - Omega / (max(Omega) + 1e-13), the max over this one tensor's elements."""
     omega = np.asarray(sensitivity, dtype=np.float64)
     largest = float(omega.max(initial=0.0))
-    zeta: npt.NDArray[np.float64] = 1.0 + tau - omega / (largest + MAX_GUARD)
+    zeta: npt.NDArray[np.float64] = np.divide(omega, -(largest + MAX_GUARD))
+    zeta += 1.0 + tau  # in place: one model-sized buffer for zeta, not three temporaries
     return zeta
 
 
@@ -141,13 +143,15 @@ def elastic_update(
     scaled = set(keys)
     unscaled = [key for key in global_np if key not in scaled]
     average = weighted_mean(client_arrays, probabilities, keys=unscaled) if unscaled else {}
-    omega = weighted_mean(
-        [{key: as_numpy(s[key]).astype(np.float64) for key in keys} for s in client_sensitivities],
-        probabilities,
-    )
+    # float64 accumulation of any input dtype (float16 included), without a converted copy of
+    # every client's sensitivity.
+    omega = weighted_mean(client_sensitivities, probabilities, keys=keys, dtype=np.float64)
     update = pseudo_gradient(global_np, client_arrays, probabilities, keys=keys)
-    zeta = {key: elastic_zeta(omega[key], tau) for key in keys}
-    return {key: zeta[key] * update[key] for key in keys}, average, zeta
+    zeta: NDArrayDict = {}
+    for key in keys:
+        zeta[key] = elastic_zeta(omega.pop(key), tau)
+        update[key] *= zeta[key]  # zeta * D in D's own buffer
+    return update, average, zeta
 
 
 def aggregate_elastic(
@@ -174,11 +178,8 @@ def aggregate_elastic(
     scaled_update, average, _ = elastic_update(
         global_arrays, client_arrays, client_sensitivities, weights, tau
     )
-    result = dict(average)
-    for key, step in scaled_update.items():
-        current = as_numpy(global_arrays[key])
-        result[key] = (current.astype(np.float64) - server_lr * step).astype(current.dtype)
-    return result
+    stepped = {**average, **ServerOptimizer("sgd", server_lr).step(global_arrays, scaled_update)}
+    return {key: stepped[key] for key in global_arrays}  # the model's tensor order
 
 
 class ElasticAggregation(ContractStrategy):
@@ -277,7 +278,7 @@ class ElasticAggregation(ContractStrategy):
                 f"(missing: {missing[:5]}, not parameters: {extra[:5]}). {SENSITIVITY_HINT}",
             )
         for key, value in sensitivity.items():
-            if np.any(value < 0):
+            if value_range(value)[0] < 0:
                 raise ReplyRejected(
                     f"bad-{SENSITIVITY_RECORD}",
                     f"record '{SENSITIVITY_RECORD}' tensor '{key}' has negative values; "
@@ -308,7 +309,8 @@ class ElasticAggregation(ContractStrategy):
             self.tau,
         )
         self._zeta_metrics = _zeta_summary(zeta)
-        return {**average, **self.optimizer.step(global_arrays, scaled_update)}
+        stepped = {**average, **self.optimizer.step(global_arrays, scaled_update)}
+        return {key: stepped[key] for key in global_arrays}  # the model's tensor order
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
         """Mean and minimum zeta over all scaled elements of the last round."""

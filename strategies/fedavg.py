@@ -45,13 +45,16 @@ def aggregate_fedavg(
         None, or plain SGD with lr 1, returns the weighted mean itself.
     """
     probabilities = normalise_weights(weights)
-    average = weighted_mean(client_arrays, probabilities, keys=list(global_arrays))
     if optimizer is None or (optimizer.name == "sgd" and optimizer.lr == 1.0):
-        return average
+        return weighted_mean(client_arrays, probabilities, keys=list(global_arrays))
     global_np = as_numpy_dict(global_arrays)
     float_keys = [key for key, value in global_np.items() if is_floating(value)]
+    # Integer buffers (BatchNorm's counter) are averaged; only floating tensors take the step.
+    counters = [key for key in global_np if key not in set(float_keys)]
+    average = weighted_mean(client_arrays, probabilities, keys=counters) if counters else {}
     update = pseudo_gradient(global_np, client_arrays, probabilities, keys=float_keys)
-    return {**average, **optimizer.step(global_np, update)}
+    stepped = {**average, **optimizer.step(global_np, update)}
+    return {key: stepped[key] for key in global_np}  # the model's tensor order
 
 
 class FedAvg(ContractStrategy):

@@ -42,11 +42,14 @@ from strategies.aggregate import (
     NDArrayDict,
     as_numpy,
     as_numpy_dict,
+    blockwise_sum,
     is_floating,
     normalise_weights,
+    pseudo_gradient,
     weighted_mean,
 )
 from strategies.base import ClientReply, ContractStrategy
+from strategies.server_optimizer import ServerOptimizer
 from tasks.protocol import GRADIENT_RECORD
 
 MaskVariant = Literal["hard", "soft"]
@@ -119,15 +122,15 @@ def hard_mask(
     """
     _check_threshold(threshold)
     keys = _check_same_keys("gradient", gradients)
-    # Vote counts are integers, so ">= threshold * K" is ">= ceil(threshold * K)".
+    # Vote counts are integers, so ">= threshold * K" is ">= ceil(threshold * K)"; sums of
+    # +-1 and 0 are exact in float64.
     votes_needed = math.ceil(threshold * len(gradients) - _AGREEMENT_TOLERANCE)
-    masks: dict[str, npt.NDArray[np.bool_]] = {}
-    for key in keys:
-        sign_sum = np.zeros(as_numpy(gradients[0][key]).shape, dtype=np.int64)
-        for gradient in gradients:
-            sign_sum += np.sign(as_numpy(gradient[key])).astype(np.int64)
-        masks[key] = np.abs(sign_sum) >= votes_needed
-    return masks
+    ones = np.ones(len(gradients))
+    return {
+        key: np.abs(blockwise_sum(gradients, ones, key, _shape(gradients, key), _SignVote()))
+        >= votes_needed
+        for key in keys
+    }
 
 
 def soft_mask(
@@ -154,14 +157,55 @@ def soft_mask(
     _check_threshold(threshold)
     keys = _check_same_keys("update", updates)
     probabilities = normalise_weights(weights, num_clients=len(updates))
-    masks: dict[str, npt.NDArray[np.float64]] = {}
-    for key in keys:
-        agreement = np.zeros(as_numpy(updates[0][key]).shape, dtype=np.float64)
-        for weight, update in zip(probabilities, updates, strict=True):
-            agreement += weight * np.sign(as_numpy(update[key]))
-        agreement = np.abs(agreement)
-        masks[key] = np.where(agreement >= threshold - _AGREEMENT_TOLERANCE, 1.0, agreement)
-    return masks
+    return {
+        key: _agreement_mask(
+            blockwise_sum(updates, probabilities, key, _shape(updates, key), _SignVote()),
+            threshold,
+        )
+        for key in keys
+    }
+
+
+def _shape(dicts: Sequence[Mapping[str, Any]], key: str) -> tuple[int, ...]:
+    return tuple(as_numpy(dicts[0][key]).shape)
+
+
+class _SignVote:
+    """``weight * sign(reference - block)`` for one block (a :data:`BlockTerm`); sign(0) = 0.
+
+    With ``reference`` w this is a client's soft-mask vote sign(w - theta_k); without one it is
+    ``weight * sign(block)`` (a gradient's or an update's own sign). The sign is taken as
+    ``(a > b) - (a < b)``: exact for any float dtype, and about five times faster than
+    ``np.sign`` of a difference (comparisons are vectorised, ``np.sign`` is not).
+    """
+
+    def __init__(self, reference: npt.NDArray[Any] | None = None) -> None:
+        self.reference = None if reference is None else reference.reshape(-1)
+
+    def __call__(
+        self, block: npt.NDArray[Any], weight: float, where: slice, out: npt.NDArray[np.float64]
+    ) -> None:
+        # Block-sized scratch per call (3 x 64 KiB, from the allocator's pool): blocks may be
+        # summed in several threads at once.
+        above, below = np.empty(block.size, np.bool_), np.empty(block.size, np.bool_)
+        vote = np.empty(block.size, np.int8)
+        if self.reference is None:
+            np.greater(block, 0, out=above)
+            np.less(block, 0, out=below)
+        else:
+            np.greater(self.reference[where], block, out=above)
+            np.less(self.reference[where], block, out=below)
+        np.subtract(above.view(np.int8), below.view(np.int8), out=vote)
+        np.multiply(vote, weight, out=out)
+
+
+def _agreement_mask(
+    signed_agreement: npt.NDArray[np.float64], threshold: float
+) -> npt.NDArray[np.float64]:
+    """m = 1 where A = |sum_k p_k sign(D_k)| >= threshold, A elsewhere (in the input's buffer)."""
+    agreement = np.abs(signed_agreement, out=signed_agreement)
+    agreement[agreement >= threshold - _AGREEMENT_TOLERANCE] = 1.0
+    return agreement
 
 
 def _masked_gradient_mean(
@@ -172,8 +216,9 @@ def _masked_gradient_mean(
     masks = hard_mask(gradients, threshold)
     # The mask is one per coordinate, shared by all clients, so sum_k p_k mask(g_k) equals
     # mask * sum_k p_k g_k: one weighted mean, then one multiplication.
-    mean = weighted_mean(gradients, probabilities, keys=list(masks))
-    masked = {key: np.where(masks[key], mean[key].astype(np.float64), 0.0) for key in masks}
+    masked = weighted_mean(gradients, probabilities, keys=list(masks), dtype=np.float64)
+    for key, mask in masks.items():
+        masked[key] *= mask
     kept = sum(int(mask.sum()) for mask in masks.values())
     total = sum(mask.size for mask in masks.values())
     return masked, kept / max(total, 1)
@@ -225,8 +270,11 @@ def fedgma_step(
         raise ValueError(f"server_lr = {server_lr}: allowed is a finite value >= 0")
     probabilities = normalise_weights(weights, num_clients=len(client_arrays))
     global_np = as_numpy_dict(global_arrays)
-    average = weighted_mean(client_arrays, probabilities, keys=list(global_np))
     float_keys = [key for key, value in global_np.items() if is_floating(value)]
+    # The hard variant steps from the average; the soft one steps its floating tensors from w,
+    # so only its integer buffers (BatchNorm's counter) need the average.
+    averaged = list(global_np) if mask == "hard" else [k for k in global_np if k not in float_keys]
+    average = weighted_mean(client_arrays, probabilities, keys=averaged) if averaged else {}
     if mask == "hard":
         if client_gradients is None or len(client_gradients) != len(client_arrays):
             raise ValueError(
@@ -241,28 +289,30 @@ def fedgma_step(
                 f"gradient keys {not_float[:5]} are not floating tensors of the global model"
             )
         grad, mask_mean = _masked_gradient_mean(client_gradients, probabilities, threshold)
-        stepped = {
-            key: (average[key].astype(np.float64) - server_lr * grad[key]).astype(
-                global_np[key].dtype
-            )
-            for key in step_keys
-        }
+        stepped = ServerOptimizer("sgd", server_lr).step(average, grad)
         return GMAStep({**average, **stepped}, mask_mean)
-    updates = [
-        {key: global_np[key].astype(np.float64) - as_numpy(theta[key]) for key in float_keys}
-        for theta in client_arrays
-    ]
-    masks = soft_mask(updates, probabilities, threshold)
-    mean_update = weighted_mean(updates, probabilities)
-    stepped = {
-        key: (global_np[key].astype(np.float64) - server_lr * masks[key] * mean_update[key]).astype(
-            global_np[key].dtype
+    # The soft mask and the mean update straight from the models: D_k = w - theta_k is never
+    # materialised per client (K float64 models), each sum reads the client tensors once.
+    mean_update = pseudo_gradient(global_np, client_arrays, probabilities, keys=float_keys)
+    masks = {
+        key: _agreement_mask(
+            blockwise_sum(
+                client_arrays,
+                probabilities,
+                key,
+                global_np[key].shape,
+                _SignVote(global_np[key]),
+            ),
+            threshold,
         )
         for key in float_keys
     }
+    for key, agreement_mask in masks.items():
+        mean_update[key] *= agreement_mask
+    stepped = {**average, **ServerOptimizer("sgd", server_lr).step(global_np, mean_update)}
     total = sum(m.size for m in masks.values())
     mask_mean = sum(float(m.sum()) for m in masks.values()) / max(total, 1)
-    return GMAStep({**average, **stepped}, mask_mean)
+    return GMAStep({key: stepped[key] for key in global_np}, mask_mean)
 
 
 def aggregate_fedgma(

@@ -52,7 +52,11 @@ class ServerOptimizer:
         for key, grad in pseudo_gradient.items():
             current = as_numpy(global_arrays[key])
             direction = self._direction(key, np.asarray(grad, dtype=np.float64))
-            updated[key] = (current.astype(np.float64) - self.lr * direction).astype(current.dtype)
+            # w - lr * direction in float64, one buffer: the direction may be the caller's array
+            # or the optimizer's state, so it is never scaled in place.
+            new = np.multiply(direction, -self.lr)
+            new += current
+            updated[key] = new.astype(current.dtype, copy=False)
         return updated
 
     def _direction(self, key: str, grad: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
@@ -60,12 +64,22 @@ class ServerOptimizer:
             return grad
         if self.name == "momentum":
             velocity = self._first_moment.get(key)
-            velocity = grad.copy() if velocity is None else self.momentum * velocity + grad
-            self._first_moment[key] = velocity
+            if velocity is None:
+                velocity = self._first_moment[key] = grad.copy()
+            else:
+                velocity *= self.momentum
+                velocity += grad
             return velocity
-        first = self._first_moment.get(key, np.zeros_like(grad))
-        second = self._second_moment.get(key, np.zeros_like(grad))
-        first = self.beta1 * first + (1.0 - self.beta1) * grad
-        second = self.beta2 * second + (1.0 - self.beta2) * np.square(grad)
-        self._first_moment[key], self._second_moment[key] = first, second
-        return first / (np.sqrt(second) + self.eps)
+        # The moments are this optimizer's own buffers: updated in place, no model-sized
+        # temporaries beyond the one each line below names.
+        if key not in self._first_moment:
+            self._first_moment[key] = np.zeros_like(grad)
+            self._second_moment[key] = np.zeros_like(grad)
+        first, second = self._first_moment[key], self._second_moment[key]
+        first *= self.beta1
+        first += (1.0 - self.beta1) * grad
+        second *= self.beta2
+        second += (1.0 - self.beta2) * np.square(grad)
+        denominator = np.sqrt(second)
+        denominator += self.eps
+        return np.divide(first, denominator, out=denominator)

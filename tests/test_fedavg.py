@@ -62,6 +62,30 @@ def test_adam_follows_fedadam_without_bias_correction() -> None:
     np.testing.assert_allclose(optimizer.step({"w": np.array([0.0])}, {"w": d})["w"], [expected])
 
 
+def test_adam_keeps_its_moments_across_rounds_and_leaves_the_update_untouched() -> None:
+    optimizer = ServerOptimizer("adam", lr=0.1, beta1=0.9, beta2=0.99, eps=1e-3)
+    updates = [np.array([2.0, -1.0]), np.array([-0.5, 4.0])]
+    given = [u.copy() for u in updates]
+    w, m, v = np.zeros(2), np.zeros(2), np.zeros(2)
+    current = {"w": w.copy()}
+    for update in updates:
+        m = 0.9 * m + 0.1 * update  # FedAdam's moments by hand
+        v = 0.99 * v + 0.01 * update**2
+        w = w - 0.1 * m / (np.sqrt(v) + 1e-3)
+        current = optimizer.step(current, {"w": update})
+        np.testing.assert_allclose(current["w"], w, rtol=1e-12)
+    for update, original in zip(updates, given, strict=True):
+        np.testing.assert_array_equal(update, original)
+
+
+def test_momentum_does_not_alias_the_first_update_it_stores() -> None:
+    optimizer = ServerOptimizer("momentum", lr=1.0, momentum=0.5)
+    first_update = np.array([1.0])
+    optimizer.step({"w": np.array([0.0])}, {"w": first_update})
+    optimizer.step({"w": np.array([0.0])}, {"w": np.array([1.0])})
+    assert first_update[0] == 1.0  # the velocity grew in its own buffer
+
+
 def test_unknown_server_optimizer_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"'rmsprop' is unknown: use 'sgd', 'momentum' or 'adam'"):
         ServerOptimizer("rmsprop")  # type: ignore[arg-type]

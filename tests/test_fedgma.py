@@ -21,6 +21,7 @@ from strategies import (
     FedGMA,
     FedGMASoft,
     MissingRecordError,
+    aggregate,
     aggregate_fedavg,
     aggregate_fedgma,
     and_mask,
@@ -182,6 +183,33 @@ def test_soft_fedgma_matches_the_per_coordinate_rule() -> None:
         global_arrays, models, None, counts, threshold=0.6, server_lr=0.5, mask="soft"
     )
     expected = naive_soft_step(global_arrays, models, counts, 0.6, 0.5)
+    for key in global_arrays:
+        np.testing.assert_allclose(result[key], expected[key], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask", ["hard", "soft"])
+def test_votes_with_ties_and_zeros_match_the_per_coordinate_rule_across_blocks(
+    mask: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aggregate, "BLOCK_ELEMENTS", 5)  # 12 + 4 elements: several blocks
+    rng = np.random.default_rng(9)
+    global_arrays, _, _ = random_clients(1, seed=9)
+    # Models and gradients on a coarse grid: many exact zeros and equalities decide the votes.
+    models = [
+        {k: v + rng.integers(-1, 2, v.shape).astype(np.float32) for k, v in global_arrays.items()}
+        for _ in range(5)
+    ]
+    gradients = [
+        {k: rng.integers(-1, 2, v.shape).astype(np.float32) for k, v in global_arrays.items()}
+        for _ in range(5)
+    ]
+    counts = [4.0, 1.0, 2.0, 2.0, 1.0]
+    if mask == "hard":
+        result = aggregate_fedgma(global_arrays, models, gradients, counts, 0.6, 0.5)
+        expected = naive_hard_step(global_arrays, models, gradients, counts, 0.6, 0.5)
+    else:
+        result = aggregate_fedgma(global_arrays, models, None, counts, 0.5, 1.0, mask="soft")
+        expected = naive_soft_step(global_arrays, models, counts, 0.5, 1.0)
     for key in global_arrays:
         np.testing.assert_allclose(result[key], expected[key], rtol=1e-6, atol=1e-6)
 
