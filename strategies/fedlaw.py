@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from logging import INFO, WARNING
@@ -178,25 +179,68 @@ def _batch_statistics_mode(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def _stack_clients(
+def _client_tensors(
     model: nn.Module,
     client_params: Sequence[Mapping[str, Any]],
     names: Sequence[str],
     device: torch.device,
-) -> dict[str, torch.Tensor]:
-    """Per tensor name, the clients' tensors stacked on a leading client axis (K, *shape)."""
+) -> dict[str, list[torch.Tensor]]:
+    """Per tensor name, the K clients' tensors as torch tensors on ``device``.
+
+    On the CPU in the model's dtype they are views of the received arrays (no copy: the
+    read-only buffers of the replies are never written, hence the silenced warning); a stacked
+    (K, *shape) tensor would cost one more model-sized buffer per client.
+    """
     templates = dict(model.state_dict(keep_vars=False))
-    stacked: dict[str, torch.Tensor] = {}
+    tensors: dict[str, list[torch.Tensor]] = {}
     for name in names:
         template = templates[name]
-        stack = np.stack([as_numpy(client[name]) for client in client_params])
-        if stack.shape[1:] != tuple(template.shape):
-            raise ValueError(
-                f"client tensor '{name}' has shape {stack.shape[1:]}, the model's is "
-                f"{tuple(template.shape)}"
-            )
-        stacked[name] = torch.from_numpy(stack).to(device=device, dtype=template.dtype)
-    return stacked
+        per_client = []
+        for client in client_params:
+            value = as_numpy(client[name])
+            if value.shape != tuple(template.shape):
+                raise ValueError(
+                    f"client tensor '{name}' has shape {value.shape}, the model's is "
+                    f"{tuple(template.shape)}"
+                )
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                tensor = torch.from_numpy(value)
+            per_client.append(tensor.to(device=device, dtype=template.dtype))
+        tensors[name] = per_client
+    return tensors
+
+
+class _WeightedSum(torch.autograd.Function):
+    """sum_k lambdas[k] * tensors[k], differentiable in ``lambdas`` only.
+
+    The same value as ``tensordot(lambdas, stack(tensors), dims=1)`` without the stacked copy:
+    the forward pass adds the K tensors into one output, the backward pass takes one dot product
+    per client, d/d lambda_k = <grad, tensors[k]>.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, lambdas: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        total = torch.zeros_like(tensors[0])
+        for weight, tensor in zip(lambdas.tolist(), tensors, strict=True):
+            total.add_(tensor, alpha=weight)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        tensors = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return (None, *(None for _ in tensors))
+        flat = grad.reshape(-1)
+        grad_lambdas = torch.stack([torch.dot(flat, tensor.reshape(-1)) for tensor in tensors])
+        return (grad_lambdas, *(None for _ in tensors))
+
+
+def weighted_sum(lambdas: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """sum_k lambdas[k] * tensors[k], differentiable in ``lambdas`` (see :class:`_WeightedSum`)."""
+    total: torch.Tensor = _WeightedSum.apply(lambdas, *tensors)  # type: ignore[no-untyped-call]
+    return total
 
 
 def _check_inputs(
@@ -335,8 +379,8 @@ def learn_aggregation_weights(
     target = device if device is not None else next(model.parameters()).device
     parameter_names = [name for name, _ in model.named_parameters()]
     buffer_names = [name for name, _ in model.named_buffers()]
-    stacked = _stack_clients(model, client_params, parameter_names, target)
-    dtype = stacked[parameter_names[0]].dtype
+    clients = _client_tensors(model, client_params, parameter_names, target)
+    dtype = clients[parameter_names[0]][0].dtype
     # Buffers are fixed inputs of the forward pass (BatchNorm in batch-statistics mode ignores
     # its running statistics); FedAvg's mean of the clients' values, fresh tensors that the
     # forward passes may update in place without touching the model or the clients.
@@ -355,8 +399,7 @@ def learn_aggregation_weights(
             scale = torch.exp(gamma_log)
             lambdas = torch.softmax(client_logits, dim=0)
             weighted = {
-                name: scale * torch.tensordot(lambdas, stacked[name], dims=1)
-                for name in parameter_names
+                name: scale * weighted_sum(lambdas, clients[name]) for name in parameter_names
             }
             output = functional_call(model, {**weighted, **buffers}, (features,))
             return functional.cross_entropy(output, labels)

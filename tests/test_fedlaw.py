@@ -15,10 +15,12 @@ from torch import nn
 from strategies import FedLAW, aggregate_fedavg
 from strategies.fedlaw import (
     ProxySetError,
+    _client_tensors,
     aggregate_fedlaw,
     learn_aggregation_weights,
     make_proxy_batches,
     validate_proxy_set,
+    weighted_sum,
 )
 from tasks.datasets import LabeledData
 from tasks.models import build_model
@@ -197,6 +199,32 @@ def test_swa_with_clients_only_keeps_gamma_at_one_and_swa_needs_client_weights()
 
 
 # ----------------------------------------------------------------------------- aggregation
+def test_weighted_sum_and_its_lambda_gradient_match_a_stacked_tensordot() -> None:
+    generator = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(3, 4, generator=generator, dtype=torch.float64) for _ in range(5)]
+    upstream = torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    lambdas = torch.softmax(torch.randn(5, generator=generator, dtype=torch.float64), 0)
+    ours = lambdas.clone().requires_grad_(True)
+    reference = lambdas.clone().requires_grad_(True)
+    value = weighted_sum(ours, tensors)
+    expected = torch.tensordot(reference, torch.stack(tensors), dims=1)
+    torch.testing.assert_close(value, expected)
+    (value * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    assert ours.grad is not None
+    assert reference.grad is not None
+    torch.testing.assert_close(ours.grad, reference.grad)
+
+
+def test_cpu_client_tensors_are_views_of_the_received_arrays_not_copies() -> None:
+    model = nn.Linear(3, 2)
+    received = np.arange(6, dtype=np.float32).reshape(2, 3)
+    received.flags.writeable = False  # like a view of a reply's bytes
+    clients = [{"weight": received, "bias": np.zeros(2, np.float32)}] * 2
+    tensors = _client_tensors(model, clients, ["weight"], torch.device("cpu"))
+    assert all(t.data_ptr() == received.ctypes.data for t in tensors["weight"])
+
+
 def test_aggregate_scales_the_lambda_weighted_sum_by_gamma_elementwise() -> None:
     model = nn.Linear(2, 1)
     clients = [
