@@ -18,6 +18,7 @@ import numpy as np
 from tasks.colored import COLORED_DATASET_NAMES, base_dataset, client_view, server_view
 from tasks.datasets import DATASET_NAMES, DatasetName, LabeledData, load_dataset
 from tasks.partition import PARTITION_SCHEMES, PartitionScheme, partition_indices
+from tasks.partition_cache import load_partitions, partition_key, store_partitions
 from tasks.splits import split_server_data
 
 # Stage tags for deriving independent seeds from DataSpec.seed, so that the held-out split,
@@ -169,16 +170,28 @@ def _loaded_data(
 @functools.lru_cache(maxsize=_CACHED_SPECS)
 def _partitions(spec: DataSpec) -> tuple[np.ndarray, ...]:
     train_pool, _ = _spec_data(spec)
-    partitions = tuple(
-        partition_indices(
+    partition_seed = _stage_seed(spec.seed, _PARTITION_STAGE)
+    settings = {
+        "partition": spec.partition,
+        "num-partitions": spec.num_partitions,
+        "seed": partition_seed,
+        # Only the parameter of the chosen scheme, so that e.g. IID ignores the alpha.
+        **({"alpha": spec.dirichlet_alpha} if spec.partition == "dirichlet" else {}),
+        **({"classes": spec.classes_per_partition} if spec.partition == "classes" else {}),
+    }
+    key = partition_key(settings, train_pool.labels)
+    cached = load_partitions(key, spec.num_partitions, train_pool.labels.shape[0])
+    if cached is None:
+        cached = partition_indices(
             train_pool.labels,
             spec.num_partitions,
             cast(PartitionScheme, spec.partition),
             alpha=spec.dirichlet_alpha,
             classes_per_partition=spec.classes_per_partition,
-            seed=_stage_seed(spec.seed, _PARTITION_STAGE),
+            seed=partition_seed,
         )
-    )
+        store_partitions(key, cached)
+    partitions = tuple(cached)
     for indices in partitions:
         indices.setflags(write=False)
     return partitions

@@ -8,16 +8,18 @@ positions into the original arrays. Nothing is downloaded.
 from __future__ import annotations
 
 import warnings
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
-import datasets
 import numpy as np
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    PathologicalPartitioner,
-)
-from flwr_datasets.partitioner.partitioner import Partitioner
+
+if TYPE_CHECKING:
+    import datasets
+    from flwr_datasets.partitioner.partitioner import Partitioner
+
+# Hugging Face ``datasets`` and Flower Datasets are imported where a partition is computed, not
+# here: together they take about 4 s to import, which every ClientApp process of a deployment
+# would pay on every message although the partition usually comes from the disk cache
+# (tasks/partition_cache.py).
 
 PartitionScheme = Literal["iid", "dirichlet", "classes"]
 PARTITION_SCHEMES: tuple[str, ...] = get_args(PartitionScheme)
@@ -120,6 +122,8 @@ def partition_indices(
                 f"classes_per_partition={classes_per_partition} is not allowed: it must lie "
                 f"in [1, {num_classes}] (the number of distinct labels)"
             )
+        from flwr_datasets.partitioner import PathologicalPartitioner
+
         partitioner = PathologicalPartitioner(
             num_partitions=num_partitions,
             partition_by="label",
@@ -142,6 +146,8 @@ def partition_indices(
 
 
 def _label_dataset(labels: np.ndarray, positions: np.ndarray) -> datasets.Dataset:
+    import datasets
+
     return datasets.Dataset.from_dict(
         {"label": labels[positions].astype(np.int64), "index": positions.astype(np.int64)}
     )
@@ -179,6 +185,8 @@ def _warn_about_unassigned_classes(labels: np.ndarray, partitions: list[np.ndarr
 def _iid_partitions(labels: np.ndarray, num_partitions: int, seed: int) -> list[np.ndarray]:
     # IidPartitioner cuts contiguous shards without shuffling, so shuffle first; otherwise
     # a pool sorted by class would give each client few classes.
+    from flwr_datasets.partitioner import IidPartitioner
+
     shuffled = np.random.default_rng(seed).permutation(labels.shape[0])
     return _run_partitioner(IidPartitioner(num_partitions), _label_dataset(labels, shuffled))
 
@@ -186,6 +194,8 @@ def _iid_partitions(labels: np.ndarray, num_partitions: int, seed: int) -> list[
 def _dirichlet_partitions(
     labels: np.ndarray, num_partitions: int, alpha: float, min_partition_size: int, seed: int
 ) -> list[np.ndarray]:
+    from flwr_datasets.partitioner import DirichletPartitioner
+
     dataset = _label_dataset(labels, np.arange(labels.shape[0]))
     restart_seeds = [seed] + [
         int(np.random.SeedSequence([seed, restart]).generate_state(1)[0])

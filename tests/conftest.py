@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,15 @@ from flwr.app import (
 )
 
 from server.launch import launch, run_config_argument
+from tasks.partition_cache import CACHE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Partitions cached by the tests (and the runs they start) go to a temporary folder, not
+    the user's cache; a folder given in the environment is kept."""
+    os.environ.setdefault(CACHE_ENV, tempfile.mkdtemp(prefix="ba-test-partitions-"))
 
 
 def reply_message(
