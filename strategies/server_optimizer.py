@@ -70,8 +70,8 @@ class ServerOptimizer:
                 velocity *= self.momentum
                 velocity += grad
             return velocity
-        # The moments are this optimizer's own buffers: updated in place, no model-sized
-        # temporaries beyond the one each line below names.
+        # The moments are this optimizer's own buffers, so they are updated in place; each line
+        # below allocates at most one model-sized temporary.
         if key not in self._first_moment:
             self._first_moment[key] = np.zeros_like(grad)
             self._second_moment[key] = np.zeros_like(grad)
