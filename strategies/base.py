@@ -84,19 +84,37 @@ class ReplyRejected(Exception):  # noqa: N818 - a control-flow signal, not an er
         self.detail = detail
 
 
-def _finite(arrays: Mapping[str, np.ndarray[Any, Any]]) -> str | None:
+def _check_values(
+    name: str, arrays: Mapping[str, np.ndarray[Any, Any]], minimum: float = -np.inf
+) -> None:
+    """Reject NaN, Inf and values below ``minimum``: one pass over each floating tensor."""
     for key, value in arrays.items():
-        if np.issubdtype(value.dtype, np.floating) and not all(
-            np.isfinite(end) for end in value_range(value)
-        ):
-            return key
-        if np.issubdtype(value.dtype, np.complexfloating) and not np.all(np.isfinite(value)):
-            return key
-    return None
+        if np.issubdtype(value.dtype, np.floating):
+            low, high = value_range(value)
+            finite = bool(np.isfinite(low) and np.isfinite(high))
+        elif np.issubdtype(value.dtype, np.complexfloating):  # unordered: finiteness only
+            low, finite = minimum, bool(np.all(np.isfinite(value)))
+        else:  # integer counters are finite; their minimum matters only under a bound
+            finite = True
+            low = float(value.min()) if value.size and np.isfinite(minimum) else minimum
+        if not finite:
+            raise ReplyRejected(
+                "non-finite" if name == ARRAYS_RECORD else f"bad-{name}",
+                f"record '{name}' tensor '{key}' holds NaN or Inf",
+            )
+        if low < minimum:
+            raise ReplyRejected(
+                f"bad-{name}",
+                f"record '{name}' tensor '{key}' has values below {minimum} (smallest {low})",
+            )
 
 
 def _check_like_global(
-    name: str, arrays: NDArrayDict, global_arrays: NDArrayDict, subset: bool
+    name: str,
+    arrays: NDArrayDict,
+    global_arrays: NDArrayDict,
+    subset: bool,
+    minimum: float = -np.inf,
 ) -> None:
     keys, expected = set(arrays), set(global_arrays)
     if (subset and (not keys or not keys <= expected)) or (not subset and keys != expected):
@@ -113,12 +131,7 @@ def _check_like_global(
                 f"record '{name}' tensor '{key}' has shape {value.shape}, "
                 f"global model has {global_arrays[key].shape}",
             )
-    bad_key = _finite(arrays)
-    if bad_key is not None:
-        raise ReplyRejected(
-            "non-finite" if name == ARRAYS_RECORD else f"bad-{name}",
-            f"record '{name}' tensor '{bad_key}' holds NaN or Inf",
-        )
+    _check_values(name, arrays, minimum)
 
 
 def _to_numpy(record: ArrayRecord) -> NDArrayDict:
@@ -148,6 +161,9 @@ class ContractStrategy(Strategy):
 
     #: Extra ArrayRecords every reply must carry, with the hint shown when they are missing.
     required_records: ClassVar[Mapping[str, str]] = {}
+    #: Smallest value allowed in a required record (e.g. 0 for a sensitivity); checked in the
+    #: same pass as finiteness, a reply breaking it is dropped as ``bad-<record>``.
+    record_minimums: ClassVar[Mapping[str, float]] = {}
 
     def __init__(
         self,
@@ -258,7 +274,13 @@ class ContractStrategy(Strategy):
             if extra is None:
                 raise ReplyRejected(f"missing-{name}", f"no ArrayRecord named '{name}'")
             records[name] = _to_numpy(extra)
-            _check_like_global(name, records[name], self.global_arrays, subset=True)
+            _check_like_global(
+                name,
+                records[name],
+                self.global_arrays,
+                subset=True,
+                minimum=self.record_minimums.get(name, -np.inf),
+            )
         metrics = {
             key: float(value)
             for key, value in metrics_record.items()

@@ -35,7 +35,6 @@ from strategies.aggregate import (
     as_numpy_dict,
     normalise_weights,
     pseudo_gradient,
-    value_range,
     weighted_mean,
 )
 from strategies.base import ClientReply, ContractStrategy, ReplyRejected
@@ -209,6 +208,8 @@ class ElasticAggregation(ContractStrategy):
     """
 
     required_records: ClassVar[Mapping[str, str]] = {SENSITIVITY_RECORD: SENSITIVITY_HINT}
+    #: A sensitivity is a moving average of |gradient|: a negative value is a broken client.
+    record_minimums: ClassVar[Mapping[str, float]] = {SENSITIVITY_RECORD: 0.0}
 
     def __init__(
         self,
@@ -266,7 +267,7 @@ class ElasticAggregation(ContractStrategy):
         }
 
     def validate_reply(self, message: Message) -> ClientReply:
-        """The base contract, plus: sensitivity >= 0 and, if known, one per trainable parameter."""
+        """The base contract (sensitivity finite and >= 0), plus, if known, one per parameter."""
         reply = super().validate_reply(message)
         sensitivity = reply.records[SENSITIVITY_RECORD]
         if self.parameter_keys is not None and set(sensitivity) != self.parameter_keys:
@@ -277,13 +278,6 @@ class ElasticAggregation(ContractStrategy):
                 f"record '{SENSITIVITY_RECORD}' must have one tensor per trainable parameter "
                 f"(missing: {missing[:5]}, not parameters: {extra[:5]}). {SENSITIVITY_HINT}",
             )
-        for key, value in sensitivity.items():
-            if value_range(value)[0] < 0:
-                raise ReplyRejected(
-                    f"bad-{SENSITIVITY_RECORD}",
-                    f"record '{SENSITIVITY_RECORD}' tensor '{key}' has negative values; "
-                    "sensitivity is a moving average of |gradient|",
-                )
         return reply
 
     def aggregate(
