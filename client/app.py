@@ -51,18 +51,7 @@ def prepare(message: Message, context: Context) -> tuple[ClientTask, Any, torch.
     config: ConfigRecord = message.content[CONFIG_RECORD]  # type: ignore[assignment]
     task = ClientTask.from_config(config)
     partition_id, num_partitions = _partition(context)
-    spec = DataSpec(
-        dataset=task.dataset,
-        data_dir=task.data_dir,
-        partition=task.partition,
-        dirichlet_alpha=task.dirichlet_alpha,
-        classes_per_partition=task.classes_per_client,
-        num_partitions=num_partitions,
-        seed=task.seed,
-        proxy_per_class=0,
-        synthetic_alpha=task.synthetic_alpha,
-        synthetic_beta=task.synthetic_beta,
-    )
+    spec = DataSpec.from_task(task, num_partitions)
     data = load_client_partition(spec, partition_id)
     model = build_model(task.model, data.input_shape, data.num_classes)  # type: ignore[arg-type]
     received: ArrayRecord = message.content[ARRAYS_RECORD]  # type: ignore[assignment]

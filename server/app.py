@@ -26,19 +26,8 @@ app = ServerApp()
 
 
 def data_spec(config: RunConfig) -> DataSpec:
-    """The data a run uses, as both sides compute it."""
-    return DataSpec(
-        dataset=config.dataset,
-        data_dir=config.data_dir,
-        partition=config.partition,
-        dirichlet_alpha=config.dirichlet_alpha,
-        classes_per_partition=config.classes_per_client,
-        num_partitions=config.num_clients,
-        seed=config.seed,
-        proxy_per_class=config.proxy_per_class,
-        synthetic_alpha=config.synthetic_alpha,
-        synthetic_beta=config.synthetic_beta,
-    )
+    """The data a run uses, built from the task the clients receive, as they build it."""
+    return DataSpec.from_task(client_task(config), config.num_clients, config.proxy_per_class)
 
 
 def client_task(config: RunConfig) -> ClientTask:

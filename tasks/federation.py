@@ -19,6 +19,7 @@ from tasks.colored import COLORED_DATASET_NAMES, base_dataset, client_view, serv
 from tasks.datasets import DATASET_NAMES, DatasetName, LabeledData, load_dataset
 from tasks.partition import PARTITION_SCHEMES, PartitionScheme, partition_indices
 from tasks.partition_cache import load_partitions, partition_key, store_partitions
+from tasks.protocol import ClientTask
 from tasks.splits import split_server_data
 
 # Stage tags for deriving independent seeds from DataSpec.seed, so that the held-out split,
@@ -66,6 +67,26 @@ class DataSpec:
     proxy_per_class: int
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
+
+    @classmethod
+    def from_task(cls, task: ClientTask, num_partitions: int, proxy_per_class: int = 0) -> DataSpec:
+        """The spec of the task the server sends: the client and the server build it here alike.
+
+        ``num_partitions`` is the federation's size (the node's config on a SuperNode); the
+        proxy split is the server's alone, so clients leave ``proxy_per_class`` at 0.
+        """
+        return cls(
+            dataset=task.dataset,
+            data_dir=task.data_dir,
+            partition=task.partition,
+            dirichlet_alpha=task.dirichlet_alpha,
+            classes_per_partition=task.classes_per_client,
+            num_partitions=num_partitions,
+            seed=task.seed,
+            proxy_per_class=proxy_per_class,
+            synthetic_alpha=task.synthetic_alpha,
+            synthetic_beta=task.synthetic_beta,
+        )
 
     def __post_init__(self) -> None:
         # Fail when the spec is made, not later inside a cached loader on some client.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -10,10 +11,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
 from client.app import evaluate_local, train
-from server.app import client_task
+from server.app import client_task, data_spec
 from server.config import RunConfig
 from tasks.federation import DataSpec, load_client_partition
 from tasks.models import build_model
+from tasks.protocol import ClientTask
 from tests.conftest import instruction_message
 
 CONFIG = RunConfig(num_clients=3, local_epochs=1, batch_size=16, device="cpu")
@@ -115,3 +117,32 @@ def test_evaluate_reports_accuracy_and_loss_on_the_local_partition() -> None:
     assert metrics["num-examples"] == partition_size(2)
     assert 0.0 <= metrics["eval-accuracy"] <= 1.0
     assert metrics["eval-loss"] > 0.0
+
+
+def test_client_and_server_derive_the_same_data_spec_from_the_sent_task() -> None:
+    config = RunConfig(
+        dataset="synthetic",
+        partition="classes",
+        classes_per_client=3,
+        dirichlet_alpha=0.3,
+        num_clients=4,
+        seed=5,
+        proxy_per_class=7,
+        synthetic_alpha=0.5,
+        synthetic_beta=2.0,
+    )
+    expected = DataSpec(
+        dataset="synthetic",
+        data_dir="",
+        partition="classes",
+        dirichlet_alpha=0.3,
+        classes_per_partition=3,
+        num_partitions=4,
+        seed=5,
+        proxy_per_class=7,
+        synthetic_alpha=0.5,
+        synthetic_beta=2.0,
+    )
+    assert data_spec(config) == expected  # the server's, with its proxy split
+    received = ClientTask.from_config(client_task(config).to_config())  # over the wire
+    assert DataSpec.from_task(received, 4) == replace(expected, proxy_per_class=0)
