@@ -58,14 +58,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict  # noqa: E40
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from benchmarks.inprocess import NodeGrid, delivered  # noqa: E402
-from client.app import app as client_app  # noqa: E402
-from server.app import client_task, data_spec  # noqa: E402
-from server.config import parse_run_config  # noqa: E402
-from server.launch import LaunchError, launch, run_config_argument  # noqa: E402
-from server.strategy_factory import ServerResources, build_strategy  # noqa: E402
-from tasks.evaluation import evaluate  # noqa: E402
-from tasks.federation import load_server_splits  # noqa: E402
-from tasks.models import build_model  # noqa: E402
+from beyond_averaging.client.app import app as client_app  # noqa: E402
+from beyond_averaging.server.app import client_task, data_spec  # noqa: E402
+from beyond_averaging.server.config import parse_run_config  # noqa: E402
+from beyond_averaging.server.launch import LaunchError, launch, run_config_argument  # noqa: E402
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy  # noqa: E402
+from beyond_averaging.tasks.evaluation import evaluate  # noqa: E402
+from beyond_averaging.tasks.federation import load_server_splits  # noqa: E402
+from beyond_averaging.tasks.models import build_model  # noqa: E402
 
 RESULTS_DIR = REPO / "benchmarks" / "results" / "elastic"
 DOCS_DIR = REPO / "docs" / "results"
@@ -138,8 +138,8 @@ def upload_bytes() -> str:
     """
     from flwr.common.serde import array_record_to_proto
 
-    from client.sensitivity import compute_sensitivity, to_upload
-    from tasks.datasets import load_dataset
+    from beyond_averaging.client.sensitivity import compute_sensitivity, to_upload
+    from beyond_averaging.tasks.datasets import load_dataset
 
     digits_shape = load_dataset("digits", seed=0)[0].input_shape
     rows = [

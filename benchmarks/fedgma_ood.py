@@ -34,15 +34,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from client.training import train_local
-from strategies import aggregate_fedavg
-from strategies.aggregate import NDArrayDict
-from strategies.fedgma import MaskVariant, fedgma_step
-from tasks.colored import PROXY_FLIP_PROBABILITY, base_dataset, colorize
-from tasks.datasets import LabeledData, load_dataset
-from tasks.evaluation import evaluate, make_loader
-from tasks.federation import DataSpec, load_client_partition, load_server_splits
-from tasks.models import build_model
+from beyond_averaging.client.training import train_local
+from beyond_averaging.strategies import aggregate_fedavg
+from beyond_averaging.strategies.aggregate import NDArrayDict
+from beyond_averaging.strategies.fedgma import MaskVariant, fedgma_step
+from beyond_averaging.tasks.colored import PROXY_FLIP_PROBABILITY, base_dataset, colorize
+from beyond_averaging.tasks.datasets import LabeledData, load_dataset
+from beyond_averaging.tasks.evaluation import evaluate, make_loader
+from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
+from beyond_averaging.tasks.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results" / "fedgma"

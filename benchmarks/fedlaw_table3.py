@@ -53,14 +53,14 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from client.app import app as client_app
-from server.app import CentralEvaluation, client_task, data_spec
-from server.config import RunConfig, parse_run_config
-from server.recorder import RunRecorder
-from server.strategy_factory import ServerResources, build_strategy
-from tasks.evaluation import resolve_device
-from tasks.federation import load_server_splits
-from tasks.models import build_model
+from beyond_averaging.client.app import app as client_app
+from beyond_averaging.server.app import CentralEvaluation, client_task, data_spec
+from beyond_averaging.server.config import RunConfig, parse_run_config
+from beyond_averaging.server.recorder import RunRecorder
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.tasks.evaluation import resolve_device
+from beyond_averaging.tasks.federation import load_server_splits
+from beyond_averaging.tasks.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "fedlaw"

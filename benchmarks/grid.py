@@ -57,8 +57,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from benchmarks.plots import plot_accuracy_bands
-from server.config import ConfigError, parse_run_config
-from server.launch import (
+from beyond_averaging.server.config import ConfigError, parse_run_config
+from beyond_averaging.server.launch import (
     LaunchError,
     app_defaults,
     launch,

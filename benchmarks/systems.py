@@ -65,12 +65,12 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
 from benchmarks.inprocess import NodeGrid, delivered
-from client.app import train as client_train
-from client.sensitivity import compute_sensitivity
-from server.app import client_task, data_spec
-from server.config import parse_run_config
-from server.strategy_factory import ServerResources, build_strategy
-from strategies import (
+from beyond_averaging.client.app import train as client_train
+from beyond_averaging.client.sensitivity import compute_sensitivity
+from beyond_averaging.server.app import client_task, data_spec
+from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.strategies import (
     ContractStrategy,
     ElasticAggregation,
     FedAvg,
@@ -78,11 +78,11 @@ from strategies import (
     FedGMASoft,
     FedLAW,
 )
-from strategies.diagnostics import ClientDiagnostics
-from tasks.datasets import LabeledData
-from tasks.evaluation import make_loader
-from tasks.federation import load_client_partition, load_server_splits
-from tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD
+from beyond_averaging.strategies.diagnostics import ClientDiagnostics
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.evaluation import make_loader
+from beyond_averaging.tasks.federation import load_client_partition, load_server_splits
+from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results" / "systems"
@@ -505,7 +505,7 @@ def time_clients(options: argparse.Namespace) -> tuple[list[ClientFigure], dict[
 
 def build_model_for(config: Any, test_set: LabeledData) -> nn.Module:
     """The task model of a configuration."""
-    from tasks.models import build_model
+    from beyond_averaging.tasks.models import build_model
 
     return build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
 

@@ -12,12 +12,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client.sensitivity import sensitivity_record
-from client.training import train_local
-from tasks.evaluation import evaluate, make_loader, resolve_device
-from tasks.federation import DataSpec, load_client_partition
-from tasks.models import build_model
-from tasks.protocol import (
+from ..tasks.evaluation import evaluate, make_loader, resolve_device
+from ..tasks.federation import DataSpec, load_client_partition
+from ..tasks.models import build_model
+from ..tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
     GRADIENT_RECORD,
@@ -29,6 +27,8 @@ from tasks.protocol import (
     ClientTask,
     requested_records,
 )
+from .sensitivity import sensitivity_record
+from .training import train_local
 
 app = ClientApp()
 

@@ -34,7 +34,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 from flwr.supercore import log
 from torch import nn
 
-from tasks.protocol import CONFIG_RECORD, SENSITIVITY_DECAY_KEY, SENSITIVITY_DTYPE_KEY
+from ..tasks.protocol import CONFIG_RECORD, SENSITIVITY_DECAY_KEY, SENSITIVITY_DTYPE_KEY
 
 #: The paper's moving-average decay (the authors' code).
 DEFAULT_DECAY = 0.9

@@ -20,7 +20,7 @@ fi
 [ -x .venv/bin/python ] || "$python_bin" -m venv .venv
 stamp=.venv/.beyond-averaging-setup
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c 'import flwr, torch, server' 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c 'import flwr, torch, beyond_averaging' 2>/dev/null; then
   echo "setup: .venv is up to date"
   exit 0
 fi

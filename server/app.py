@@ -12,15 +12,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from server.config import RunConfig, parse_run_config
-from server.recorder import RunRecorder
-from server.strategy_factory import ServerResources, build_strategy
-from strategies import ContractStrategy
-from strategies.diagnostics import ClientDiagnostics
-from tasks.evaluation import evaluate, resolve_device
-from tasks.federation import DataSpec, load_server_splits
-from tasks.models import build_model
-from tasks.protocol import ClientTask
+from ..strategies import ContractStrategy
+from ..strategies.diagnostics import ClientDiagnostics
+from ..tasks.evaluation import evaluate, resolve_device
+from ..tasks.federation import DataSpec, load_server_splits
+from ..tasks.models import build_model
+from ..tasks.protocol import ClientTask
+from .config import RunConfig, parse_run_config
+from .recorder import RunRecorder
+from .strategy_factory import ServerResources, build_strategy
 
 app = ServerApp()
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from server.config import ConfigError, RunConfig
-from tasks.datasets import LabeledData, _idx_pair
+from ..tasks.datasets import LabeledData, _idx_pair
+from .config import ConfigError, RunConfig
 
 _IMAGES_MARK = "idx3-ubyte"
 _LABELS_MARK = "idx1-ubyte"

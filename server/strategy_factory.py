@@ -7,9 +7,7 @@ from typing import Any
 
 import torch
 
-from server.config import ConfigError, RunConfig
-from server.proxy import resolve_proxy_set
-from strategies import (
+from ..strategies import (
     ContractStrategy,
     ElasticAggregation,
     FedAvg,
@@ -17,7 +15,9 @@ from strategies import (
     FedGMASoft,
     FedLAW,
 )
-from tasks.datasets import LabeledData
+from ..tasks.datasets import LabeledData
+from .config import ConfigError, RunConfig
+from .proxy import resolve_proxy_set
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,16 @@
 """Aggregation rules: pure math functions plus thin Flower strategies on one contract base."""
 
-from strategies.base import ClientReply, ContractStrategy, MissingRecordError
-from strategies.elastic import ElasticAggregation, aggregate_elastic
-from strategies.fedavg import FedAvg, aggregate_fedavg
-from strategies.fedgma import FedGMA, FedGMASoft, aggregate_fedgma, and_mask
-from strategies.fedlaw import (
+from .base import ClientReply, ContractStrategy, MissingRecordError
+from .elastic import ElasticAggregation, aggregate_elastic
+from .fedavg import FedAvg, aggregate_fedavg
+from .fedgma import FedGMA, FedGMASoft, aggregate_fedgma, and_mask
+from .fedlaw import (
     FedLAW,
     ProxySetError,
     aggregate_fedlaw,
     learn_aggregation_weights,
 )
-from strategies.server_optimizer import ServerOptimizer
+from .server_optimizer import ServerOptimizer
 
 __all__ = [
     "ClientReply",

@@ -41,14 +41,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
-from strategies.aggregate import NDArrayDict, normalise_weights, npy_view, value_range
-from tasks.protocol import (
+from ..tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
     METRICS_RECORD,
     NUM_EXAMPLES_KEY,
     REQUEST_RECORDS_KEY,
 )
+from .aggregate import NDArrayDict, normalise_weights, npy_view, value_range
 
 
 class MissingRecordError(RuntimeError):

@@ -45,8 +45,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from strategies.aggregate import NDArrayDict, as_numpy, is_floating
-from strategies.base import ClientReply
+from .aggregate import NDArrayDict, as_numpy, is_floating
+from .base import ClientReply
 
 FloatMatrix = npt.NDArray[np.float64]
 

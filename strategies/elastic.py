@@ -29,7 +29,8 @@ import numpy.typing as npt
 from flwr.app import Message
 from flwr.supercore import log
 
-from strategies.aggregate import (
+from ..tasks.protocol import SENSITIVITY_DECAY_KEY, SENSITIVITY_DTYPE_KEY, SENSITIVITY_RECORD
+from .aggregate import (
     NDArrayDict,
     as_numpy,
     as_numpy_dict,
@@ -37,9 +38,8 @@ from strategies.aggregate import (
     pseudo_gradient,
     weighted_mean,
 )
-from strategies.base import ClientReply, ContractStrategy, ReplyRejected
-from strategies.server_optimizer import ServerOptimizer, ServerOptimizerName
-from tasks.protocol import SENSITIVITY_DECAY_KEY, SENSITIVITY_DTYPE_KEY, SENSITIVITY_RECORD
+from .base import ClientReply, ContractStrategy, ReplyRejected
+from .server_optimizer import ServerOptimizer, ServerOptimizerName
 
 #: The authors' older code adds this to the per-tensor max, so that an all-zero sensitivity tensor
 #: gets zeta = 1 + tau instead of 0 / 0.
@@ -52,7 +52,7 @@ SENSITIVITY_HINT = (
     "ElasticAggregation needs each client's parameter sensitivity, sent as the ArrayRecord "
     "'sensitivity' keyed like 'arrays' (trainable parameters). This project's ClientApp sends it "
     "when asked; to add it to another Flower ClientApp call "
-    "client.sensitivity.sensitivity_record(model, batches, message, context) on the received model "
+    "beyond_averaging.sensitivity_record(model, batches, message, context) on the received model "
     "before local training and put the result in the reply as content['sensitivity'] (README.md, "
     "section 'Elastic aggregation', 'Use in an existing Flower app')."
 )

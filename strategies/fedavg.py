@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from strategies.aggregate import (
+from .aggregate import (
     NDArrayDict,
     as_numpy_dict,
     is_floating,
@@ -21,8 +21,8 @@ from strategies.aggregate import (
     pseudo_gradient,
     weighted_mean,
 )
-from strategies.base import ClientReply, ContractStrategy
-from strategies.server_optimizer import ServerOptimizer, ServerOptimizerName
+from .base import ClientReply, ContractStrategy
+from .server_optimizer import ServerOptimizer, ServerOptimizerName
 
 
 def aggregate_fedavg(

@@ -38,7 +38,8 @@ import numpy as np
 import numpy.typing as npt
 from flwr.supercore import log
 
-from strategies.aggregate import (
+from ..tasks.protocol import GRADIENT_RECORD
+from .aggregate import (
     NDArrayDict,
     as_numpy,
     as_numpy_dict,
@@ -48,9 +49,8 @@ from strategies.aggregate import (
     pseudo_gradient,
     weighted_mean,
 )
-from strategies.base import ClientReply, ContractStrategy
-from strategies.server_optimizer import ServerOptimizer
-from tasks.protocol import GRADIENT_RECORD
+from .base import ClientReply, ContractStrategy
+from .server_optimizer import ServerOptimizer
 
 MaskVariant = Literal["hard", "soft"]
 MASK_VARIANTS: tuple[MaskVariant, ...] = ("hard", "soft")

@@ -60,9 +60,9 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _NormBase
 
-from strategies.aggregate import NDArrayDict, as_numpy, normalise_weights, weighted_mean
-from strategies.base import ClientReply, ContractStrategy
-from tasks.datasets import LabeledData
+from ..tasks.datasets import LabeledData
+from .aggregate import NDArrayDict, as_numpy, normalise_weights, weighted_mean
+from .base import ClientReply, ContractStrategy
 
 LearnWhat = Literal["both", "shrink", "clients"]
 LEARN_CHOICES: tuple[str, ...] = get_args(LearnWhat)

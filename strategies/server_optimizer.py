@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from strategies.aggregate import NDArrayDict, as_numpy
+from .aggregate import NDArrayDict, as_numpy
 
 ServerOptimizerName = Literal["sgd", "momentum", "adam"]
 

@@ -1,8 +1,8 @@
 """Data sets, partitioning, server splits, models and evaluation for the federated runs.
 
-The public names below are re-exported lazily (PEP 562): ``from tasks import build_model``
-works as usual, but ``import tasks.protocol`` (which the strategies need) does not pull in
-torch, scikit-learn and Flower Datasets, which take seconds to import.
+The public names below are re-exported lazily (PEP 562): ``from beyond_averaging.tasks import
+build_model`` works as usual, but ``import beyond_averaging.tasks.protocol`` (which the strategies
+need) does not pull in torch, scikit-learn and Flower Datasets, which take seconds to import.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tasks.datasets import (
+    from .datasets import (
         DEFAULT_DATA_DIRS,
         DatasetName,
         DatasetNotFoundError,
@@ -19,31 +19,31 @@ if TYPE_CHECKING:
         load_dataset,
         make_synthetic,
     )
-    from tasks.evaluation import DeviceRequest, evaluate, make_loader, resolve_device
-    from tasks.federation import DataSpec, load_client_partition, load_server_splits
-    from tasks.models import ModelName, build_model
-    from tasks.partition import PartitionScheme, partition_indices
-    from tasks.splits import split_server_data
+    from .evaluation import DeviceRequest, evaluate, make_loader, resolve_device
+    from .federation import DataSpec, load_client_partition, load_server_splits
+    from .models import ModelName, build_model
+    from .partition import PartitionScheme, partition_indices
+    from .splits import split_server_data
 
 _MODULE_OF_EXPORT = {
-    "DEFAULT_DATA_DIRS": "tasks.datasets",
-    "DatasetName": "tasks.datasets",
-    "DatasetNotFoundError": "tasks.datasets",
-    "LabeledData": "tasks.datasets",
-    "load_dataset": "tasks.datasets",
-    "make_synthetic": "tasks.datasets",
-    "DeviceRequest": "tasks.evaluation",
-    "evaluate": "tasks.evaluation",
-    "make_loader": "tasks.evaluation",
-    "resolve_device": "tasks.evaluation",
-    "DataSpec": "tasks.federation",
-    "load_client_partition": "tasks.federation",
-    "load_server_splits": "tasks.federation",
-    "ModelName": "tasks.models",
-    "build_model": "tasks.models",
-    "PartitionScheme": "tasks.partition",
-    "partition_indices": "tasks.partition",
-    "split_server_data": "tasks.splits",
+    "DEFAULT_DATA_DIRS": ".datasets",
+    "DatasetName": ".datasets",
+    "DatasetNotFoundError": ".datasets",
+    "LabeledData": ".datasets",
+    "load_dataset": ".datasets",
+    "make_synthetic": ".datasets",
+    "DeviceRequest": ".evaluation",
+    "evaluate": ".evaluation",
+    "make_loader": ".evaluation",
+    "resolve_device": ".evaluation",
+    "DataSpec": ".federation",
+    "load_client_partition": ".federation",
+    "load_server_splits": ".federation",
+    "ModelName": ".models",
+    "build_model": ".models",
+    "PartitionScheme": ".partition",
+    "partition_indices": ".partition",
+    "split_server_data": ".splits",
 }
 
 __all__ = [
@@ -71,8 +71,8 @@ __all__ = [
 def __getattr__(name: str) -> object:
     module_name = _MODULE_OF_EXPORT.get(name)
     if module_name is None:
-        raise AttributeError(f"module 'tasks' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name, __name__), name)
     globals()[name] = value  # later look-ups skip this hook
     return value
 

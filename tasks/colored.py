@@ -41,7 +41,7 @@ from typing import Literal, get_args
 import numpy as np
 import numpy.typing as npt
 
-from tasks.datasets import LabeledData
+from .datasets import LabeledData
 
 ColoredDatasetName = Literal[
     "colored-digits", "colored-digits-binary", "colored-mnist", "colored-mnist-binary"

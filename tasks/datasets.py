@@ -19,7 +19,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from tasks._sampling import select_per_class
+from ._sampling import select_per_class
 
 DatasetName = Literal["digits", "fashion-mnist", "mnist", "synthetic"]
 DATASET_NAMES: tuple[str, ...] = get_args(DatasetName)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tasks.datasets import LabeledData
+from .datasets import LabeledData
 
 DeviceRequest = Literal["auto", "cpu", "cuda"]
 

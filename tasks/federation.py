@@ -15,12 +15,12 @@ from typing import cast
 
 import numpy as np
 
-from tasks.colored import COLORED_DATASET_NAMES, base_dataset, client_view, server_view
-from tasks.datasets import DATASET_NAMES, DatasetName, LabeledData, load_dataset
-from tasks.partition import PARTITION_SCHEMES, PartitionScheme, partition_indices
-from tasks.partition_cache import load_partitions, partition_key, store_partitions
-from tasks.protocol import ClientTask
-from tasks.splits import split_server_data
+from .colored import COLORED_DATASET_NAMES, base_dataset, client_view, server_view
+from .datasets import DATASET_NAMES, DatasetName, LabeledData, load_dataset
+from .partition import PARTITION_SCHEMES, PartitionScheme, partition_indices
+from .partition_cache import load_partitions, partition_key, store_partitions
+from .protocol import ClientTask
+from .splits import split_server_data
 
 # Stage tags for deriving independent seeds from DataSpec.seed, so that the held-out split,
 # the partitioning and the proxy draw do not all consume the same random stream.

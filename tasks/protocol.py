@@ -78,7 +78,7 @@ class ClientTask:
         if missing:
             raise KeyError(
                 f"train config lacks {missing}: this ClientApp expects the ServerApp of "
-                "beyond-averaging (server.app:app), which sends them every round"
+                "beyond-averaging (beyond_averaging.server.app:app), which sends them every round"
             )
         return cls(**{name: config[key] for name, key in wanted.items()})
 

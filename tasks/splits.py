@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks._sampling import select_per_class
-from tasks.datasets import LabeledData
+from ._sampling import select_per_class
+from .datasets import LabeledData
 
 
 def split_server_data(

@@ -21,8 +21,8 @@ from flwr.app import (
     RecordDict,
 )
 
-from server.launch import launch, run_config_argument
-from tasks.partition_cache import CACHE_ENV
+from beyond_averaging.server.launch import launch, run_config_argument
+from beyond_averaging.tasks.partition_cache import CACHE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 

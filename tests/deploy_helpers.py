@@ -37,9 +37,9 @@ import torch
 from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from server.app import data_spec
-from server.config import parse_run_config
-from server.launch import (
+from beyond_averaging.server.app import data_spec
+from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.launch import (
     LaunchError,
     flower_environment,
     free_port,
@@ -48,10 +48,10 @@ from server.launch import (
     stage_app,
     stop_process_tree,
 )
-from server.strategy_factory import ServerResources, build_strategy
-from tasks.federation import load_server_splits
-from tasks.models import build_model
-from tasks.protocol import (
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.tasks.federation import load_server_splits
+from beyond_averaging.tasks.models import build_model
+from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     GRADIENT_RECORD,
     METRICS_RECORD,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flwr.app import Array
 
-from strategies import aggregate
-from strategies.aggregate import (
+from beyond_averaging.strategies import aggregate
+from beyond_averaging.strategies.aggregate import (
     blockwise_sum,
     npy_view,
     pseudo_gradient,

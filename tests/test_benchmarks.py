@@ -33,7 +33,7 @@ from benchmarks.grid import (
     summarise,
 )
 from benchmarks.plots import critical_point, plot_diagnostics, read_run_metrics
-from server.launch import LaunchError, parse_overrides
+from beyond_averaging.server.launch import LaunchError, parse_overrides
 
 DEFAULTS = {"model": "mlp"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -10,12 +10,12 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from client.app import evaluate_local, train
-from server.app import client_task, data_spec
-from server.config import RunConfig
-from tasks.federation import DataSpec, load_client_partition
-from tasks.models import build_model
-from tasks.protocol import ClientTask
+from beyond_averaging.client.app import evaluate_local, train
+from beyond_averaging.server.app import client_task, data_spec
+from beyond_averaging.server.config import RunConfig
+from beyond_averaging.tasks.federation import DataSpec, load_client_partition
+from beyond_averaging.tasks.models import build_model
+from beyond_averaging.tasks.protocol import ClientTask
 from tests.conftest import instruction_message
 
 CONFIG = RunConfig(num_clients=3, local_epochs=1, batch_size=16, device="cpu")

@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from server.config import ConfigError, RunConfig, parse_run_config
+from beyond_averaging.server.config import ConfigError, RunConfig, parse_run_config
 from tests.conftest import REPO
 
 

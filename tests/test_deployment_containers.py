@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from server.launch import LaunchError, flower_environment, free_port, read_summary
+from beyond_averaging.server.launch import LaunchError, flower_environment, free_port, read_summary
 from tests.deploy_helpers import (
     REPO,
     Certificates,

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD
+from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD
 from tests.deploy_helpers import (
     REPO,
     Certificates,

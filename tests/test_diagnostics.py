@@ -9,9 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-import strategies.diagnostics as diagnostics
-from strategies import FedAvg
-from strategies.diagnostics import (
+from beyond_averaging.strategies import FedAvg, diagnostics
+from beyond_averaging.strategies.diagnostics import (
     ClientDiagnostics,
     cohort_coherence,
     cosine_matrix,

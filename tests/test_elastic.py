@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from strategies import ElasticAggregation, MissingRecordError, aggregate_elastic
-from strategies.elastic import elastic_zeta
+from beyond_averaging.strategies import ElasticAggregation, MissingRecordError, aggregate_elastic
+from beyond_averaging.strategies.elastic import elastic_zeta
 from tests.conftest import train_reply
 
 Arrays = dict[str, np.ndarray[Any, Any]]

@@ -19,8 +19,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from client.sensitivity import sensitivity_record
-from strategies import ElasticAggregation, MissingRecordError
+from beyond_averaging.client.sensitivity import sensitivity_record
+from beyond_averaging.strategies import ElasticAggregation, MissingRecordError
 from tests.conftest import instruction_message
 
 

@@ -11,7 +11,12 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
-from client.sensitivity import STATE_KEY, compute_sensitivity, sensitivity_record, to_upload
+from beyond_averaging.client.sensitivity import (
+    STATE_KEY,
+    compute_sensitivity,
+    sensitivity_record,
+    to_upload,
+)
 from tests.conftest import instruction_message
 
 

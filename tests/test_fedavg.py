@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from strategies import FedAvg, ServerOptimizer, aggregate_fedavg
+from beyond_averaging.strategies import FedAvg, ServerOptimizer, aggregate_fedavg
 from tests.conftest import train_reply
 
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from client.training import train_local
-from server.config import RunConfig
-from server.strategy_factory import ServerResources, build_strategy
-from strategies import (
+from beyond_averaging.client.training import train_local
+from beyond_averaging.server.config import RunConfig
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.strategies import (
     FedGMA,
     FedGMASoft,
     MissingRecordError,
@@ -26,10 +26,10 @@ from strategies import (
     aggregate_fedgma,
     and_mask,
 )
-from strategies.fedgma import hard_mask, soft_mask
-from tasks.datasets import LabeledData
-from tasks.evaluation import make_loader
-from tasks.models import build_model
+from beyond_averaging.strategies.fedgma import hard_mask, soft_mask
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.evaluation import make_loader
+from beyond_averaging.tasks.models import build_model
 from tests.conftest import read_metrics, train_reply
 
 Arrays = dict[str, np.ndarray[Any, Any]]

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.config import parse_run_config
-from tasks.colored import (
+from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.tasks.colored import (
     BINARY_PALETTE,
     TEN_CLASS_PALETTE,
     client_flip_probability,
     colorize,
 )
-from tasks.datasets import LabeledData
-from tasks.federation import DataSpec, load_client_partition, load_server_splits
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
 
 
 def grey_digits(count: int, seed: int = 0) -> LabeledData:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from strategies import FedLAW, aggregate_fedavg
-from strategies.fedlaw import (
+from beyond_averaging.strategies import FedLAW, aggregate_fedavg
+from beyond_averaging.strategies.fedlaw import (
     ProxySetError,
     _client_tensors,
     aggregate_fedlaw,
@@ -22,8 +22,8 @@ from strategies.fedlaw import (
     validate_proxy_set,
     weighted_sum,
 )
-from tasks.datasets import LabeledData
-from tasks.models import build_model
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.models import build_model
 from tests.conftest import train_reply
 
 NUM_CLASSES, DIMENSION = 3, 5

@@ -26,8 +26,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from strategies import FedLAW
-from tasks.datasets import LabeledData
+from beyond_averaging.strategies import FedLAW
+from beyond_averaging.tasks.datasets import LabeledData
 from tests.conftest import read_metrics
 
 NUM_NODES = 3

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from server.config import ConfigError, parse_run_config
-from server.proxy import load_proxy_dir
-from server.strategy_factory import ServerResources, build_strategy
-from strategies import FedLAW
-from tasks.datasets import LabeledData
-from tasks.models import build_model
+from beyond_averaging.server.config import ConfigError, parse_run_config
+from beyond_averaging.server.proxy import load_proxy_dir
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.strategies import FedLAW
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.models import build_model
 
 DIGITS_SHAPE = (1, 8, 8)
 

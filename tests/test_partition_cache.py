@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-import tasks.federation as federation
-from tasks.federation import load_client_partition
-from tasks.partition_cache import CACHE_ENV, partition_key
+from beyond_averaging.tasks import federation
+from beyond_averaging.tasks.federation import load_client_partition
+from beyond_averaging.tasks.partition_cache import CACHE_ENV, partition_key
 from tests.conftest import REPO
 from tests.test_tasks_datasets import digits_spec
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from server.launch import LaunchError, launch, processes_with_environment
+from beyond_averaging.server.launch import LaunchError, launch, processes_with_environment
 from tests.conftest import REPO, read_metrics
 
 pytestmark = pytest.mark.simulation

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
-from strategies import ClientReply, ContractStrategy, FedAvg, MissingRecordError
-from strategies.aggregate import NDArrayDict
+from beyond_averaging.strategies import ClientReply, ContractStrategy, FedAvg, MissingRecordError
+from beyond_averaging.strategies.aggregate import NDArrayDict
 from tests.conftest import reply_message, train_reply
 
 GLOBAL = {"w": np.zeros((2, 3), dtype=np.float32), "b": np.zeros(3, dtype=np.float32)}

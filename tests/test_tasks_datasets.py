@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.datasets import (
+from beyond_averaging.tasks.datasets import (
     DEFAULT_DATA_DIRS,
     DatasetNotFoundError,
     LabeledData,
     load_dataset,
     make_synthetic,
 )
-from tasks.federation import DataSpec, load_client_partition, load_server_splits
-from tasks.splits import split_server_data
+from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
+from beyond_averaging.tasks.splits import split_server_data
 
 IDX_FILES = {
     "train_images": "train-images-idx3-ubyte",

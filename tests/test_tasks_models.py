@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from tasks.datasets import LabeledData
-from tasks.evaluation import evaluate, make_loader, resolve_device
-from tasks.models import ModelName, build_model
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.evaluation import evaluate, make_loader, resolve_device
+from beyond_averaging.tasks.models import ModelName, build_model
 
 CPU = torch.device("cpu")
 
@@ -272,9 +272,9 @@ def test_evaluate_refuses_empty_data() -> None:
 
 
 def test_package_re_exports_the_public_api() -> None:
-    import tasks
-    from tasks.federation import DataSpec
-    from tasks.models import build_model as direct_build_model
+    from beyond_averaging import tasks
+    from beyond_averaging.tasks.federation import DataSpec
+    from beyond_averaging.tasks.models import build_model as direct_build_model
 
     assert tasks.build_model is direct_build_model
     assert tasks.DataSpec is DataSpec
@@ -289,7 +289,7 @@ def test_importing_the_protocol_module_does_not_import_torch_or_sklearn() -> Non
     # The strategies import tasks.protocol for record names only; a fresh interpreter shows
     # whether the package __init__ drags the heavy libraries in.
     probe = (
-        "import sys, tasks.protocol; "
+        "import sys, beyond_averaging.tasks.protocol; "
         "print(sorted(m for m in ('torch', 'sklearn', 'flwr_datasets') if m in sys.modules))"
     )
     result = subprocess.run(

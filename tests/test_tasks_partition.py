@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tasks.datasets import load_dataset
-from tasks.partition import PartitionScheme, partition_indices
+from beyond_averaging.tasks.datasets import load_dataset
+from beyond_averaging.tasks.partition import PartitionScheme, partition_indices
 
 NUM_CLASSES = 10
 
