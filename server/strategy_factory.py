@@ -31,9 +31,13 @@ class ServerResources:
 
 def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStrategy:
     """The configured strategy, validated and ready to start."""
+    # The run option min-train-replies is also the fewest nodes a round samples, as before the
+    # strategies took Flower's min_*_nodes; fraction-evaluate is passed as the run's own default.
     base: dict[str, Any] = {
         "fraction_train": config.fraction_train,
         "fraction_evaluate": config.fraction_evaluate,
+        "min_train_nodes": config.min_train_replies,
+        "min_evaluate_nodes": config.min_train_replies,
         "min_train_replies": config.min_train_replies,
         "min_available_nodes": config.min_train_replies,
         "seed": config.seed,

@@ -2,16 +2,25 @@
 
 Payload contract of a train reply (see :mod:`tasks.protocol`):
 
-- ``arrays`` (ArrayRecord): required; same keys and shapes as the global model; finite values.
-- ``metrics`` (MetricRecord): required; ``num-examples`` > 0; other entries are averaged.
+- ``arrays`` (ArrayRecord, named by ``arrayrecord_key``): required; same keys and shapes as the
+  global model; finite values.
+- a MetricRecord (the one named ``metrics``, or the reply's only one, as Flower reads it):
+  required; its entry ``weighted_by_key`` (``num-examples``) a number > 0, the reply's weight.
 - each record a strategy declares in ``required_records`` (``sensitivity``, ``gradient``):
   an ArrayRecord whose keys are a non-empty subset of the global model's, same shapes, finite.
 
-A reply that breaks it is dropped with a logged reason and counted in the round's metrics
-(``replies-dropped`` and ``dropped-<reason>``). The round aggregates the rest when at least
+A reply that breaks it is dropped with a logged reason and counted in the strategy's aggregation
+metrics (``replies-dropped`` and ``dropped-<reason>``). The round aggregates the rest when at least
 ``min_train_replies`` remain; otherwise the global model is kept and the log says why. If no reply
 of a round carries a required record at all, the run stops with :class:`MissingRecordError`, whose
 message says how to add that record: a strategy never silently falls back to FedAvg.
+
+Constructor arguments are those of Flower's ``flwr.serverapp.strategy.FedAvg``, with its
+defaults and meanings (:class:`StrategyOptions`), plus this project's ``min_train_replies`` and
+``seed``. Results follow Flower's split: ``aggregate_train`` / ``aggregate_evaluate`` return only
+the clients' metrics, aggregated as Flower does (:mod:`strategies.metrics`), so
+``Result.train_metrics_clientapp`` holds client metrics only; the strategy's own figures of each
+round go to :attr:`ContractStrategy.aggregation_metrics`.
 
 Subclasses implement :meth:`ContractStrategy.aggregate`, a call into their pure math function.
 """
@@ -25,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import numpy as np
 from flwr.app import (
@@ -44,11 +53,17 @@ from flwr.supercore import log
 from ..tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
-    METRICS_RECORD,
     NUM_EXAMPLES_KEY,
     REQUEST_RECORDS_KEY,
 )
 from .aggregate import NDArrayDict, normalise_weights, npy_view, value_range
+from .metrics import (
+    MetricsAggregationFn,
+    aggregate_metrics,
+    plain_metrics,
+    reply_metric_record,
+    reply_weight,
+)
 
 
 class MissingRecordError(RuntimeError):
@@ -61,7 +76,8 @@ class ClientReply:
 
     node_id: int
     arrays: NDArrayDict
-    num_examples: int
+    #: The reply's weight: its metric ``weighted_by_key`` (by default ``num-examples``).
+    num_examples: float
     metrics: dict[str, float]
     records: dict[str, NDArrayDict] = field(default_factory=dict)
 
@@ -73,6 +89,26 @@ ReplyObserver = Callable[
     [int, NDArrayDict, Sequence[ClientReply], np.ndarray[Any, np.dtype[np.float64]]],
     Mapping[str, float | int | list[float]],
 ]
+
+
+class StrategyOptions(TypedDict, total=False):
+    """Keyword arguments every strategy of this project accepts (see :class:`ContractStrategy`).
+
+    The first ten are ``flwr.serverapp.strategy.FedAvg``'s, with its defaults and meanings.
+    """
+
+    fraction_train: float
+    fraction_evaluate: float
+    min_train_nodes: int
+    min_evaluate_nodes: int
+    min_available_nodes: int
+    weighted_by_key: str
+    arrayrecord_key: str
+    configrecord_key: str
+    train_metrics_aggr_fn: MetricsAggregationFn | None
+    evaluate_metrics_aggr_fn: MetricsAggregationFn | None
+    min_train_replies: int | None
+    seed: int
 
 
 class ReplyRejected(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -143,20 +179,37 @@ def _to_numpy(record: ArrayRecord) -> NDArrayDict:
 class ContractStrategy(Strategy):
     """Base of this project's strategies (Flower Message API).
 
+    The arguments up to ``evaluate_metrics_aggr_fn`` are Flower's ``FedAvg``'s, same defaults
+    and meanings (keyword-only here, as in Flower's ``FedAdam``). Per-round settings for the
+    clients go where Flower puts them: ``start(train_config=ConfigRecord(...))``.
+
     Parameters
     ----------
     fraction_train : float
-        Share of connected nodes sampled for training each round.
-    min_train_replies : int
-        Valid replies needed to aggregate; with fewer the global model is kept.
+        Share of connected nodes sampled for training each round, at least ``min_train_nodes``;
+        0 skips training.
     fraction_evaluate : float
-        Share of nodes sampled for federated evaluation (0 disables it).
+        Share of connected nodes sampled for federated evaluation, at least
+        ``min_evaluate_nodes``; 0 skips it.
+    min_train_nodes, min_evaluate_nodes : int
+        Fewest nodes sampled for training / evaluation.
     min_available_nodes : int
-        Nodes that must be connected before a round starts.
+        Nodes that must be connected before a round samples (at least the sample size).
+    weighted_by_key : str
+        The entry of each reply's MetricRecord that weighs the reply, for its model and its
+        metrics alike.
+    arrayrecord_key, configrecord_key : str
+        Names of the ArrayRecord (model) and ConfigRecord in the messages sent; a train reply
+        carries its model under ``arrayrecord_key`` too.
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
+        ``fn(reply_contents, weighted_by_key) -> MetricRecord``, as in Flower; default
+        :func:`strategies.metrics.aggregate_metrics` (a weighted mean, as Flower's default).
+    min_train_replies : int, optional
+        This project's extra: valid replies needed to aggregate; with fewer the global model is
+        kept. Default ``max(min_train_nodes, 1)``.
     seed : int
-        Seeds node sampling, so that two strategies of one seed see the same cohorts.
-    train_config : Mapping, optional
-        Entries added to every train message's config (after the strategy's own).
+        This project's extra: seeds node sampling, so that two strategies of one seed see the
+        same cohorts.
     """
 
     #: Extra ArrayRecords every reply must carry, with the hint shown when they are missing.
@@ -169,23 +222,65 @@ class ContractStrategy(Strategy):
         self,
         *,
         fraction_train: float = 1.0,
-        min_train_replies: int = 2,
-        fraction_evaluate: float = 0.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
+        weighted_by_key: str = NUM_EXAMPLES_KEY,
+        arrayrecord_key: str = ARRAYS_RECORD,
+        configrecord_key: str = CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        min_train_replies: int | None = None,
         seed: int = 0,
     ) -> None:
-        if not 0.0 < fraction_train <= 1.0:
-            raise ValueError(f"fraction_train = {fraction_train}: allowed is (0, 1]")
-        if not 0.0 <= fraction_evaluate <= 1.0:
-            raise ValueError(f"fraction_evaluate = {fraction_evaluate}: allowed is [0, 1]")
+        for name, fraction in (
+            ("fraction_train", fraction_train),
+            ("fraction_evaluate", fraction_evaluate),
+        ):
+            if not 0.0 <= fraction <= 1.0:
+                raise ValueError(f"{name} = {fraction}: allowed is [0, 1]")
+        for name, count in (
+            ("min_train_nodes", min_train_nodes),
+            ("min_evaluate_nodes", min_evaluate_nodes),
+            ("min_available_nodes", min_available_nodes),
+        ):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"{name} = {count!r}: allowed is an integer >= 0")
+        if min_train_replies is None:
+            min_train_replies = max(min_train_nodes, 1)
         if min_train_replies < 1:
             raise ValueError(f"min_train_replies = {min_train_replies}: allowed is >= 1")
+        for name, key in (
+            ("weighted_by_key", weighted_by_key),
+            ("arrayrecord_key", arrayrecord_key),
+            ("configrecord_key", configrecord_key),
+        ):
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"{name} = {key!r}: allowed is a non-empty string")
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
+        # As Flower: a phase that is off needs no nodes.
+        self.min_train_nodes = min_train_nodes if fraction_train > 0.0 else 0
+        self.min_evaluate_nodes = min_evaluate_nodes if fraction_evaluate > 0.0 else 0
+        self.min_available_nodes = min_available_nodes
+        self.weighted_by_key = weighted_by_key
+        self.arrayrecord_key = arrayrecord_key
+        self.configrecord_key = configrecord_key
+        self.train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metrics
+        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn or aggregate_metrics
         self.min_train_replies = min_train_replies
-        self.min_available_nodes = max(min_available_nodes, 1)
         self.seed = seed
+        for phase, fraction in (("training", fraction_train), ("evaluation", fraction_evaluate)):
+            if fraction == 0.0:
+                log(INFO, "fraction of nodes for %s is 0.0: federated %s is skipped", phase, phase)
         self.global_arrays: NDArrayDict = {}
+        #: Per round, the strategy's own figures: replies received / valid / dropped (and why),
+        #: ``aggregated``, ``aggregation-seconds`` and the rule's parameters (e.g. ``fedlaw-*``).
+        #: Kept out of ``Result.train_metrics_clientapp``, which holds the clients' metrics only.
+        self.aggregation_metrics: dict[int, dict[str, Any]] = {}
+        #: The last round's client train metrics and aggregation metrics in one dict, for a run
+        #: recorder (this project's ServerApp logs it with the round's test accuracy).
         self.last_round_metrics: dict[str, Any] = {}
         self.last_aggregation_seconds = 0.0
         self.reply_observers: list[ReplyObserver] = []
@@ -214,27 +309,44 @@ class ContractStrategy(Strategy):
         log(INFO, "\t├──> %s", self.__class__.__name__)
         log(
             INFO,
-            "\t│\t├── fraction train / evaluate: %s / %s",
+            "\t│\t├── fraction train / evaluate: %s / %s, min nodes %d / %d, available %d",
             self.fraction_train,
             self.fraction_evaluate,
+            self.min_train_nodes,
+            self.min_evaluate_nodes,
+            self.min_available_nodes,
+        )
+        log(
+            INFO,
+            "\t│\t├── weighted by '%s', records '%s' / '%s'",
+            self.weighted_by_key,
+            self.arrayrecord_key,
+            self.configrecord_key,
         )
         log(INFO, "\t│\t├── min train replies: %s", self.min_train_replies)
         log(INFO, "\t│\t└── required records: %s", ["arrays", "metrics", *self.required_records])
 
     # ------------------------------------------------------------------ Flower Strategy API
-    def _sample(self, grid: Grid, fraction: float, server_round: int) -> list[int]:
-        wanted = self.min_available_nodes
+    def _sample(self, grid: Grid, fraction: float, min_nodes: int, server_round: int) -> list[int]:
+        """Flower's sampling: max(fraction * connected, min_nodes) nodes, seeded by the round."""
+        wanted = max(self.min_available_nodes, min_nodes, 1)
         while len(nodes := sorted(grid.get_node_ids())) < wanted:
             log(INFO, "Waiting for nodes: %d connected, %d needed", len(nodes), wanted)
             time.sleep(1.0)
-        size = min(len(nodes), max(int(len(nodes) * fraction), self.min_train_replies, 1))
+        size = min(len(nodes), max(int(len(nodes) * fraction), min_nodes, 1))
         # A round-seeded generator: reproducible cohorts, identical across strategies.
         return random.Random(self.seed * 100_003 + server_round).sample(nodes, size)
 
     def _messages(
-        self, grid: Grid, record: RecordDict, message_type: str, fraction: float, rnd: int
+        self,
+        grid: Grid,
+        record: RecordDict,
+        message_type: str,
+        fraction: float,
+        min_nodes: int,
+        rnd: int,
     ) -> list[Message]:
-        node_ids = self._sample(grid, fraction, rnd)
+        node_ids = self._sample(grid, fraction, min_nodes, rnd)
         log(INFO, "%s: sampled %d nodes", message_type, len(node_ids))
         return [Message(content=record, message_type=message_type, dst_node_id=n) for n in node_ids]
 
@@ -242,29 +354,44 @@ class ContractStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Send the global model, the run's client task and the records the strategy needs."""
+        if self.fraction_train == 0.0:
+            return []
         self.global_arrays = _to_numpy(arrays)
         config["server-round"] = server_round
         config[REQUEST_RECORDS_KEY] = ",".join(self.required_records)
         for key, value in self.train_config_entries().items():
             config[key] = value
-        record = RecordDict({ARRAYS_RECORD: arrays, CONFIG_RECORD: config})
-        return self._messages(grid, record, MessageType.TRAIN, self.fraction_train, server_round)
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        return self._messages(
+            grid,
+            record,
+            MessageType.TRAIN,
+            self.fraction_train,
+            self.min_train_nodes,
+            server_round,
+        )
 
     def validate_reply(self, message: Message) -> ClientReply:
         """Unpack a reply or raise :class:`ReplyRejected` with the contract clause it breaks."""
         if message.has_error():
             raise ReplyRejected("error-reply", f"error reply: {message.error.reason}")
         content = message.content
-        arrays_record = content.array_records.get(ARRAYS_RECORD)
+        arrays_record = content.array_records.get(self.arrayrecord_key)
         if arrays_record is None:
-            raise ReplyRejected("missing-arrays", "no ArrayRecord named 'arrays'")
-        metrics_record = content.metric_records.get(METRICS_RECORD)
-        if metrics_record is None or NUM_EXAMPLES_KEY not in metrics_record:
-            raise ReplyRejected("missing-metrics", "no MetricRecord 'metrics' with 'num-examples'")
-        num_examples = metrics_record[NUM_EXAMPLES_KEY]
-        if isinstance(num_examples, list) or not num_examples > 0:
+            raise ReplyRejected("missing-arrays", f"no ArrayRecord named '{self.arrayrecord_key}'")
+        metrics_record = reply_metric_record(content)
+        if metrics_record is None or self.weighted_by_key not in metrics_record:
             raise ReplyRejected(
-                "bad-num-examples", f"num-examples = {num_examples!r}, must be a number > 0"
+                "missing-metrics",
+                f"no MetricRecord (named 'metrics', or the reply's only one) with the weight "
+                f"'{self.weighted_by_key}'",
+            )
+        num_examples = reply_weight(metrics_record, self.weighted_by_key)
+        if num_examples is None:
+            raise ReplyRejected(
+                "bad-num-examples",
+                f"{self.weighted_by_key} = {metrics_record[self.weighted_by_key]!r}, must be a "
+                "finite number > 0",
             )
         arrays = _to_numpy(arrays_record)
         _check_like_global(ARRAYS_RECORD, arrays, self.global_arrays, subset=False)
@@ -284,12 +411,12 @@ class ContractStrategy(Strategy):
         metrics = {
             key: float(value)
             for key, value in metrics_record.items()
-            if key != NUM_EXAMPLES_KEY and isinstance(value, int | float)
+            if key != self.weighted_by_key and isinstance(value, int | float)
         }
         return ClientReply(
             node_id=message.metadata.src_node_id,
             arrays=arrays,
-            num_examples=int(num_examples),
+            num_examples=num_examples,
             metrics=metrics,
             records=records,
         )
@@ -297,13 +424,22 @@ class ContractStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate replies by the contract, then aggregate the valid ones."""
+        """Validate replies by the contract, then aggregate the valid ones.
+
+        Returns the new global arrays (None when the round keeps the old ones) and the clients'
+        train metrics aggregated by ``train_metrics_aggr_fn`` (None without a valid reply); the
+        strategy's own figures go to :attr:`aggregation_metrics`.
+        """
+        if self.fraction_train == 0.0:
+            return None, None
         replies = list(replies)
         valid: list[ClientReply] = []
+        valid_contents: list[RecordDict] = []
         dropped: Counter[str] = Counter()
         for message in replies:
             try:
                 valid.append(self.validate_reply(message))
+                valid_contents.append(message.content)
             except ReplyRejected as rejection:
                 dropped[rejection.reason] += 1
                 log(
@@ -320,16 +456,9 @@ class ContractStrategy(Strategy):
             "replies-dropped": sum(dropped.values()),
             **{f"dropped-{reason}": count for reason, count in sorted(dropped.items())},
         }
-        if valid:
-            weights = normalise_weights([reply.num_examples for reply in valid])
-            for key in sorted({k for reply in valid for k in reply.metrics}):
-                present = [
-                    (w, r.metrics[key])
-                    for w, r in zip(weights, valid, strict=True)
-                    if key in r.metrics
-                ]
-                total = sum(w for w, _ in present)
-                metrics[key] = sum(w * v for w, v in present) / total
+        client_metrics = (
+            self.train_metrics_aggr_fn(valid_contents, self.weighted_by_key) if valid else None
+        )
         if len(valid) < self.min_train_replies:
             log(
                 WARNING,
@@ -340,8 +469,9 @@ class ContractStrategy(Strategy):
                 self.min_train_replies,
             )
             metrics["aggregated"] = 0
-            self.last_round_metrics = metrics
-            return None, MetricRecord(metrics)
+            self._record_round(server_round, client_metrics, metrics)
+            return None, client_metrics
+        weights = normalise_weights([reply.num_examples for reply in valid])
         started = time.perf_counter()
         new_arrays = self.aggregate(server_round, self.global_arrays, valid)
         self.last_aggregation_seconds = time.perf_counter() - started
@@ -350,13 +480,23 @@ class ContractStrategy(Strategy):
         metrics.update(self.round_metrics())
         for observer in self.reply_observers:  # after the timing: observers never inflate it
             metrics.update(observer(server_round, self.global_arrays, valid, weights))
-        self.last_round_metrics = metrics
+        self._record_round(server_round, client_metrics, metrics)
         record = ArrayRecord(
             # asarray(order='C'), not ascontiguousarray: the latter turns 0-d tensors
             # (BatchNorm's num_batches_tracked) into shape (1,), which round 2 then rejects.
             {key: Array(np.asarray(value, order="C")) for key, value in new_arrays.items()}
         )
-        return record, MetricRecord(metrics)
+        return record, client_metrics
+
+    def _record_round(
+        self, server_round: int, client_metrics: MetricRecord | None, figures: dict[str, Any]
+    ) -> None:
+        """Keep the round's aggregation figures apart from the clients' metrics."""
+        self.aggregation_metrics[server_round] = plain_metrics(figures)
+        self.last_round_metrics = {
+            **plain_metrics(client_metrics or {}),
+            **self.aggregation_metrics[server_round],
+        }
 
     def _stop_if_record_absent(self, replies: Sequence[Message], dropped: Counter[str]) -> None:
         answered = sum(not message.has_error() for message in replies)
@@ -374,45 +514,40 @@ class ContractStrategy(Strategy):
         if self.fraction_evaluate == 0.0:
             return []
         config["server-round"] = server_round
-        record = RecordDict({ARRAYS_RECORD: arrays, CONFIG_RECORD: config})
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return self._messages(
-            grid, record, MessageType.EVALUATE, self.fraction_evaluate, server_round
+            grid,
+            record,
+            MessageType.EVALUATE,
+            self.fraction_evaluate,
+            self.min_evaluate_nodes,
+            server_round,
         )
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Example-weighted mean of the clients' evaluation metrics."""
-        results: list[tuple[float, dict[str, float]]] = []
+        """The clients' evaluation metrics aggregated by ``evaluate_metrics_aggr_fn``.
+
+        Error replies and replies without a positive weight (``weighted_by_key``) are skipped
+        with a logged reason; None when none is left.
+        """
+        contents: list[RecordDict] = []
         for message in replies:
             if message.has_error():
-                log(
-                    WARNING,
-                    "round %d: evaluate error from node %s: %s",
-                    server_round,
-                    message.metadata.src_node_id,
-                    message.error.reason,
-                )
+                reason = f"error reply: {message.error.reason}"
+            elif reply_weight(reply_metric_record(message.content), self.weighted_by_key) is None:
+                reason = f"no MetricRecord with a weight '{self.weighted_by_key}' > 0"
+            else:
+                contents.append(message.content)
                 continue
-            record = message.content.metric_records.get(METRICS_RECORD)
-            if record is None or not isinstance(record.get(NUM_EXAMPLES_KEY), int | float):
-                continue
-            count = float(record[NUM_EXAMPLES_KEY])  # type: ignore[arg-type]
-            if count > 0:
-                results.append(
-                    (
-                        count,
-                        {
-                            k: float(v)
-                            for k, v in record.items()
-                            if isinstance(v, int | float) and k != NUM_EXAMPLES_KEY
-                        },
-                    )
-                )
-        if not results:
+            log(
+                WARNING,
+                "round %d: skipped evaluate reply from node %s: %s",
+                server_round,
+                message.metadata.src_node_id,
+                reason,
+            )
+        if not contents:
             return None
-        total = sum(count for count, _ in results)
-        keys = set.intersection(*(set(values) for _, values in results))
-        return MetricRecord(
-            {key: sum(c * v[key] for c, v in results) / total for key in sorted(keys)}
-        )
+        return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)

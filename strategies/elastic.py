@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from logging import INFO, WARNING
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +38,7 @@ from .aggregate import (
     pseudo_gradient,
     weighted_mean,
 )
-from .base import ClientReply, ContractStrategy, ReplyRejected
+from .base import ClientReply, ContractStrategy, ReplyRejected, StrategyOptions
 from .server_optimizer import ServerOptimizer, ServerOptimizerName
 
 #: The authors' older code adds this to the per-tensor max, so that an all-zero sensitivity tensor
@@ -224,7 +224,7 @@ class ElasticAggregation(ContractStrategy):
         server_beta1: float = 0.9,
         server_beta2: float = 0.99,
         server_eps: float = 1e-3,
-        **base: Any,
+        **base: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**base)
         check_tau(tau)

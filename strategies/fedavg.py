@@ -8,7 +8,7 @@ the server optimizer (FedAvgM with ``momentum``, FedAdam with ``adam``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +21,7 @@ from .aggregate import (
     pseudo_gradient,
     weighted_mean,
 )
-from .base import ClientReply, ContractStrategy
+from .base import ClientReply, ContractStrategy, StrategyOptions
 from .server_optimizer import ServerOptimizer, ServerOptimizerName
 
 
@@ -81,7 +81,7 @@ class FedAvg(ContractStrategy):
         server_beta1: float = 0.9,
         server_beta2: float = 0.99,
         server_eps: float = 1e-3,
-        **base: Any,
+        **base: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**base)
         self.optimizer = ServerOptimizer(

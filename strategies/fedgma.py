@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from logging import INFO, WARNING
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -49,7 +49,7 @@ from .aggregate import (
     pseudo_gradient,
     weighted_mean,
 )
-from .base import ClientReply, ContractStrategy
+from .base import ClientReply, ContractStrategy, StrategyOptions
 from .server_optimizer import ServerOptimizer
 
 MaskVariant = Literal["hard", "soft"]
@@ -380,7 +380,13 @@ class FedGMA(ContractStrategy):
     required_records: ClassVar[Mapping[str, str]] = {GRADIENT_RECORD: GRADIENT_HINT}
     mask_variant: ClassVar[MaskVariant] = "hard"
 
-    def __init__(self, *, threshold: float = 0.8, server_lr: float = 1.0, **base: Any) -> None:
+    def __init__(
+        self,
+        *,
+        threshold: float = 0.8,
+        server_lr: float = 1.0,
+        **base: Unpack[StrategyOptions],
+    ) -> None:
         super().__init__(**base)
         _check_threshold(threshold)
         if not (math.isfinite(server_lr) and server_lr >= 0.0):

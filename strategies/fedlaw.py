@@ -49,7 +49,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from logging import INFO, WARNING
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Unpack, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -62,7 +62,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from ..tasks.datasets import LabeledData
 from .aggregate import NDArrayDict, as_numpy, normalise_weights, weighted_mean
-from .base import ClientReply, ContractStrategy
+from .base import ClientReply, ContractStrategy, StrategyOptions
 
 LearnWhat = Literal["both", "shrink", "clients"]
 LEARN_CHOICES: tuple[str, ...] = get_args(LearnWhat)
@@ -547,9 +547,10 @@ class FedLAW(ContractStrategy):
 
     Needs nothing from clients beyond ``arrays`` and ``num-examples``, so any stock Flower
     ClientApp works with it. Each round writes ``fedlaw-gamma``, ``fedlaw-lambdas`` (in reply
-    order), ``fedlaw-data-weights`` (FedAvg's p, same order), ``fedlaw-lambda-<node id>`` per
-    client and ``fedlaw-fallback`` (1 when the learned weights were non-finite and FedAvg's were
-    used instead, with a logged warning) into the round's metrics.
+    order), ``fedlaw-data-weights`` (FedAvg's p, same order), ``fedlaw-node-ids`` (the replies'
+    node ids, same order) and ``fedlaw-fallback`` (1 when the learned weights were non-finite and
+    FedAvg's were used instead, with a logged warning) into the strategy's
+    ``aggregation_metrics``.
 
     Parameters
     ----------
@@ -601,7 +602,7 @@ class FedLAW(ContractStrategy):
         swa: bool = False,
         betas: tuple[float, float] = (0.5, 0.999),
         proxy_source: str = "the proxy set",
-        **base: Any,
+        **base: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**base)
         if learn not in LEARN_CHOICES:
@@ -708,15 +709,13 @@ class FedLAW(ContractStrategy):
             "fedlaw-lambdas": [float(value) for value in lambdas],
             "fedlaw-data-weights": data_weights,
             "fedlaw-fallback": int(fallback),
-            **{
-                f"fedlaw-lambda-{reply.node_id}": float(value)
-                for reply, value in zip(replies, lambdas, strict=True)
-            },
+            # One list, aligned with the lambdas, not a key per node: node ids change every run.
+            "fedlaw-node-ids": [reply.node_id for reply in replies],
         }
         return aggregate_fedlaw(
             self.model, client_params, gamma, lambdas, self.proxy_batches, device=self.device
         )
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
-        """gamma, every lambda (list and per node id), FedAvg's weights and the fallback flag."""
+        """gamma, the lambdas with their node ids, FedAvg's weights and the fallback flag."""
         return dict(self._metrics)

@@ -157,7 +157,7 @@ def run_round(strategy: ElasticAggregation, replies: list[Any], rnd: int = 1) ->
     record, metrics = strategy.aggregate_train(rnd, replies)
     assert record is not None
     assert metrics is not None
-    return {k: v.numpy() for k, v in record.items()}, dict(metrics)
+    return {k: v.numpy() for k, v in record.items()}, strategy.aggregation_metrics[rnd]
 
 
 def test_strategy_sends_decay_and_dtype_and_asks_for_sensitivity() -> None:

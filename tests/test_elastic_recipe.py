@@ -117,7 +117,8 @@ def run_round(
     for instruction in instructions:
         message = instruction_message(instruction.content, node_id=instruction.metadata.dst_node_id)
         replies.append(app(message, contexts[instruction.metadata.dst_node_id - 1]))
-    return strategy.aggregate_train(1, replies)
+    arrays, _ = strategy.aggregate_train(1, replies)
+    return arrays, strategy.aggregation_metrics[1]
 
 
 def contexts() -> list[Context]:

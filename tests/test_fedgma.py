@@ -28,7 +28,7 @@ from beyond_averaging.strategies import (
 )
 from beyond_averaging.strategies.fedgma import hard_mask, soft_mask
 from beyond_averaging.tasks.datasets import LabeledData
-from beyond_averaging.tasks.evaluation import make_loader
+from beyond_averaging.tasks.evaluation import DeviceData
 from beyond_averaging.tasks.models import build_model
 from tests.conftest import read_metrics, train_reply
 
@@ -292,7 +292,8 @@ def test_strategy_aggregates_replies_like_the_pure_function_and_reports_the_mask
     # average 2.5; masked mean gradient w: [[2.5, 0], [2, 2]], b: [1, 0]; step 0.5
     np.testing.assert_allclose(arrays["w"].numpy(), [[1.25, 2.5], [1.5, 1.5]])
     np.testing.assert_allclose(arrays["b"].numpy(), [2.0, 2.5])
-    assert metrics["gma-mask-mean"] == pytest.approx(4 / 6)  # 4 of 6 coordinates kept
+    figures = strategy.aggregation_metrics[1]
+    assert figures["gma-mask-mean"] == pytest.approx(4 / 6)  # 4 of 6 coordinates kept
 
 
 def test_hard_strategy_requests_the_gradient_record_and_drops_replies_without_it(
@@ -304,7 +305,7 @@ def test_hard_strategy_requests_the_gradient_record_and_drops_replies_without_it
     with caplog.at_level(logging.WARNING):
         _, metrics = strategy.aggregate_train(1, [reply(1.0, grad, 10, 1), reply(2.0, None, 10, 2)])
     assert metrics is not None
-    assert metrics["dropped-missing-gradient"] == 1
+    assert strategy.aggregation_metrics[1]["dropped-missing-gradient"] == 1
     assert "no ArrayRecord named 'gradient'" in caplog.text
 
 
@@ -363,12 +364,11 @@ def test_client_reports_the_autograd_gradient_of_its_last_local_step() -> None:
     lr, momentum, decay, epochs = 0.1, 0.9, 0.01, 2
     result = train_local(
         model,
-        make_loader(data, 4, shuffle=False),  # batches of 4, 4 and 2 samples
-        epochs=epochs,
+        DeviceData.from_labeled(data, torch.device("cpu")),
+        list(torch.arange(10).split(4)) * epochs,  # batches of 4, 4 and 2 samples
         learning_rate=lr,
         momentum=momentum,
         weight_decay=decay,
-        device=torch.device("cpu"),
         keep_last_gradient=True,
     )
     # Independent re-run: SGD with momentum and weight decay written out, torch.autograd.grad for

@@ -354,7 +354,8 @@ def strategy_round(strategy: FedLAW, clients: list[State], counts: list[int]) ->
         train_reply({k: v.numpy() for k, v in c.items()}, n, node_id=100 + i)
         for i, (c, n) in enumerate(zip(clients, counts, strict=True))
     ]
-    return strategy.aggregate_train(1, replies)
+    arrays, _ = strategy.aggregate_train(1, replies)
+    return arrays, strategy.aggregation_metrics[1]
 
 
 def test_strategy_writes_gamma_and_every_lambda_into_the_round_metrics() -> None:
@@ -366,7 +367,7 @@ def test_strategy_writes_gamma_and_every_lambda_into_the_round_metrics() -> None
     lambdas = metrics["fedlaw-lambdas"]
     assert len(lambdas) == 3
     assert sum(lambdas) == pytest.approx(1.0)
-    assert [metrics[f"fedlaw-lambda-{100 + i}"] for i in range(3)] == lambdas
+    assert metrics["fedlaw-node-ids"] == [100, 101, 102]
     assert metrics["fedlaw-data-weights"] == [0.25, 0.25, 0.5]
     assert metrics["fedlaw-gamma"] > 0
     assert metrics["fedlaw-fallback"] == 0

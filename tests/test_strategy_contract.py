@@ -28,9 +28,10 @@ def strategy_with_global(strategy: ContractStrategy) -> ContractStrategy:
 
 
 def aggregate(strategy: ContractStrategy, replies: list[Any]) -> tuple[Any, dict[str, Any]]:
+    """The new arrays, and the clients' train metrics merged with the strategy's own figures."""
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert metrics is not None
-    return arrays, dict(metrics)
+    return arrays, {**dict(metrics), **strategy.aggregation_metrics[1]}
 
 
 def good_replies() -> list[Any]:
