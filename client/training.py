@@ -1,12 +1,20 @@
-"""Local training of a client: SGD with momentum and weight decay, optional FedProx term."""
+"""Local training of a client: SGD with momentum and weight decay, optional FedProx term.
+
+The batches are cut by index from tensors that already live on the training device
+(:class:`tasks.evaluation.DeviceData`), in the order of a batch plan
+(:func:`tasks.batching.shuffled_batches`). The loop never waits for the device: the loss is
+summed on the device and read once at the end, so on CUDA the host queues steps ahead of the GPU.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+
+from ..tasks.evaluation import DeviceData
 
 
 @dataclass(frozen=True)
@@ -25,21 +33,43 @@ class TrainResult:
 
 def train_local(
     model: nn.Module,
-    loader: DataLoader[tuple[torch.Tensor, ...]],
+    data: DeviceData,
+    plan: Sequence[torch.Tensor],
     *,
-    epochs: int,
     learning_rate: float,
     momentum: float,
     weight_decay: float,
-    device: torch.device,
     proximal_mu: float = 0.0,
     keep_last_gradient: bool = False,
 ) -> TrainResult:
-    """Train ``model`` in place for ``epochs`` passes over ``loader``.
+    """Train ``model`` in place, one SGD step per index batch of ``plan``.
 
     With ``proximal_mu > 0`` the loss gains FedProx's (mu / 2) * ||w - w_received||^2, where
     w_received are the parameters the model had on entry.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The received model; moved to ``data``'s device.
+    data : DeviceData
+        The partition, on the training device.
+    plan : Sequence[torch.Tensor]
+        Sample positions of every step, all local epochs in a row (e.g.
+        ``shuffled_batches(len(data), batch_size, epochs, seed)``).
+    learning_rate, momentum, weight_decay : float
+        ``torch.optim.SGD``'s settings.
+    proximal_mu : float
+        FedProx's mu (0: plain SGD).
+    keep_last_gradient : bool
+        Return the last step's loss gradient (before its update).
+
+    Returns
+    -------
+    TrainResult
+        ``mean_loss`` averages the per-step mean loss weighted by the step's batch size;
+        ``num_examples`` is the partition's size.
     """
+    device = data.device
     model.to(device)
     model.train()
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
@@ -47,32 +77,34 @@ def train_local(
         model.parameters(), lr=learning_rate, momentum=momentum, weight_decay=weight_decay
     )
     criterion = nn.CrossEntropyLoss()
-    total_loss, seen, steps = 0.0, 0, 0
+    # One host-to-device copy of the whole plan instead of one per step.
+    sizes = [int(batch.shape[0]) for batch in plan]
+    steps = torch.split(torch.cat(list(plan)).to(device), sizes) if plan else ()
+    # float64 on the device: the same precision as the Python float sum it replaces.
+    total_loss = torch.zeros((), dtype=torch.float64, device=device)
     last_gradient: dict[str, torch.Tensor] | None = None
-    for _ in range(epochs):
-        for features, labels in loader:
-            features, labels = features.to(device), labels.to(device)
-            optimizer.zero_grad(set_to_none=True)
-            loss = criterion(model(features), labels)
-            objective = loss
-            if anchor:
-                drift = sum(
-                    torch.sum((p - a) ** 2) for p, a in zip(model.parameters(), anchor, strict=True)
-                )
-                objective = loss + 0.5 * proximal_mu * drift
-            objective.backward()
-            if keep_last_gradient:  # overwritten each step: what remains is the last step's
-                last_gradient = {
-                    name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-                    for name, p in model.named_parameters()
-                }
-            optimizer.step()
-            total_loss += float(loss.detach()) * labels.shape[0]
-            seen += int(labels.shape[0])
-            steps += 1
+    for step, positions in enumerate(steps):
+        features, labels = data.features[positions], data.labels[positions]
+        optimizer.zero_grad(set_to_none=True)
+        loss = criterion(model(features), labels)
+        objective = loss
+        if anchor:
+            drift = sum(
+                torch.sum((p - a) ** 2) for p, a in zip(model.parameters(), anchor, strict=True)
+            )
+            objective = loss + 0.5 * proximal_mu * drift
+        objective.backward()
+        if keep_last_gradient and step == len(sizes) - 1:
+            last_gradient = {
+                name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                for name, p in model.named_parameters()
+            }
+        optimizer.step()
+        total_loss += loss.detach().double() * sizes[step]
+    seen = sum(sizes)
     return TrainResult(
-        mean_loss=total_loss / max(seen, 1),
-        num_examples=seen // max(epochs, 1),
-        steps=steps,
+        mean_loss=float(total_loss) / max(seen, 1),
+        num_examples=len(data),
+        steps=len(sizes),
         last_gradient=last_gradient,
     )

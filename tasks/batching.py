@@ -94,3 +94,12 @@ def shuffled_batches(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     orders = epoch_orders(num_samples, epochs, seed)
     return [batch for order in orders for batch in torch.split(order, batch_size)]
+
+
+def shuffle_seed(run_seed: int, server_round: int, partition_id: int) -> int:
+    """Seed of a client's batch plan in a round: distinct per (run seed, round, partition).
+
+    The ClientApp and the vectorized cohort backend both derive their plans from it, so the
+    two train on the same batches.
+    """
+    return run_seed * 1_000_003 + server_round * 1009 + partition_id

@@ -1,7 +1,9 @@
-"""Device choice, data loaders and loss/accuracy evaluation."""
+"""Device choice, data on the device, data loaders and loss/accuracy evaluation."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -47,6 +49,66 @@ def resolve_device(requested: DeviceRequest) -> torch.device:
     raise ValueError(f"device={requested!r} is not allowed: choose 'auto', 'cpu' or 'cuda'")
 
 
+@dataclass(frozen=True, eq=False)
+class DeviceData:
+    """Labelled samples as two tensors on one device, for batches cut by index or slice.
+
+    Training and evaluation index these tensors directly: no DataLoader, no per-sample
+    collation, no host-to-device copy per batch.
+
+    Attributes
+    ----------
+    features : torch.Tensor
+        float32, ``(N, *input_shape)``.
+    labels : torch.Tensor
+        int64, ``(N,)``, on the same device as ``features``.
+    num_classes : int
+        Number of classes of the whole data set.
+    """
+
+    features: torch.Tensor
+    labels: torch.Tensor
+    num_classes: int
+
+    @classmethod
+    def from_labeled(cls, data: LabeledData, device: torch.device) -> DeviceData:
+        """Copy ``data`` onto ``device`` once.
+
+        On the CPU the tensors share NumPy's memory where the arrays are writable.
+        """
+        return cls(
+            _as_tensor(data.features).to(device),
+            _as_tensor(data.labels).to(device),
+            data.num_classes,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors live."""
+        return self.features.device
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one sample."""
+        return tuple(int(size) for size in self.features.shape[1:])
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def slices(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Consecutive ``(features, labels)`` views of ``batch_size`` samples, in order.
+
+        The last view holds the remainder.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        for start in range(0, len(self), batch_size):
+            yield (
+                self.features[start : start + batch_size],
+                self.labels[start : start + batch_size],
+            )
+
+
 def make_loader(
     data: LabeledData, batch_size: int, *, shuffle: bool, seed: int = 0
 ) -> DataLoader[tuple[torch.Tensor, ...]]:
@@ -79,7 +141,7 @@ def make_loader(
 
 def evaluate(
     model: nn.Module,
-    data: LabeledData | DataLoader[tuple[torch.Tensor, ...]],
+    data: LabeledData | DeviceData | Iterable[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
     batch_size: int = 512,
 ) -> tuple[float, float]:
@@ -93,12 +155,15 @@ def evaluate(
     ----------
     model : torch.nn.Module
         Maps a batch of features to logits ``(batch, num_classes)``.
-    data : LabeledData or DataLoader
-        Samples to score; a loader must yield ``(features, labels)`` batches.
+    data : LabeledData, DeviceData or iterable of batches
+        Samples to score. ``LabeledData`` is copied to ``device`` once and scored in slices;
+        pass ``DeviceData`` to reuse tensors already there (what the ClientApp and the server
+        do every round); any other iterable (e.g. a DataLoader) must yield
+        ``(features, labels)`` batches.
     device : torch.device
         Where to compute.
     batch_size : int
-        Batch size used when ``data`` is a ``LabeledData``.
+        Batch size used when ``data`` is a ``LabeledData`` or ``DeviceData``.
 
     Returns
     -------
@@ -112,7 +177,9 @@ def evaluate(
     ValueError
         ``data`` holds no samples.
     """
-    loader = make_loader(data, batch_size, shuffle=False) if isinstance(data, LabeledData) else data
+    if isinstance(data, LabeledData):
+        data = DeviceData.from_labeled(data, device)
+    batches = data.slices(batch_size) if isinstance(data, DeviceData) else data
     training_modes = [module.training for module in model.modules()]
     model.to(device)
     model.eval()
@@ -121,8 +188,8 @@ def evaluate(
     total_samples = 0
     try:
         with torch.no_grad():
-            for features, labels in loader:
-                features, labels = features.to(device), labels.to(device)
+            for features, labels in batches:
+                features, labels = features.to(device), labels.to(device)  # no-op if there
                 logits = model(features)
                 # Summing per-sample losses keeps the mean exact when the last batch is
                 # smaller than the others.
