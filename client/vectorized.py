@@ -1,0 +1,615 @@
+"""Vectorized cohort training: every sampled client of a round trains in one batched program.
+
+The in-process runtime (``client-backend = "vectorized"``) hands all TRAIN messages of a round to
+:func:`train_cohort` instead of calling the ClientApp once per node. The clients' parameters are
+stacked along a leading client axis and one forward/backward pass per local step serves the whole
+cohort (:func:`torch.func.vmap` over :func:`torch.func.functional_call`). The replies are the
+ClientApp's, record for record, so every strategy runs unchanged.
+
+What makes it the same arithmetic as the ClientApp's sequential loop
+(:func:`client.training.train_local`):
+
+- **Batches**: each client's steps come from :func:`tasks.batching.shuffled_batches` with the
+  ClientApp's shuffle seed, so client ``i`` sees the same samples in the same order.
+- **Unequal data sizes**: clients are ordered by their number of steps, longest first; at step
+  ``s`` the clients that still have a batch are a prefix of that order, so the step runs on views
+  ``parameters[:k]`` and the others are simply left alone (no wasted compute, no masks on the
+  update). A partial last batch of an epoch is padded to the batch size; its loss is the mean over
+  its real samples (padding weighs 0), as the sequential loop's ``CrossEntropyLoss`` takes it.
+- **Optimiser**: ``torch.optim.SGD``'s update written out on the stacked tensors: weight decay
+  added to the gradient, momentum buffer ``b <- m b + g`` (the first step's ``b = g`` is that with
+  ``b = 0``), ``w <- w - lr b``; the round's learning rate is the ClientApp's
+  (``ClientTask.round_learning_rate``). FedProx adds ``mu (w - w_received)`` to the gradient.
+- **Records**: FedGMA's ``gradient`` is each client's gradient at its own last step (before that
+  step's update, weight decay excluded, proximal term included, as ``train_local`` keeps it).
+  Elastic's ``sensitivity`` is :mod:`client.sensitivity`'s math over the first epoch's batches on
+  the received model, with the moving average kept in each node's ``Context.state``.
+
+Refused (a :class:`ValueError` naming the model and the fix, before any training): models with
+BatchNorm or other buffers (their running statistics would have to be tracked per client) and
+models with dropout (per-client random streams cannot reproduce the sequential loop's draws).
+Use ``client-backend = "clientapp"`` for those.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from logging import WARNING
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.supercore import log
+from torch import nn
+
+from ..tasks.batching import shuffled_batches
+from ..tasks.datasets import LabeledData
+from ..tasks.evaluation import resolve_device
+from ..tasks.federation import DataSpec, load_client_partition
+from ..tasks.models import build_model
+from ..tasks.protocol import (
+    ARRAYS_RECORD,
+    CONFIG_RECORD,
+    GRADIENT_RECORD,
+    METRICS_RECORD,
+    NUM_EXAMPLES_KEY,
+    SENSITIVITY_DECAY_KEY,
+    SENSITIVITY_DTYPE_KEY,
+    SENSITIVITY_RECORD,
+    SERVER_ROUND_KEY,
+    TRAIN_LOSS_KEY,
+    ClientTask,
+    requested_records,
+)
+from .app import SUPPORTED_RECORDS, cpu_state
+from .sensitivity import DEFAULT_DECAY, STATE_KEY, mismatch, to_upload
+
+Stacked = dict[str, torch.Tensor]
+"""Per-client tensors stacked on a leading client axis, keyed like ``named_parameters``."""
+
+
+# --------------------------------------------------------------------------------------------
+# What the backend refuses
+# --------------------------------------------------------------------------------------------
+
+
+def refusal(model: nn.Module, name: str) -> str:
+    """Why the vectorized backend cannot train ``model`` ("" when it can).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model the clients would train.
+    name : str
+        Its name in the run configuration, quoted in the message.
+    """
+    fix = f"run model {name!r} with client-backend = 'clientapp', or pick a model without it"
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            return (
+                f"model {name!r} has {type(module).__name__} ({module_name!r}), whose running "
+                f"statistics the vectorized backend does not track per client: {fix}"
+            )
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return (
+                f"model {name!r} has {type(module).__name__} ({module_name!r}); per-client "
+                f"dropout draws cannot reproduce the ClientApp's random stream: {fix}"
+            )
+    buffers = [buffer_name for buffer_name, _ in model.named_buffers()]
+    if buffers:
+        return (
+            f"model {name!r} has buffers {buffers[:3]}, which training may update per client: {fix}"
+        )
+    return ""
+
+
+# --------------------------------------------------------------------------------------------
+# The math: step plan, masked SGD on stacked parameters, sensitivity pass
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Which samples every client uses at every local step.
+
+    Clients are ordered by their number of steps, longest first, so the clients that still
+    train at step ``s`` are the first ``active[s]``.
+
+    Attributes
+    ----------
+    indices : torch.Tensor
+        int64, ``(steps, clients, batch_size)``: row indices into the cohort's data; ``-1``
+        pads a partial batch and a client that has no step ``s``.
+    active : tuple of int
+        Number of clients (a prefix) with a batch at each step.
+    """
+
+    indices: torch.Tensor
+    active: tuple[int, ...]
+
+    @classmethod
+    def from_batches(cls, batches: Sequence[Sequence[torch.Tensor]], batch_size: int) -> StepPlan:
+        """Pad every client's list of batch index tensors into one plan.
+
+        Parameters
+        ----------
+        batches : sequence of sequences of torch.Tensor
+            ``batches[i][s]``: the data rows of client ``i``'s step ``s`` (at most
+            ``batch_size``). Clients must come with non-increasing step counts.
+        batch_size : int
+            The padded width of a step.
+
+        Raises
+        ------
+        ValueError
+            Clients not ordered by step count, or a batch wider than ``batch_size``.
+        """
+        counts = [len(steps) for steps in batches]
+        if any(later > earlier for earlier, later in itertools.pairwise(counts)):
+            raise ValueError(f"clients must be ordered by steps, longest first; got {counts}")
+        num_steps = counts[0] if counts else 0
+        indices = torch.full((num_steps, len(batches), batch_size), -1, dtype=torch.int64)
+        for client, steps in enumerate(batches):
+            for step, rows in enumerate(steps):
+                if rows.numel() > batch_size:
+                    raise ValueError(f"a batch of {rows.numel()} rows exceeds {batch_size}")
+                indices[step, client, : rows.numel()] = rows
+        active = tuple(sum(count > step for count in counts) for step in range(num_steps))
+        return cls(indices, active)
+
+    def to(self, device: torch.device) -> StepPlan:
+        """The plan with its indices on ``device``."""
+        return StepPlan(self.indices.to(device), self.active)
+
+
+@dataclass(frozen=True)
+class CohortTrainResult:
+    """What :func:`train_stacked` reports per client (row ``i`` = client ``i`` of the plan).
+
+    Attributes
+    ----------
+    loss_sums : torch.Tensor
+        float64 ``(clients,)``: sum over steps of the batch's mean loss times its sample count.
+    last_gradient : Stacked or None
+        Each client's training-objective gradient at its own last step; None unless asked.
+    """
+
+    loss_sums: torch.Tensor
+    last_gradient: Stacked | None
+
+
+def _batch(
+    features: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Features ``(k, B, ...)``, labels ``(k, B)``, real-sample mask ``(k, B)`` and counts."""
+    valid = rows >= 0
+    flat = rows.clamp(min=0).flatten()
+    batch_features = features.index_select(0, flat).view(*rows.shape, *features.shape[1:])
+    batch_labels = labels.index_select(0, flat).view(rows.shape)
+    return batch_features, batch_labels, valid, valid.sum(dim=1)
+
+
+def _live(parameters: Stacked, clients: int) -> Stacked:
+    """Leaves that autograd differentiates: views of the first ``clients`` rows."""
+    return {
+        name: value[:clients].detach().requires_grad_(True) for name, value in parameters.items()
+    }
+
+
+def _cohort_forward(model: nn.Module) -> Any:
+    """``(stacked parameters, features (k, B, ...)) -> outputs (k, B, ...)``."""
+
+    def one_client(parameters: Stacked, features: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = torch.func.functional_call(model, parameters, (features,))
+        return output
+
+    return torch.func.vmap(one_client)
+
+
+def train_stacked(
+    model: nn.Module,
+    parameters: Stacked,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    plan: StepPlan,
+    *,
+    learning_rate: float,
+    momentum: float,
+    weight_decay: float,
+    proximal_mu: float = 0.0,
+    anchor: Mapping[str, torch.Tensor] | None = None,
+    keep_last_gradient: bool = False,
+) -> CohortTrainResult:
+    """Local SGD of every client of ``plan`` at once; updates ``parameters`` in place.
+
+    Per client and step, the same arithmetic as :func:`client.training.train_local` with
+    ``torch.optim.SGD(lr, momentum, weight_decay)`` and cross-entropy averaged over the batch's
+    real samples.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The architecture (its own parameters are not used); no buffers, no dropout.
+    parameters : Stacked
+        ``(clients, *shape)`` per parameter name, in the plan's client order; trained in place.
+    features, labels : torch.Tensor
+        The cohort's data; ``plan.indices`` index their rows.
+    plan : StepPlan
+        The steps, clients ordered longest first.
+    learning_rate, momentum, weight_decay : float
+        As ``torch.optim.SGD`` takes them (dampening 0, no Nesterov).
+    proximal_mu : float
+        FedProx's mu; the objective gains ``(mu / 2) ||w - anchor||^2``.
+    anchor : Mapping[str, torch.Tensor], optional
+        The received parameters, stacked ``(clients, ...)`` or one model's shape (shared by all);
+        required when ``proximal_mu > 0``.
+    keep_last_gradient : bool
+        Keep each client's objective gradient at its last step.
+
+    Returns
+    -------
+    CohortTrainResult
+    """
+    if proximal_mu > 0 and anchor is None:
+        raise ValueError("proximal_mu > 0 needs the received parameters as anchor")
+    clients = plan.indices.shape[1]
+    device = features.device
+    forward = _cohort_forward(model)
+    buffers = {name: torch.zeros_like(p) for name, p in parameters.items()} if momentum else {}
+    last_gradient = (
+        {name: torch.zeros_like(p) for name, p in parameters.items()}
+        if keep_last_gradient
+        else None
+    )
+    loss_sums = torch.zeros(clients, dtype=torch.float64, device=device)
+    for step, k in enumerate(plan.active):
+        batch_features, batch_labels, valid, counts = _batch(
+            features, labels, plan.indices[step, :k]
+        )
+        live = _live(parameters, k)
+        with torch.enable_grad():
+            logits = forward(live, batch_features)
+            per_sample = nn.functional.cross_entropy(
+                logits.flatten(0, 1), batch_labels.flatten(), reduction="none"
+            ).view(valid.shape)
+            losses = (per_sample * valid).sum(dim=1) / counts
+            gradients = torch.autograd.grad(losses.sum(), list(live.values()))
+        with torch.no_grad():
+            loss_sums[:k] += losses.detach().double() * counts
+            for (name, value), gradient in zip(parameters.items(), gradients, strict=True):
+                weights = value[:k]
+                if proximal_mu > 0:
+                    assert anchor is not None
+                    reference = anchor[name]
+                    reference = reference[:k] if reference.dim() == weights.dim() else reference
+                    gradient = gradient + proximal_mu * (weights - reference)
+                if last_gradient is not None:
+                    last_gradient[name][:k] = gradient
+                if weight_decay:
+                    gradient = gradient.add(weights, alpha=weight_decay)
+                if momentum:
+                    gradient = buffers[name][:k].mul_(momentum).add_(gradient)
+                weights.add_(gradient, alpha=-learning_rate)
+    return CohortTrainResult(loss_sums, last_gradient)
+
+
+def sensitivity_stacked(
+    model: nn.Module,
+    parameters: Stacked,
+    features: torch.Tensor,
+    plan: StepPlan,
+    previous: Stacked,
+    decay: float,
+) -> Stacked:
+    """Elastic's parameter sensitivity of every client at once (:mod:`client.sensitivity`).
+
+    For each client and batch: loss = mean over the batch's real samples of ``||f(x)||^2``,
+    then ``Omega <- decay * Omega + (1 - decay) * |d loss / d w|``.
+
+    Parameters
+    ----------
+    parameters : Stacked
+        The received models, ``(clients, ...)``; left unchanged.
+    plan : StepPlan
+        The batches of the pass (the first local epoch), clients ordered longest first.
+    previous : Stacked
+        float32 ``(clients, ...)`` moving averages to continue (zeros for a fresh start);
+        updated in place and returned.
+    decay : float
+        Moving-average decay in [0, 1).
+    """
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"sensitivity decay = {decay}: allowed is [0, 1) (the paper uses 0.9)")
+    forward = _cohort_forward(model)
+    for step, k in enumerate(plan.active):
+        rows = plan.indices[step, :k]
+        batch_features, _, valid, counts = _batch(
+            features,
+            torch.zeros(features.shape[0], dtype=torch.int64, device=features.device),
+            rows,
+        )
+        live = _live(parameters, k)
+        with torch.enable_grad():
+            outputs = forward(live, batch_features)
+            per_sample = outputs.pow(2).flatten(start_dim=2).sum(dim=2)
+            losses = (per_sample * valid).sum(dim=1) / counts
+            gradients = torch.autograd.grad(losses.sum(), list(live.values()))
+        with torch.no_grad():
+            for name, gradient in zip(parameters, gradients, strict=True):
+                previous[name][:k].mul_(decay).add_(gradient.abs().float(), alpha=1.0 - decay)
+    return previous
+
+
+# --------------------------------------------------------------------------------------------
+# Flower glue: messages in, the ClientApp's replies out
+# --------------------------------------------------------------------------------------------
+
+
+def shuffle_seed(task_seed: int, server_round: int, partition_id: int) -> int:
+    """The ClientApp's shuffling seed of a client's round."""
+    return task_seed * 1_000_003 + server_round * 1009 + partition_id
+
+
+@dataclass(frozen=True, eq=False)
+class _CohortData:
+    """The cohort's partitions concatenated on the device, longest first.
+
+    ``order[row]`` is the position (among the messages) of the client stored at ``row``;
+    its samples are rows ``offsets[row] : offsets[row] + sizes[row]``.
+    """
+
+    key: tuple[Any, ...]
+    features: torch.Tensor
+    labels: torch.Tensor
+    num_classes: int
+    order: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+_last_cohort: list[_CohortData] = []  # one entry: the same cohort is sampled round after round
+
+
+def _cohort_data(spec: DataSpec, partition_ids: Sequence[int], device: torch.device) -> _CohortData:
+    """The cohort's data, reused while the same partitions train round after round."""
+    key = (spec, tuple(partition_ids), str(device))
+    if _last_cohort and _last_cohort[0].key == key:
+        return _last_cohort[0]
+    _last_cohort.clear()  # free the previous cohort before building the next
+    parts: list[LabeledData] = [load_client_partition(spec, pid) for pid in partition_ids]
+    empty = [pid for pid, part in zip(partition_ids, parts, strict=True) if len(part.labels) == 0]
+    if empty:
+        raise ValueError(
+            f"partitions {empty} hold no samples: a client cannot train on them; use fewer "
+            "clients or another partition scheme"
+        )
+    # Longest first (stable): the clients still training at any step are then a prefix.
+    order = tuple(sorted(range(len(parts)), key=lambda i: -len(parts[i].labels)))
+    sizes = tuple(len(parts[i].labels) for i in order)
+    offsets = tuple(sum(sizes[:row]) for row in range(len(sizes)))
+    features = torch.cat([torch.from_numpy(parts[i].features) for i in order]).to(device)
+    labels = torch.cat([torch.from_numpy(parts[i].labels) for i in order]).to(device)
+    data = _CohortData(key, features, labels, parts[0].num_classes, order, offsets, sizes)
+    _last_cohort.append(data)
+    return data
+
+
+def _config(message: Message) -> ConfigRecord:
+    config: ConfigRecord = message.content[CONFIG_RECORD]  # type: ignore[assignment]
+    return config
+
+
+def _group_key(message: Message) -> str:
+    """Messages with the same config train together (one round's cohort shares one)."""
+    return repr(sorted(_config(message).items()))
+
+
+def _partition(context: Context) -> tuple[int, int]:
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except KeyError as err:
+        raise KeyError(
+            f"node config lacks {err}: the in-process runtime must give every node "
+            "'partition-id' and 'num-partitions'"
+        ) from None
+
+
+def _stored_sensitivity(
+    context: Context, parameters: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor] | None:
+    """The node's moving average from earlier rounds, or None (none, or another model's)."""
+    record = context.state.array_records.get(STATE_KEY)
+    if record is None:
+        return None
+    previous = {name: torch.from_numpy(array.numpy().copy()) for name, array in record.items()}
+    reason = mismatch(previous, parameters)
+    if reason:
+        log(WARNING, "%s: starting a new sensitivity average", reason)
+        return None
+    return previous
+
+
+def _stacked_received(
+    messages: Sequence[Message], model: nn.Module, device: torch.device
+) -> Stacked:
+    """The received models' parameters, stacked ``(clients, ...)`` on ``device``.
+
+    Each is loaded into ``model`` first, which checks its keys and shapes as the ClientApp's
+    ``load_state_dict`` does.
+    """
+    rows: list[dict[str, torch.Tensor]] = []
+    for message in messages:
+        received: ArrayRecord = message.content[ARRAYS_RECORD]  # type: ignore[assignment]
+        state = received.to_torch_state_dict()
+        model.load_state_dict(state)
+        rows.append(state)
+    return {
+        name: torch.stack([row[name] for row in rows]).to(device=device, dtype=p.dtype)
+        for name, p in model.named_parameters()
+    }
+
+
+def _anchor(parameters: Stacked) -> Stacked:
+    """FedProx's anchor: one shared copy when every client received the same model."""
+    shared = all(bool((value == value[:1]).all()) for value in parameters.values())
+    return {
+        name: (value[0] if shared else value).detach().clone() for name, value in parameters.items()
+    }
+
+
+def _sensitivity(
+    model: nn.Module,
+    parameters: Stacked,
+    features: torch.Tensor,
+    plan: StepPlan,
+    config: ConfigRecord,
+    contexts: Sequence[Context],
+) -> list[ArrayRecord]:
+    """Each client's ``sensitivity`` record; the new averages go to the nodes' Context.state."""
+    decay = float(config.get(SENSITIVITY_DECAY_KEY, DEFAULT_DECAY))  # type: ignore[arg-type]
+    dtype = str(config.get(SENSITIVITY_DTYPE_KEY, "float32"))
+    template = {name: value[0] for name, value in parameters.items()}
+    rows = [_stored_sensitivity(context, template) for context in contexts]
+    previous = {
+        name: torch.stack(
+            [row[name].float() if row is not None else torch.zeros(value.shape) for row in rows]
+        ).to(device=value.device, dtype=torch.float32)
+        for name, value in template.items()
+    }
+    average = sensitivity_stacked(model, parameters, features, plan, previous, decay)
+    records = []
+    for row, context in enumerate(contexts):
+        mine = {name: value[row] for name, value in average.items()}
+        context.state[STATE_KEY] = to_upload(mine, "float32")
+        records.append(to_upload(mine, dtype))
+    return records
+
+
+def train_cohort(messages: Sequence[Message], contexts: Sequence[Context]) -> list[Message]:
+    """Train every client of ``messages`` together; one reply per message, in order.
+
+    The in-process runtime calls this with a round's delivered TRAIN messages and each
+    destination node's Context. Each reply is the ClientApp's (:func:`client.app.train`):
+    ``arrays`` (trained model), ``metrics`` (``num-examples``, ``train-loss``) and the requested
+    ``gradient`` / ``sensitivity`` records.
+
+    Raises
+    ------
+    ValueError
+        A requested record this backend cannot produce, a refused model (:func:`refusal`),
+        or an empty partition.
+    """
+    if len(messages) != len(contexts):
+        raise ValueError(f"{len(messages)} messages but {len(contexts)} contexts")
+    groups: dict[str, list[int]] = {}
+    for position, message in enumerate(messages):
+        groups.setdefault(_group_key(message), []).append(position)
+    replies: dict[int, Message] = {}
+    for positions in groups.values():
+        group_replies = _train_group(
+            [messages[i] for i in positions], [contexts[i] for i in positions]
+        )
+        replies.update(zip(positions, group_replies, strict=True))
+    return [replies[position] for position in range(len(messages))]
+
+
+def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> list[Message]:
+    """Clients that received the same config: one batched program."""
+    config = _config(messages[0])
+    requested = requested_records(config)
+    unsupported = sorted(requested - SUPPORTED_RECORDS)
+    if unsupported:
+        raise ValueError(
+            f"the strategy requested records {unsupported} that the vectorized backend cannot "
+            f"produce (it supports {sorted(SUPPORTED_RECORDS)})"
+        )
+    task = ClientTask.from_config(config)
+    server_round = int(config.get(SERVER_ROUND_KEY, 1))  # type: ignore[arg-type]
+    device = resolve_device(task.device)  # type: ignore[arg-type]
+    partitions = [_partition(context) for context in contexts]
+    num_partitions = {count for _, count in partitions}
+    if len(num_partitions) != 1:
+        raise ValueError(f"nodes disagree on num-partitions: {sorted(num_partitions)}")
+    spec = DataSpec.from_task(task, num_partitions.pop())
+    data = _cohort_data(spec, [pid for pid, _ in partitions], device)
+    order = data.order
+    model = build_model(
+        task.model,  # type: ignore[arg-type]
+        tuple(int(size) for size in data.features.shape[1:]),
+        data.num_classes,
+    )
+    reason = refusal(model, task.model)
+    if reason:
+        raise ValueError(reason)
+    parameters = _stacked_received([messages[i] for i in order], model, device)
+    model.to(device)
+    batches = [
+        [
+            rows + offset
+            for rows in shuffled_batches(
+                size,
+                task.batch_size,
+                task.local_epochs,
+                shuffle_seed(task.seed, server_round, pid),
+            )
+        ]
+        for pid, offset, size in zip(
+            (partitions[i][0] for i in order), data.offsets, data.sizes, strict=True
+        )
+    ]
+    sensitivity: list[ArrayRecord] | None = None
+    if SENSITIVITY_RECORD in requested:
+        first_epoch = [
+            steps[: math.ceil(size / task.batch_size)]
+            for steps, size in zip(batches, data.sizes, strict=True)
+        ]
+        sensitivity = _sensitivity(
+            model,
+            parameters,
+            data.features,
+            StepPlan.from_batches(first_epoch, task.batch_size).to(device),
+            config,
+            [contexts[i] for i in order],
+        )
+    anchor = _anchor(parameters) if task.proximal_mu > 0 else None
+    result = train_stacked(
+        model,
+        parameters,
+        data.features,
+        data.labels,
+        StepPlan.from_batches(batches, task.batch_size).to(device),
+        learning_rate=task.round_learning_rate(server_round),
+        momentum=task.momentum,
+        weight_decay=task.weight_decay,
+        proximal_mu=task.proximal_mu,
+        anchor=anchor,
+        keep_last_gradient=GRADIENT_RECORD in requested,
+    )
+    del anchor
+    names = list(model.state_dict())
+    loss_sums = result.loss_sums.cpu().tolist()
+    replies: dict[int, Message] = {}
+    for row, position in enumerate(order):
+        size = data.sizes[row]
+        content = RecordDict(
+            {
+                ARRAYS_RECORD: cpu_state({name: parameters[name][row] for name in names}),
+                METRICS_RECORD: MetricRecord(
+                    {
+                        NUM_EXAMPLES_KEY: size,
+                        TRAIN_LOSS_KEY: loss_sums[row] / (size * task.local_epochs),
+                    }
+                ),
+            }
+        )
+        if result.last_gradient is not None:
+            content[GRADIENT_RECORD] = cpu_state(
+                {name: value[row] for name, value in result.last_gradient.items()}
+            )
+        if sensitivity is not None:
+            content[SENSITIVITY_RECORD] = sensitivity[row]
+        replies[position] = Message(content=content, reply_to=messages[position])
+    return [replies[position] for position in range(len(messages))]
