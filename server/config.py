@@ -35,6 +35,7 @@ DatasetChoice = Literal[
 PartitionChoice = Literal["iid", "dirichlet", "classes"]
 ModelChoice = Literal["logreg", "mlp", "lenet5", "cnn"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
+ClientBackendChoice = Literal["clientapp", "vectorized"]
 StrategyChoice = Literal["fedavg", "elastic", "fedlaw", "fedgma"]
 ServerOptimizerChoice = Literal["sgd", "momentum", "adam"]
 
@@ -71,6 +72,10 @@ class RunConfig(BaseModel):
     # --- model and local training ------------------------------------------------------------
     model: ModelChoice = "mlp"
     device: DeviceChoice = "auto"
+    client_backend: ClientBackendChoice = Field(
+        "clientapp",
+        description="in-process runtime: one ClientApp call per node, or the cohort vectorized",
+    )
     local_epochs: int = Field(2, ge=1)
     batch_size: int = Field(32, ge=1)
     learning_rate: float = Field(0.05, gt=0.0)
