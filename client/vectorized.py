@@ -45,7 +45,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.supercore import log
 from torch import nn
 
-from ..tasks.batching import shuffled_batches
+from ..tasks.batching import shuffle_seed, shuffled_batches
 from ..tasks.datasets import LabeledData
 from ..tasks.evaluation import resolve_device
 from ..tasks.federation import DataSpec, load_client_partition
@@ -346,11 +346,6 @@ def sensitivity_stacked(
 # --------------------------------------------------------------------------------------------
 # Flower glue: messages in, the ClientApp's replies out
 # --------------------------------------------------------------------------------------------
-
-
-def shuffle_seed(task_seed: int, server_round: int, partition_id: int) -> int:
-    """The ClientApp's shuffling seed of a client's round."""
-    return task_seed * 1_000_003 + server_round * 1009 + partition_id
 
 
 @dataclass(frozen=True, eq=False)
