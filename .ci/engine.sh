@@ -5,7 +5,8 @@
 # 1. `docker` and `docker compose` already work: nothing to install.
 #    Otherwise, as root and with ../shared/container-engine/setup.sh present (the project machine),
 #    run it: podman behind `docker` / `docker compose`, and the base image python:3.11-slim-bookworm.
-# 2. Fill wheelhouse/cpu (docker/make-wheelhouse.sh) unless it matches pyproject.toml already, so
+# 2. Fill wheelhouse/cpu (docker/make-wheelhouse.sh) unless it matches pyproject.toml and
+#    constraints.txt already, so
 #    that the image builds with no registry.
 #
 # It never fails CI: where no engine can be had it says why and exits 0, and the container tests
@@ -44,7 +45,7 @@ fi
 stamp=wheelhouse/cpu/.requirements
 python=.venv/bin/python
 [[ -x "$python" ]] || python=python3
-want=$("$python" docker/requirements.py --build | sha256sum | cut -d' ' -f1)
+want=$({ "$python" docker/requirements.py --build; cat constraints.txt; } | sha256sum | cut -d' ' -f1)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && ls wheelhouse/cpu/*.whl >/dev/null 2>&1; then
   say "wheelhouse/cpu is up to date"
   exit 0

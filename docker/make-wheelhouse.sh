@@ -7,7 +7,7 @@
 #
 #   --out DIR         where the wheels go (default wheelhouse/cpu; the CUDA build reads
 #                     wheelhouse/cuda, see compose.gpu.yaml); wheelhouse/ is git-ignored
-#   --torch SPEC      the torch requirement (default: the pin of pyproject.toml, torch==2.13.0)
+#   --torch SPEC      the torch requirement (default: constraints.txt's, torch==2.13.0)
 #   --index-url URL   extra index holding that torch build, e.g.
 #                     https://download.pytorch.org/whl/cu128 for a CUDA wheelhouse
 #   --python PY       the interpreter whose pip downloads (default: .venv/bin/python, else
@@ -18,8 +18,8 @@
 #                         bash docker/make-wheelhouse.sh --python python3
 #
 # The requirements come from pyproject.toml (docker/requirements.py: flwr without the
-# simulation extra, plus the build backend). When .venv exists, its installed versions are used
-# as constraints, so the images run the versions the test suite ran. pip wheel also builds a
+# simulation extra, plus the build backend), at the exact versions of constraints.txt, so the
+# images run the versions the test suite ran. pip wheel also builds a
 # wheel for any dependency published only as a source archive.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,12 +52,11 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$python" docker/requirements.py --build ${torch_spec:+--torch "$torch_spec"} >"$work/requirements.txt"
-# The development environment's versions as constraints (minus the project itself, editable or
-# direct-URL installs, and torch and its CUDA libraries, which --torch decides).
-: >"$work/constraints.txt"
-if [[ -x .venv/bin/python ]]; then
-  .venv/bin/python -m pip freeze --exclude-editable 2>/dev/null |
-    grep -v -E '@|^-e |^beyond-averaging==|^torch==|^nvidia-|^triton==' >"$work/constraints.txt" || true
+# The project's exact versions (constraints.txt), minus torch when --torch decides it.
+if [[ -n "$torch_spec" ]]; then
+  grep -v -E '^torch==' constraints.txt >"$work/constraints.txt"
+else
+  cp constraints.txt "$work/constraints.txt"
 fi
 
 mkdir -p "$out"

@@ -1,7 +1,8 @@
 """Print the requirements a deployment image installs, read from pyproject.toml.
 
-pyproject.toml stays the single list of dependencies. The images differ from a development
-install in two places only:
+pyproject.toml stays the single list of dependencies. An image runs this repository's app, so it
+installs the library's dependencies plus the ``app`` extra (not ``bench`` or ``dev``), and differs
+from a development install in two places only:
 
 - ``flwr[simulation]`` becomes ``flwr``: SuperLink and SuperNode containers run the deployment
   runtime, so Ray (the simulation engine, hundreds of MB) is left out;
@@ -9,7 +10,8 @@ install in two places only:
 
 Usage: ``python docker/requirements.py [--torch 'torch==2.13.0'] [--build] > requirements.txt``;
 ``--build`` adds the project's build backend (``[build-system] requires``), which installing the
-project from a wheelhouse needs.
+project from a wheelhouse needs. The exact versions come from constraints.txt, which the image
+build and docker/make-wheelhouse.sh pass to pip with ``-c``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import tomllib
 from pathlib import Path
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+#: The optional dependencies a deployment needs besides the library's own: the runnable app's.
+DEPLOYMENT_EXTRAS = ("app",)
 
 
 def requirement_name(requirement: str) -> str:
@@ -32,10 +36,16 @@ def requirement_name(requirement: str) -> str:
 
 
 def deployment_requirements(pyproject: Path, torch_spec: str | None, build: bool) -> list[str]:
-    """The project's dependencies as the deployment images install them."""
+    """The project's dependencies and its app extra as the deployment images install them."""
     data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    project = data["project"]
+    extras = project.get("optional-dependencies", {})
+    declared = [
+        *project["dependencies"],
+        *(r for e in DEPLOYMENT_EXTRAS for r in extras.get(e, [])),
+    ]
     requirements = []
-    for requirement in data["project"]["dependencies"]:
+    for requirement in declared:
         name = requirement_name(requirement)
         if name == "flwr":
             requirement = re.sub(r"^flwr\[[^\]]*\]", "flwr", requirement.strip())

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Create .venv with the project (editable) and its dev tools. Idempotent: when pyproject.toml has not
-# changed since the last successful run, it only checks the environment.
+# Create .venv with the project (editable) and every extra: the app, the benchmarks' plots, the dev
+# tools. Idempotent: when neither pyproject.toml nor constraints.txt changed since the last
+# successful run, it only checks the environment.
 #
-# torch is installed first, pinned exactly: on a CPU machine a looser requirement makes pip pull
-# several GB of CUDA packages. GPU users install their CUDA build of torch 2.13.0 into .venv first
-# (see README, "GPU"); pip then keeps it.
+# pyproject.toml states ranges (the library installs into other people's apps); constraints.txt
+# holds the exact versions this project is tested with, so every set-up gets the same environment.
+# torch is installed first, at its exact version: on a CPU machine pip would otherwise weigh several
+# GB of CUDA packages. GPU users install their CUDA build of the same torch into .venv first
+# (docs/install.md, "GPU"); it satisfies the constraint, so pip keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,13 +22,13 @@ fi
 
 [ -x .venv/bin/python ] || "$python_bin" -m venv .venv
 stamp=.venv/.beyond-averaging-setup
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c 'import flwr, torch, beyond_averaging' 2>/dev/null; then
   echo "setup: .venv is up to date"
   exit 0
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -c constraints.txt torch
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[app,bench,dev]"
 echo "$want" > "$stamp"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import flwr, torch; print("flwr", flwr.__version__, "torch", torch.__version__)'))"

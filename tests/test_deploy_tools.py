@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -47,32 +48,53 @@ needs_openssl = pytest.mark.skipif(
 )
 
 
-def test_image_requirements_drop_only_the_simulation_extra(tmp_path: Path) -> None:
+def test_image_requirements_are_the_library_and_app_extra_without_simulation(
+    tmp_path: Path,
+) -> None:
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text(
         '[build-system]\nrequires = ["setuptools>=69"]\n'
-        '[project]\nname = "x"\ndependencies = ["flwr[simulation]>=1.39.0,<1.40", '
-        '"torch==2.13.0", "numpy>=1.26"]\n',
+        '[project]\nname = "x"\ndependencies = ["flwr>=1.39.0,<2", "torch>=2.4,<3"]\n'
+        "[project.optional-dependencies]\n"
+        'app = ["flwr[simulation]>=1.39.0,<1.40", "pydantic>=2.7"]\n'
+        'bench = ["matplotlib>=3.8"]\ndev = ["pytest>=8"]\n',
         encoding="utf-8",
     )
     assert deployment_requirements(pyproject, None, build=False) == [
+        "flwr>=1.39.0,<2",
+        "torch>=2.4,<3",
         "flwr>=1.39.0,<1.40",
-        "torch==2.13.0",
-        "numpy>=1.26",
+        "pydantic>=2.7",
     ]
     assert deployment_requirements(pyproject, "torch==2.13.0+cu128", build=True) == [
-        "flwr>=1.39.0,<1.40",
+        "flwr>=1.39.0,<2",
         "torch==2.13.0+cu128",
-        "numpy>=1.26",
+        "flwr>=1.39.0,<1.40",
+        "pydantic>=2.7",
         "setuptools>=69",
     ]
 
 
-def test_image_requirements_cover_every_project_dependency() -> None:
+def test_image_requirements_cover_the_library_and_app_dependencies() -> None:
     declared = tomllib.loads((REPO / "pyproject.toml").read_text("utf-8"))["project"]
     image = deployment_requirements(REPO / "pyproject.toml", None, build=False)
-    assert len(image) == len(declared["dependencies"])
+    wanted = [*declared["dependencies"], *declared["optional-dependencies"]["app"]]
+    assert len(image) == len(wanted)
     assert not any("[simulation]" in requirement for requirement in image)
+    assert not any(requirement.startswith(("matplotlib", "pytest")) for requirement in image)
+
+
+def test_constraints_pin_every_image_requirement_exactly() -> None:
+    pinned = {
+        line.split("==")[0].lower()
+        for line in (REPO / "constraints.txt").read_text("utf-8").splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    image = deployment_requirements(REPO / "pyproject.toml", None, build=False)
+    unpinned = [
+        r for r in image if re.split(r"[\[<>=!~ ;]", r, maxsplit=1)[0].lower() not in pinned
+    ]
+    assert unpinned == []
 
 
 @needs_openssl
