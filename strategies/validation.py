@@ -1,0 +1,392 @@
+"""Reply validation and influence bounds: every check a reply passes before it is aggregated.
+
+Pure functions, called by :class:`~strategies.base.ContractStrategy`:
+
+- **before decoding**: :func:`reply_bytes` against a byte limit (:func:`default_reply_byte_limit`,
+  a small multiple of the model's bytes), :func:`check_reply_weight` (the reply's weight is a
+  finite, positive, integer-valued number of examples);
+- **decoding**: :func:`decode_record` reads each requested ArrayRecord only through
+  :func:`decode_array`, which checks the ``.npy`` header (dtype, shape) before it touches the data,
+  never unpickles and refuses truncated or padded buffers, then checks the values in one pass
+  (finite, ``|v| <= REPLY_VALUE_LIMIT``, above a record's minimum);
+- **influence**: :func:`update_norms` / :func:`record_norms` and :func:`norm_outliers` (a norm
+  above ``factor`` x the round's median), :func:`cap_weights` (no client above a weight share);
+- **after aggregation**: :func:`model_rejection` (a non-finite, out-of-range or exploding global
+  model is never committed).
+
+Every check raises :class:`ReplyRejected`, whose ``reason`` becomes the round's
+``dropped-<reason>`` count; nothing else may escape a reply's validation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from flwr.app import Array, ArrayRecord, RecordDict
+
+from .aggregate import NDArrayDict, is_floating, npy_header, npy_view, value_range
+
+#: Largest magnitude accepted in any reply tensor and in a committed global model. No trained
+#: parameter, sensitivity or gradient comes near it; far below float32's overflow (3.4e38), so a
+#: weighted sum of many such values still fits, and far below float64's, so squares for norms do.
+REPLY_VALUE_LIMIT = 1e15
+
+#: Largest accepted number of examples: 2**53, the largest integer that float64 (a MetricRecord's
+#: number type) holds exactly. A weight claim below it is still bounded by ``max_client_weight``.
+MAX_NUM_EXAMPLES = float(2**53)
+
+#: Default byte limit of one reply: this many times the bytes of the model and of each requested
+#: record at the model's size (a float64 reply of a float32 model is twice its size), plus slack.
+REPLY_BYTES_FACTOR = 4
+REPLY_BYTES_SLACK = 1 << 20
+
+#: A global model is not committed when its L2 norm (floating tensors) exceeds
+#: ``MODEL_GROWTH_FACTOR * (||w|| + max_k ||theta_k - w||) + MODEL_GROWTH_MARGIN * sqrt(elements)``.
+#: ||w|| + max_k ||theta_k - w|| bounds every client model's norm, hence any average of them; the
+#: factor leaves room for a server optimizer's step (FedAdam moves about lr per element, which the
+#: margin covers from a near-zero start).
+MODEL_GROWTH_FACTOR = 10.0
+MODEL_GROWTH_MARGIN = 2.0
+
+#: Dtypes a reply tensor may have besides the global tensor's own: IEEE floats that NumPy and
+#: torch both compute with (float16 is the half-size sensitivity upload).
+REAL_FLOAT_SIZES = frozenset({2, 4, 8})
+
+
+class ReplyRejected(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Why a reply is dropped (``reason`` is the metrics key suffix, ``detail`` the log line)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _reason(name: str, arrays_reason: str, arrays_record: str) -> str:
+    # The model record has one reason per clause; an extra record has one, ``bad-<name>``.
+    return arrays_reason if name == arrays_record else f"bad-{name}"
+
+
+# ----------------------------------------------------------------------------- before decoding
+def reply_bytes(content: RecordDict) -> int:
+    """Bytes a reply holds: every ArrayRecord's buffers (requested or not) and its other records.
+
+    Metric and config values count 8 bytes per number and their length for strings and bytes;
+    arrays dominate any real reply.
+    """
+    total = 0
+    for record in content.array_records.values():
+        total += sum(len(array.data) for array in record.values())
+    for records in (content.metric_records, content.config_records):
+        for items in records.values():
+            for value in items.values():
+                if isinstance(value, str | bytes):
+                    total += len(value)
+                elif isinstance(value, list):
+                    total += sum(len(v) if isinstance(v, str | bytes) else 8 for v in value)
+                else:
+                    total += 8
+    return total
+
+
+def default_reply_byte_limit(global_arrays: NDArrayDict, requested_records: int) -> int:
+    """``REPLY_BYTES_FACTOR`` x (model bytes) x (1 + requested records) + ``REPLY_BYTES_SLACK``."""
+    model_bytes = sum(int(value.nbytes) for value in global_arrays.values())
+    return REPLY_BYTES_FACTOR * model_bytes * (1 + requested_records) + REPLY_BYTES_SLACK
+
+
+def check_reply_size(content: RecordDict, limit: int) -> None:
+    """Raise ``oversized`` when the reply holds more than ``limit`` bytes (0: no limit)."""
+    if limit > 0 and (size := reply_bytes(content)) > limit:
+        raise ReplyRejected(
+            "oversized",
+            f"reply holds {size} bytes, more than max-reply-bytes = {limit} (records: "
+            f"{sorted(content.array_records)[:5]})",
+        )
+
+
+def check_reply_weight(value: Any, key: str, *, whole: bool = True) -> float:
+    """The reply's weight ``value`` as a float, or ``bad-num-examples``.
+
+    Allowed is a finite number in (0, ``MAX_NUM_EXAMPLES``], integer-valued when ``whole`` (a
+    count of examples, the default ``num-examples``): 0.5, infinity, NaN, lists, strings,
+    booleans and 1e300 are all dropped.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ReplyRejected(
+            "bad-num-examples", f"{key} = {value!r}"[:200] + ": must be a number of examples"
+        )
+    weight = float(value)
+    if not (
+        math.isfinite(weight)
+        and 0.0 < weight <= MAX_NUM_EXAMPLES
+        and (weight.is_integer() or not whole)
+    ):
+        raise ReplyRejected(
+            "bad-num-examples",
+            f"{key} = {value!r}: must be a "
+            + ("whole number of examples in [1, 2**53]" if whole else "number in (0, 2**53]"),
+        )
+    return weight
+
+
+# ----------------------------------------------------------------------------- decoding
+def allowed_dtype(dtype: np.dtype[Any], expected: np.dtype[Any], floating_only: bool) -> bool:
+    """A real IEEE float (float16/32/64, either byte order), or the global tensor's own dtype.
+
+    Booleans, complex numbers, strings, structured, sub-array and object dtypes never pass; a
+    record other than the model (``floating_only``) must be floating.
+    """
+    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+        return False
+    if dtype.kind == "f" and dtype.itemsize in REAL_FLOAT_SIZES:
+        return True
+    own = dtype.newbyteorder("=") == expected.newbyteorder("=")
+    return own and not floating_only and dtype.kind in "iuf"
+
+
+def decode_array(
+    name: str, key: str, array: Array, expected: npt.NDArray[Any], *, floating_only: bool
+) -> npt.NDArray[Any]:
+    """A read-only view of one received tensor, its header checked before its data is read.
+
+    Raises
+    ------
+    ReplyRejected
+        ``bad-encoding`` (not ``.npy``, objects, truncated or padded), ``bad-dtype`` or
+        ``shape-mismatch`` for the model record; ``bad-<name>`` for another record.
+    """
+    where = f"record '{name}' tensor '{key}'"
+    data = array.data
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ReplyRejected(_reason(name, "bad-encoding", "arrays"), f"{where} holds no bytes")
+    try:
+        header = npy_header(data)
+    except ValueError as error:
+        raise ReplyRejected(
+            _reason(name, "bad-encoding", "arrays"), f"{where} is not .npy data: {error}"
+        ) from None
+    if not allowed_dtype(header.dtype, expected.dtype, floating_only):
+        raise ReplyRejected(
+            _reason(name, "bad-dtype", "arrays"),
+            f"{where} has dtype {header.dtype.str!r}: allowed are float16/32/64"
+            + ("" if floating_only else f" or the global model's {expected.dtype}"),
+        )
+    if header.shape != expected.shape:
+        raise ReplyRejected(
+            _reason(name, "shape-mismatch", "arrays"),
+            f"{where} has shape {header.shape}, global model has {expected.shape}",
+        )
+    try:
+        return npy_view(data, header)
+    except ValueError as error:
+        raise ReplyRejected(_reason(name, "bad-encoding", "arrays"), f"{where}: {error}") from None
+
+
+def check_values(
+    name: str,
+    key: str,
+    value: npt.NDArray[Any],
+    minimum: float = -math.inf,
+    limit: float = REPLY_VALUE_LIMIT,
+) -> None:
+    """One pass: finite, ``|v| <= limit``, ``v >= minimum``; else ``non-finite``,
+    ``value-out-of-range`` (the model record) or ``bad-<name>``."""
+    low, high = value_range(value) if is_floating(value) else _int_range(value)
+    where = f"record '{name}' tensor '{key}'"
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ReplyRejected(_reason(name, "non-finite", "arrays"), f"{where} holds NaN or Inf")
+    if max(-low, high) > limit:
+        raise ReplyRejected(
+            _reason(name, "value-out-of-range", "arrays"),
+            f"{where} holds a value of magnitude {max(-low, high):.3g} > {limit:g}",
+        )
+    if low < minimum:
+        raise ReplyRejected(f"bad-{name}", f"{where} has values below {minimum} (smallest {low})")
+
+
+def _int_range(value: npt.NDArray[Any]) -> tuple[float, float]:
+    if value.size == 0:
+        return 0.0, 0.0
+    return float(value.min()), float(value.max())
+
+
+def decode_record(
+    name: str,
+    record: ArrayRecord,
+    global_arrays: NDArrayDict,
+    *,
+    subset: bool,
+    minimum: float = -math.inf,
+) -> NDArrayDict:
+    """Decode and check an ArrayRecord against the global model, key by key.
+
+    The model record (``subset=False``) must have exactly the global model's keys; another record
+    (``subset=True``) a non-empty subset of its floating tensors, all floating. Each tensor is
+    decoded by :func:`decode_array` and checked by :func:`check_values`.
+
+    Raises
+    ------
+    ReplyRejected
+        ``key-mismatch`` (model record) or ``bad-<name>``, or any reason of the two helpers.
+    """
+    keys = set(record)
+    expected = (
+        set(global_arrays)
+        if not subset
+        else {k for k, v in global_arrays.items() if is_floating(v)}
+    )
+    if (subset and (not keys or not keys <= expected)) or (not subset and keys != expected):
+        unknown, missing = sorted(keys - expected), sorted(expected - keys)
+        raise ReplyRejected(
+            _reason(name, "key-mismatch", "arrays"),
+            f"record '{name}' keys differ from the global model's"
+            f"{' floating tensors' if subset else ''} (unknown: {unknown[:5]}, missing: "
+            f"{[] if subset else missing[:5]})",
+        )
+    decoded: NDArrayDict = {}
+    for key, array in record.items():
+        value = decode_array(name, key, array, global_arrays[key], floating_only=subset)
+        check_values(name, key, value, minimum)
+        decoded[key] = value
+    return decoded
+
+
+def common_key_set(key_sets: Sequence[frozenset[str]]) -> frozenset[str] | None:
+    """The key set to keep when the records of a round share no key at all, else None.
+
+    The most frequent key set (the larger one on a tie): one reply with a disjoint record must not
+    leave a rule without any tensor to work on.
+    """
+    if not key_sets or frozenset.intersection(*key_sets):
+        return None
+    counts = Counter(key_sets)
+    return max(counts, key=lambda keys: (counts[keys], len(keys), sorted(keys)))
+
+
+# ----------------------------------------------------------------------------- influence
+def update_norms(
+    global_arrays: NDArrayDict, client_arrays: Sequence[Mapping[str, npt.NDArray[Any]]]
+) -> npt.NDArray[np.float64]:
+    """||theta_k - w||_2 per client, over the floating tensors, accumulated in float64."""
+    keys = [key for key, value in global_arrays.items() if is_floating(value)]
+    norms = np.zeros(len(client_arrays))
+    for index, arrays in enumerate(client_arrays):
+        total = 0.0
+        for key in keys:
+            # One tensor-sized float64 temporary at a time, never a model-sized one.
+            difference = np.subtract(arrays[key], global_arrays[key], dtype=np.float64).ravel()
+            total += float(np.dot(difference, difference))
+        norms[index] = math.sqrt(total)
+    return norms
+
+
+def record_norms(records: Sequence[Mapping[str, npt.NDArray[Any]]]) -> npt.NDArray[np.float64]:
+    """||r_k||_2 per client's record (all its tensors), accumulated in float64."""
+    norms = np.zeros(len(records))
+    for index, record in enumerate(records):
+        total = 0.0
+        for value in record.values():
+            flat = np.asarray(value, dtype=np.float64).ravel()
+            total += float(np.dot(flat, flat))
+        norms[index] = math.sqrt(total)
+    return norms
+
+
+def norm_outliers(norms: npt.NDArray[np.float64], factor: float) -> npt.NDArray[np.bool_]:
+    """True where a norm exceeds ``factor`` x the median of ``norms`` (factor 0: none is).
+
+    With two replies the median is their mean, so no factor >= 2 can single one out; with a
+    median of 0 (most clients did not move) nothing is flagged.
+    """
+    outliers = np.zeros(norms.shape, dtype=np.bool_)
+    if factor <= 0.0 or norms.size == 0:
+        return outliers
+    median = float(np.median(norms))
+    if median > 0.0:
+        outliers = norms > factor * median
+    return outliers
+
+
+def cap_weights(
+    weights: Sequence[float] | npt.NDArray[Any], max_share: float
+) -> npt.NDArray[np.float64]:
+    """Data-size weights with no share above ``max_share``, the excess spread proportionally.
+
+    With p = weights / sum(weights) sorted in decreasing order, the m largest are set to the cap
+    c = max(max_share, 1 / K) and the others scaled by (1 - m c) / sum_{j >= m} p_j, for the
+    smallest m that leaves every scaled weight <= c (water-filling: the result is the weight
+    vector closest to p, in the proportional sense, whose entries are all <= c). ``max_share`` >= 1
+    returns p unchanged.
+
+    Raises
+    ------
+    ValueError
+        When a weight is not finite or not positive, or ``max_share`` is not positive.
+    """
+    counts = np.asarray(weights, dtype=np.float64)
+    if counts.ndim != 1 or counts.size == 0 or not np.all(np.isfinite(counts)):
+        raise ValueError(f"need finite weights, got {counts.tolist()}")
+    if np.any(counts <= 0.0) or not max_share > 0.0:
+        raise ValueError(f"weights {counts.tolist()} and max_share {max_share} must be > 0")
+    shares: npt.NDArray[np.float64] = counts / counts.sum()
+    cap = max(float(max_share), 1.0 / shares.size)
+    if shares.max() <= cap:
+        return shares
+    order = np.argsort(-shares, kind="stable")
+    ranked = shares[order]
+    tail = np.cumsum(ranked[::-1])[::-1]  # tail[m] = sum of the weights from rank m on
+    capped = np.arange(ranked.size)
+    # Rank m fits under the cap once the m above it are capped: p_m (1 - m c) <= c tail_m.
+    # At m = K - 1 this reads 1 - (K - 1) c <= c, true because c >= 1 / K.
+    first = int(np.argmax(ranked * (1.0 - capped * cap) <= cap * tail))
+    result = ranked * ((1.0 - first * cap) / tail[first])
+    result[:first] = cap
+    out: npt.NDArray[np.float64] = np.empty_like(result)
+    out[order] = result
+    return out
+
+
+# ----------------------------------------------------------------------------- after aggregation
+def model_rejection(
+    new_arrays: Mapping[str, Any], previous: NDArrayDict, largest_update: float
+) -> str | None:
+    """Why a freshly aggregated global model must not be committed, or None when it may be.
+
+    Rejected: a NaN or Inf, a magnitude above ``REPLY_VALUE_LIMIT`` (a model that every honest
+    reply near it would break), or an L2 norm (floating tensors) above ``MODEL_GROWTH_FACTOR`` x
+    (the previous model's norm + ``largest_update``, the largest ||theta_k - w|| of the round) +
+    ``MODEL_GROWTH_MARGIN`` x sqrt(elements).
+    """
+    squares_new = squares_old = 0.0
+    elements = 0
+    for key, raw in new_arrays.items():
+        value = np.asarray(raw)
+        if not is_floating(value) or value.size == 0:
+            continue
+        low, high = value_range(value)
+        if not (math.isfinite(low) and math.isfinite(high)):
+            return f"tensor '{key}' holds NaN or Inf"
+        if max(-low, high) > REPLY_VALUE_LIMIT:
+            return f"tensor '{key}' holds a value of magnitude {max(-low, high):.3g}"
+        flat = value.astype(np.float64, copy=False).ravel()
+        squares_new += float(np.dot(flat, flat))
+        if key in previous:
+            old = previous[key].astype(np.float64, copy=False).ravel()
+            squares_old += float(np.dot(old, old))
+        elements += value.size
+    norm, previous_norm = math.sqrt(squares_new), math.sqrt(squares_old)
+    reach = previous_norm + largest_update
+    limit = MODEL_GROWTH_FACTOR * reach + MODEL_GROWTH_MARGIN * math.sqrt(elements)
+    if norm > limit:
+        return (
+            f"its norm {norm:.4g} exceeds {MODEL_GROWTH_FACTOR:g} x (previous model's norm "
+            f"{previous_norm:.4g} + largest client update {largest_update:.4g}) + "
+            f"{MODEL_GROWTH_MARGIN:g} x sqrt({elements} elements)"
+        )
+    return None
