@@ -3,6 +3,7 @@
 The public API a Flower app needs::
 
     from beyond_averaging import FedAvg, ElasticAggregation, FedLAW, FedGMA, FedGMASoft
+    from beyond_averaging import FedAdam, FedAvgM  # Flower's names and arguments
     from beyond_averaging import sensitivity_record  # the client side of Elastic aggregation
 
 The library's parts are subpackages: ``beyond_averaging.strategies`` (the aggregation rules),
@@ -32,7 +33,9 @@ if TYPE_CHECKING:
         ClientReply,
         ContractStrategy,
         ElasticAggregation,
+        FedAdam,
         FedAvg,
+        FedAvgM,
         FedGMA,
         FedGMASoft,
         FedLAW,
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
         aggregate_fedavg,
         aggregate_fedgma,
         aggregate_fedlaw,
+        aggregate_metrics,
         and_mask,
         learn_aggregation_weights,
     )
@@ -53,7 +57,9 @@ _MODULE_OF_EXPORT = {
     "ClientReply": ".strategies",
     "ContractStrategy": ".strategies",
     "ElasticAggregation": ".strategies",
+    "FedAdam": ".strategies",
     "FedAvg": ".strategies",
+    "FedAvgM": ".strategies",
     "FedGMA": ".strategies",
     "FedGMASoft": ".strategies",
     "FedLAW": ".strategies",
@@ -64,6 +70,7 @@ _MODULE_OF_EXPORT = {
     "aggregate_fedavg": ".strategies",
     "aggregate_fedgma": ".strategies",
     "aggregate_fedlaw": ".strategies",
+    "aggregate_metrics": ".strategies",
     "and_mask": ".strategies",
     "learn_aggregation_weights": ".strategies",
     "sensitivity_record": ".client.sensitivity",
@@ -73,7 +80,9 @@ __all__ = [
     "ClientReply",
     "ContractStrategy",
     "ElasticAggregation",
+    "FedAdam",
     "FedAvg",
+    "FedAvgM",
     "FedGMA",
     "FedGMASoft",
     "FedLAW",
@@ -84,6 +93,7 @@ __all__ = [
     "aggregate_fedavg",
     "aggregate_fedgma",
     "aggregate_fedlaw",
+    "aggregate_metrics",
     "and_mask",
     "learn_aggregation_weights",
     "sensitivity_record",

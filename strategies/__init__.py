@@ -1,8 +1,8 @@
 """Aggregation rules: pure math functions plus thin Flower strategies on one contract base."""
 
-from .base import ClientReply, ContractStrategy, MissingRecordError
+from .base import ClientReply, ContractStrategy, MissingRecordError, StrategyOptions
 from .elastic import ElasticAggregation, aggregate_elastic
-from .fedavg import FedAvg, aggregate_fedavg
+from .fedavg import FedAdam, FedAvg, FedAvgM, aggregate_fedavg
 from .fedgma import FedGMA, FedGMASoft, aggregate_fedgma, and_mask
 from .fedlaw import (
     FedLAW,
@@ -10,23 +10,28 @@ from .fedlaw import (
     aggregate_fedlaw,
     learn_aggregation_weights,
 )
+from .metrics import aggregate_metrics
 from .server_optimizer import ServerOptimizer
 
 __all__ = [
     "ClientReply",
     "ContractStrategy",
     "ElasticAggregation",
+    "FedAdam",
     "FedAvg",
+    "FedAvgM",
     "FedGMA",
     "FedGMASoft",
     "FedLAW",
     "MissingRecordError",
     "ProxySetError",
     "ServerOptimizer",
+    "StrategyOptions",
     "aggregate_elastic",
     "aggregate_fedavg",
     "aggregate_fedgma",
     "aggregate_fedlaw",
+    "aggregate_metrics",
     "and_mask",
     "learn_aggregation_weights",
 ]

@@ -2,16 +2,19 @@
 
 With ``server_lr = 1`` and the ``sgd`` server optimizer the new global model is exactly the
 data-size-weighted average of the client models; otherwise the mean update D = w - avg goes through
-the server optimizer (FedAvgM with ``momentum``, FedAdam with ``adam``).
+the server optimizer (FedAvgM with ``momentum``, FedAdam with ``adam``). :class:`FedAvgM` and
+:class:`FedAdam` are the same under the argument names of Flower's strategies of those names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Unpack
+from logging import INFO
+from typing import Any, ClassVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
+from flwr.supercore import log
 
 from .aggregate import (
     NDArrayDict,
@@ -22,6 +25,7 @@ from .aggregate import (
     weighted_mean,
 )
 from .base import ClientReply, ContractStrategy, StrategyOptions
+from .robust import aggregate_robust
 from .server_optimizer import ServerOptimizer, ServerOptimizerName
 
 
@@ -72,6 +76,9 @@ class FedAvg(ContractStrategy):
         Sampling and contract options of :class:`~strategies.base.ContractStrategy`.
     """
 
+    #: The trimmed mean and the median replace its weighted mean (see strategies/robust.py).
+    robust_composes: ClassVar[bool] = True
+
     def __init__(
         self,
         *,
@@ -88,13 +95,134 @@ class FedAvg(ContractStrategy):
             server_optimizer, server_lr, server_momentum, server_beta1, server_beta2, server_eps
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The server optimizer's moments."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue with a checkpoint's server-optimizer moments."""
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def aggregate(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
-        """Weighted mean (or server-optimizer step) over the valid replies."""
+        """Weighted mean (or server-optimizer step) over the valid replies.
+
+        With ``robust_aggregation`` the coordinate-wise trimmed mean or median replaces the
+        weighted mean (the server optimizer then steps along w - robust mean).
+        """
+        if self.robust_aggregation != "none":
+            return aggregate_robust(
+                global_arrays,
+                [reply.arrays for reply in replies],
+                self.robust_aggregation,
+                self.trim_fraction,
+                self.optimizer,
+            )
         return aggregate_fedavg(
             global_arrays,
             [reply.arrays for reply in replies],
             np.array([reply.num_examples for reply in replies], dtype=np.float64),
             self.optimizer,
+        )
+
+
+class FedAvgM(FedAvg):
+    """FedAvg with server momentum under the names of Flower's ``FedAvgM`` (Hsu et al., 2019).
+
+    Same arguments, defaults and update as ``flwr.serverapp.strategy.FedAvgM``: with the mean
+    update D = w - sum_k p_k theta_k, ``v <- server_momentum * v + D`` (v = D in the first round)
+    and ``w <- w - server_learning_rate * v``; the defaults (1.0, 0.0) are plain FedAvg. It is
+    :class:`FedAvg` with ``server_optimizer="momentum"``. One difference: integer buffers
+    (BatchNorm's counter) are averaged, not stepped.
+
+    Parameters
+    ----------
+    server_learning_rate : float
+        Server step size (Flower's ``server_learning_rate``).
+    server_momentum : float
+        Server momentum (Flower's ``server_momentum``); 0 turns momentum off.
+    **base
+        Flower's ``FedAvg`` arguments and this project's extras (:class:`StrategyOptions`).
+    """
+
+    def __init__(
+        self,
+        *,
+        server_learning_rate: float = 1.0,
+        server_momentum: float = 0.0,
+        **base: Unpack[StrategyOptions],
+    ) -> None:
+        super().__init__(
+            server_lr=server_learning_rate,
+            server_optimizer="momentum" if server_momentum != 0.0 else "sgd",
+            server_momentum=server_momentum,
+            **base,
+        )
+        self.server_learning_rate = server_learning_rate
+
+
+class FedAdam(FedAvg):
+    """FedAdam (Reddi et al., 2021) under the names of Flower's ``FedAdam``.
+
+    Same arguments and defaults as ``flwr.serverapp.strategy.FedAdam``. With
+    delta = sum_k p_k theta_k - w: ``m <- beta_1 m + (1 - beta_1) delta``,
+    ``v <- beta_2 v + (1 - beta_2) delta^2``, ``w <- w + eta * m / (sqrt(v) + tau)``. It is
+    :class:`FedAvg` with ``server_optimizer="adam"`` (``eta`` = ``server_lr``, ``beta_1`` /
+    ``beta_2`` = ``server_beta1`` / ``server_beta2``, ``tau`` = ``server_eps``).
+
+    Where the meaning differs from Flower's:
+
+    - the step is ``eta`` itself, as in the paper's Algorithm 2; Flower multiplies it by the
+      Adam bias correction sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1)) of server round t
+      (0.74 in round 1 at the defaults, tending to 1), so early rounds take larger steps here;
+    - ``eta_l`` (the clients' learning rate) is stored and logged but, as in Flower, not sent to
+      the clients: their learning rate is the ClientApp's own;
+    - integer buffers (BatchNorm's counter) are averaged, not stepped.
+
+    Parameters
+    ----------
+    eta : float
+        Server learning rate.
+    eta_l : float
+        Client learning rate, informational (see above).
+    beta_1, beta_2 : float
+        Decay of the first and second moments.
+    tau : float
+        Adaptivity: added to sqrt(v) in the denominator.
+    **base
+        Flower's ``FedAvg`` arguments and this project's extras (:class:`StrategyOptions`).
+    """
+
+    def __init__(
+        self,
+        *,
+        eta: float = 1e-1,
+        eta_l: float = 1e-1,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        tau: float = 1e-3,
+        **base: Unpack[StrategyOptions],
+    ) -> None:
+        super().__init__(
+            server_lr=eta,
+            server_optimizer="adam",
+            server_beta1=beta_1,
+            server_beta2=beta_2,
+            server_eps=tau,
+            **base,
+        )
+        self.eta, self.eta_l, self.beta_1, self.beta_2, self.tau = eta, eta_l, beta_1, beta_2, tau
+
+    def summary(self) -> None:
+        """Log the configuration, Flower's FedAdam names included."""
+        super().summary()
+        log(
+            INFO,
+            "\t│\t└── FedAdam: eta %s, eta_l %s (client side), beta_1 %s, beta_2 %s, tau %s",
+            self.eta,
+            self.eta_l,
+            self.beta_1,
+            self.beta_2,
+            self.tau,
         )
