@@ -20,25 +20,45 @@ is a single batch, so 100 epochs cost 100 forward/backward passes per round.
 
 **BatchNorm.** The weighted vector gamma * sum_k lambda_k theta_k covers every *parameter* of the
 model, BatchNorm's affine weight and bias included (so gamma shrinks them too), as in the authors'
-code. Running statistics are not part of it:
+code. While g and a are learned, every normalisation layer normalises with the statistics of the
+current proxy batch (training-mode BatchNorm, as the authors' code runs it), and every other layer
+runs in evaluation mode: dropout is off, so the loss is a deterministic function of g and a. The
+authors put the whole model in train mode (dropout active); none of the zoo's models
+(tasks/models.py: logreg, mlp, lenet5, cnn) has dropout, so for them both choices are the same
+computation; they differ only for a user's model with dropout or another train-mode-dependent
+layer. The global model's running statistics depend on ``bn`` (``fedlaw-bn``):
 
-- while g and a are learned, every normalisation layer uses the batch statistics of the current
-  proxy batch (training-mode BatchNorm, as the authors' code runs it) and every other layer runs
-  in evaluation mode (dropout off, so the loss is a deterministic function of g and a);
-- the returned model's BatchNorm ``running_mean`` / ``running_var`` are re-estimated from forward
-  passes of the *final* weighted model over the proxy set (a cumulative average over its batches,
-  i.e. the exact proxy statistics when the proxy set is one batch). Averaging the clients' running
-  statistics would not match the shrunk model: gamma rescales every layer's pre-activations, and
-  the clients' statistics describe their own, unscaled models;
-- integer counters (``num_batches_tracked``) and any other buffer are the lambda-weighted mean of
-  the clients' values, unscaled (counters rounded back to integers).
+- ``"reestimate"`` (default): ``running_mean`` / ``running_var`` are re-estimated from forward
+  passes of the *final* weighted model over the proxy set (a cumulative average over its
+  batches, i.e. the exact proxy statistics when the proxy set is one batch); integer counters
+  (``num_batches_tracked``) and any other buffer are the lambda-weighted mean of the clients'
+  values, unscaled (counters rounded back to integers). The default, because these statistics
+  describe the model that is sent: gamma rescales every layer's pre-activations, so neither
+  the clients' statistics (of their own, unscaled models) nor a moving average over the
+  intermediate weights of the learning describe it.
+- ``"authors"``: the server model keeps its own buffers, initialised from the initial global
+  model, updated in place (momentum 0.1, counter + 1) by every forward pass of the weight
+  learning, i.e. by the intermediate weighted models, and carried across rounds; the global
+  model carries them. In the authors' code clients receive only the parameters and keep their
+  own running statistics; a Flower ClientApp keeps no model between rounds, so here they receive
+  the server's (which their training then updates). The statistics never enter the aggregation
+  or the server's test; they only matter to a client-side evaluation. A round that falls back to
+  FedAvg's weights (non-finite loss) keeps the statistics from before it.
 
-**SWA variant.** Two stages, as in the paper's section 6.1 and the authors' code: first lambda
-alone (gamma = 1) for the first half of the server epochs, averaging its logits a by stochastic
-weight averaging (the running mean of a at the end of every epoch of the stage's second half,
-during which the learning rate is held constant as SWA prescribes); then gamma alone, with lambda
-fixed at the softmax of the averaged logits, for the remaining epochs. The paper describes the
-stages in the other order and notes that both orders work; this order is the authors' code's.
+**SWA variant.** Two stages, as in the paper's section 6.1 and the authors' code (server_funct.py,
+``whether_swa == 'swa'``): first lambda alone (gamma = 1) for ``epochs // 2`` epochs, then gamma
+alone, with lambda fixed at the softmax of the averaged logits, for ``epochs // 2`` epochs (Adam,
+the step decay above; an odd epoch count leaves one epoch out, as there). The lambda stage follows
+the authors' schedule exactly (:func:`swa_learning_rates`): Adam starts at ``lr`` under cosine
+annealing with a period of 100 epochs (a constant of their code), stepped after epochs 0-5; from
+the end of epoch 6 on, the logits a are averaged at the end of every epoch (the running mean of
+stochastic weight averaging, its first value the logits after epoch 6) and the rate is annealed
+(cosine, over 10 epochs) up to 0.05, an absolute value there (10x the default base rate 0.005, 5x
+the authors' CIFAR-10 rate 0.01), and held at 0.05. A lambda stage of 6 epochs or fewer averages
+nothing and keeps FedAvg's lambda, as their ``AveragedModel`` does. ``learn="clients"`` with SWA
+(no gamma stage, not in the authors' code) runs the lambda stage for all ``epochs``. The paper
+describes the stages in the other order and notes that both orders work; this order is the
+authors' code's.
 """
 
 from __future__ import annotations
@@ -66,9 +86,20 @@ from .base import ClientReply, ContractStrategy, StrategyOptions
 
 LearnWhat = Literal["both", "shrink", "clients"]
 LEARN_CHOICES: tuple[str, ...] = get_args(LearnWhat)
+#: BatchNorm running statistics of the global model (``fedlaw-bn``; see the module docstring).
+BatchNormMode = Literal["reestimate", "authors"]
+BN_CHOICES: tuple[str, ...] = get_args(BatchNormMode)
 
-#: Share of the lambda stage after which SWA starts averaging (SWA's usual "second half").
-SWA_START_FRACTION = 0.5
+# FedLAW (SWA)'s lambda stage, as the authors' server_funct.py runs it (constants of their code).
+#: CosineAnnealingLR's period (fixed at 100 there, whatever the number of server epochs).
+SWA_COSINE_T_MAX = 100
+#: ``if epoch > swa_start``: lambda's logits are averaged at the end of every epoch after this one
+#: (0-based; the 7th epoch is the first averaged), and the SWA schedule replaces the cosine one.
+SWA_START_EPOCH = 5
+#: SWALR's target learning rate, an absolute value there (10x the base 0.005; 5x CIFAR-10's 0.01).
+SWA_LR = 0.05
+#: SWALR's default annealing length (cosine), in epochs.
+SWA_ANNEAL_EPOCHS = 10
 
 ProxyBatch = tuple[torch.Tensor, torch.Tensor]
 
@@ -274,6 +305,44 @@ def _check_inputs(
             raise ValueError(f"client {index} lacks model tensors {missing[:5]}")
 
 
+def swa_learning_rates(lr: float, epochs: int) -> list[float]:
+    """Adam's learning rate in each epoch of FedLAW (SWA)'s lambda stage, as the authors run it.
+
+    Their loop steps ``CosineAnnealingLR(T_max=100)`` after epochs 0..5 and, from the end of
+    epoch 6 on, ``SWALR(swa_lr=0.05)`` (cosine annealing over 10 epochs) instead. Closed form:
+
+    - epoch 0: ``lr``;
+    - epoch e in 1..6: ``lr * (1 + cos(pi * e / 100)) / 2``;
+    - epoch 6 + k, k >= 1: ``0.05 * a_k + c * (1 - a_k)`` with ``c`` the rate of epoch 6 and
+      ``a_k = (1 - cos(pi * min(k, 10) / 10)) / 2``, so 0.05 from epoch 16 on.
+
+    Parameters
+    ----------
+    lr : float
+        The base learning rate (``fedlaw-lr``; the authors' 0.005, 0.01 for CIFAR-10).
+    epochs : int
+        Epochs of the lambda stage.
+
+    Returns
+    -------
+    list of float
+        One rate per epoch.
+    """
+    rates: list[float] = []
+    current = lr
+    anchor = lr
+    for epoch in range(epochs):
+        rates.append(current)
+        if epoch <= SWA_START_EPOCH:
+            current = lr * (1.0 + math.cos(math.pi * (epoch + 1) / SWA_COSINE_T_MAX)) / 2.0
+            anchor = current
+        else:
+            progress = min(epoch - SWA_START_EPOCH, SWA_ANNEAL_EPOCHS) / SWA_ANNEAL_EPOCHS
+            share = (1.0 - math.cos(math.pi * progress)) / 2.0
+            current = SWA_LR * share + anchor * (1.0 - share)
+    return rates
+
+
 def _adam_epochs(
     variables: Sequence[torch.Tensor],
     loss_of_batch: Any,
@@ -284,12 +353,13 @@ def _adam_epochs(
     betas: tuple[float, float],
     lr_step: int,
     lr_gamma: float,
-    constant_lr_from: int | None = None,
+    epoch_rates: Sequence[float] | None = None,
     after_epoch: Any = None,
 ) -> bool:
-    """Adam over ``variables`` with step decay; False when the proxy loss became non-finite.
+    """Adam over ``variables``; False when the proxy loss became non-finite.
 
-    From epoch ``constant_lr_from`` on the learning rate stops decaying (SWA's constant phase);
+    The learning rate is ``lr`` with step decay (x ``lr_gamma`` every ``lr_step`` epochs), or
+    ``epoch_rates[epoch]`` in each epoch when given (the SWA stage's schedule).
     ``after_epoch(epoch)`` runs at the end of every epoch.
     """
     if epochs == 0:
@@ -297,6 +367,9 @@ def _adam_epochs(
     optimizer = torch.optim.Adam(list(variables), lr=lr, betas=betas)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=lr_step, gamma=lr_gamma)
     for epoch in range(epochs):
+        if epoch_rates is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = epoch_rates[epoch]
         for features, labels in proxy_batches:
             optimizer.zero_grad(set_to_none=True)
             loss = loss_of_batch(features, labels)
@@ -306,7 +379,7 @@ def _adam_epochs(
             optimizer.step()
         if after_epoch is not None:
             after_epoch(epoch)
-        if constant_lr_from is None or epoch + 1 < constant_lr_from:
+        if epoch_rates is None:
             scheduler.step()
     return True
 
@@ -325,6 +398,7 @@ def learn_aggregation_weights(
     lr_step: int = 20,
     lr_gamma: float = 0.5,
     device: torch.device | None = None,
+    running_buffers: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[float, list[float]]:
     """Learn FedLAW's shrinking factor gamma and client weights lambda on the proxy set.
 
@@ -360,6 +434,11 @@ def learn_aggregation_weights(
         The learning rate is multiplied by ``lr_gamma`` every ``lr_step`` epochs.
     device : torch.device, optional
         Where the learning runs; default the model's device.
+    running_buffers : Mapping[str, torch.Tensor], optional
+        Every buffer of the model, on ``device``: the server's own BatchNorm running statistics
+        (``fedlaw-bn = "authors"``). Every forward pass updates them in place (momentum update,
+        counter + 1), as the authors' train-mode server model does. Default: fresh tensors
+        holding the clients' mean, left for the caller to discard.
 
     Returns
     -------
@@ -381,13 +460,17 @@ def learn_aggregation_weights(
     buffer_names = [name for name, _ in model.named_buffers()]
     clients = _client_tensors(model, client_params, parameter_names, target)
     dtype = clients[parameter_names[0]][0].dtype
-    # Buffers are fixed inputs of the forward pass (BatchNorm in batch-statistics mode ignores
-    # its running statistics); FedAvg's mean of the clients' values, fresh tensors that the
-    # forward passes may update in place without touching the model or the clients.
-    buffer_means = weighted_mean(client_params, probabilities, keys=buffer_names)
-    buffers = {
-        name: torch.from_numpy(np.array(value)).to(target) for name, value in buffer_means.items()
-    }
+    # BatchNorm in batch-statistics mode normalises with the batch's statistics and only
+    # updates its running ones in place. By default those are FedAvg's mean of the clients'
+    # values in fresh tensors (nothing reads them afterwards); in the authors' mode the caller's.
+    if running_buffers is not None:
+        buffers = dict(running_buffers)
+    else:
+        buffer_means = weighted_mean(client_params, probabilities, keys=buffer_names)
+        buffers = {
+            name: torch.from_numpy(np.array(value)).to(target)
+            for name, value in buffer_means.items()
+        }
     batches = [(features.to(target), labels.to(target)) for features, labels in proxy_batches]
 
     initial_logits = torch.log(torch.as_tensor(probabilities, dtype=dtype, device=target))
@@ -426,14 +509,16 @@ def learn_aggregation_weights(
             final_logits = logits.detach()
         else:
             # Stage 1: lambda alone (gamma = 1) with SWA of its logits; stage 2: gamma alone.
-            client_epochs = epochs if learn == "clients" else epochs - epochs // 2
-            swa_start = int(client_epochs * SWA_START_FRACTION)
+            # The authors give each stage epochs // 2 epochs; "clients" has no gamma stage.
+            client_epochs = epochs if learn == "clients" else epochs // 2
+            # Their AveragedModel starts as a copy of the initial logits, replaced by the first
+            # averaged value: a stage too short to average (<= 6 epochs) keeps FedAvg's lambda.
             averaged = initial_logits.clone()
             averaged_count = 0
 
             def average(epoch: int) -> None:
                 nonlocal averaged, averaged_count
-                if epoch >= swa_start:
+                if epoch > SWA_START_EPOCH:
                     averaged_count += 1
                     averaged = averaged + (logits.detach() - averaged) / averaged_count
 
@@ -442,7 +527,7 @@ def learn_aggregation_weights(
                 [logits],
                 loss_with(unit_gamma_log, logits),
                 client_epochs,
-                constant_lr_from=swa_start,
+                epoch_rates=swa_learning_rates(lr, client_epochs),
                 after_epoch=average,
             )
             final_logits = averaged
@@ -510,13 +595,16 @@ def aggregate_fedlaw(
     proxy_batches: Sequence[ProxyBatch],
     *,
     device: torch.device | None = None,
+    server_buffers: Mapping[str, npt.NDArray[Any]] | None = None,
 ) -> NDArrayDict:
     """The FedLAW global model: ``gamma * sum_k lambda_k theta_k`` over the full client models.
 
-    Parameters (BatchNorm's affine ones included) are the gamma-scaled lambda-weighted sum;
-    BatchNorm running statistics are re-estimated on the proxy set for that final model (see
-    :func:`proxy_running_statistics`); every other buffer (counters) is the lambda-weighted mean,
-    unscaled. With ``gamma = 1`` and ``lambdas = p`` the parameters equal FedAvg's bit for bit.
+    Parameters (BatchNorm's affine ones included) are the gamma-scaled lambda-weighted sum.
+    Buffers: with ``server_buffers`` (``fedlaw-bn = "authors"``) every buffer is the server's
+    own value; otherwise BatchNorm running statistics are re-estimated on the proxy set for the
+    final model (see :func:`proxy_running_statistics`) and every other buffer (counters) is the
+    lambda-weighted mean, unscaled. With ``gamma = 1`` and ``lambdas = p`` the parameters equal
+    FedAvg's bit for bit.
 
     Returns
     -------
@@ -528,8 +616,11 @@ def aggregate_fedlaw(
     parameter_names = [name for name, _ in model.named_parameters()]
     buffer_names = [name for name, _ in model.named_buffers()]
     state = weighted_mean(client_params, gamma * weights, keys=parameter_names)
-    state.update(weighted_mean(client_params, weights, keys=buffer_names))
-    state.update(proxy_running_statistics(model, state, proxy_batches, device))
+    if server_buffers is not None:
+        state.update({name: np.asarray(server_buffers[name]) for name in buffer_names})
+    else:
+        state.update(weighted_mean(client_params, weights, keys=buffer_names))
+        state.update(proxy_running_statistics(model, state, proxy_batches, device))
     return {name: state[name] for name in names}
 
 
@@ -573,11 +664,15 @@ class FedLAW(ContractStrategy):
     lr_step, lr_gamma : int, float
         Step decay: x ``lr_gamma`` every ``lr_step`` epochs (authors' code: 20, 0.5).
     swa : bool
-        FedLAW (SWA).
+        FedLAW (SWA), with the authors' learning-rate schedule (see the module docstring).
     betas : tuple of float
         Adam's betas (paper: 0.5, 0.999).
     proxy_source : str
         Where the proxy set came from, for error messages.
+    bn : {"reestimate", "authors"}
+        The global model's BatchNorm running statistics: re-estimated on the proxy set for the
+        final model (default), or the server's own, updated by the weight learning's forward
+        passes and carried across rounds (the authors' code). See the module docstring.
     **base : Any
         Sampling and contract options of :class:`~strategies.base.ContractStrategy`.
 
@@ -602,11 +697,14 @@ class FedLAW(ContractStrategy):
         swa: bool = False,
         betas: tuple[float, float] = (0.5, 0.999),
         proxy_source: str = "the proxy set",
+        bn: BatchNormMode = "reestimate",
         **base: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**base)
         if learn not in LEARN_CHOICES:
             raise ValueError(f"learn = {learn!r} is unknown: use one of {LEARN_CHOICES}")
+        if bn not in BN_CHOICES:
+            raise ValueError(f"fedlaw-bn = {bn!r} is unknown: use one of {BN_CHOICES}")
         if swa and learn == "shrink":
             raise ValueError(
                 "fedlaw-swa = true averages the client weights, which fedlaw-learn = 'shrink' "
@@ -638,6 +736,9 @@ class FedLAW(ContractStrategy):
         self.learn: LearnWhat = learn
         self.epochs, self.lr, self.batch_size = epochs, lr, batch_size
         self.lr_step, self.lr_gamma, self.swa, self.betas = lr_step, lr_gamma, swa, betas
+        self.bn: BatchNormMode = bn
+        # fedlaw-bn = "authors": the server model's own buffers, carried across rounds.
+        self._server_buffers: dict[str, torch.Tensor] | None = None
         self._metrics: dict[str, float | int | list[float]] = {}
 
     def summary(self) -> None:
@@ -646,7 +747,7 @@ class FedLAW(ContractStrategy):
         log(
             INFO,
             "\t│\t└── FedLAW: learn %s, %d server epochs, Adam lr %s betas %s, x%s every %d "
-            "epochs, SWA %s, proxy set %d samples in %d batch(es) on %s",
+            "epochs, SWA %s, BatchNorm statistics %s, proxy set %d samples in %d batch(es) on %s",
             self.learn,
             self.epochs,
             self.lr,
@@ -654,6 +755,7 @@ class FedLAW(ContractStrategy):
             self.lr_gamma,
             self.lr_step,
             self.swa,
+            self.bn,
             self.proxy_size,
             len(self.proxy_batches),
             self.device,
@@ -666,6 +768,7 @@ class FedLAW(ContractStrategy):
         client_params = [reply.arrays for reply in replies]
         counts = [reply.num_examples for reply in replies]
         data_weights = normalise_weights(counts).tolist()
+        running = self._running_buffers(global_arrays)
         gamma, lambdas = learn_aggregation_weights(
             self.model,
             client_params,
@@ -679,6 +782,7 @@ class FedLAW(ContractStrategy):
             lr_step=self.lr_step,
             lr_gamma=self.lr_gamma,
             device=self.device,
+            running_buffers=running,
         )
         fallback = not weights_are_usable(gamma, lambdas)
         if fallback:
@@ -712,8 +816,60 @@ class FedLAW(ContractStrategy):
             # One list, aligned with the lambdas, not a key per node: node ids change every run.
             "fedlaw-node-ids": [reply.node_id for reply in replies],
         }
+        server_buffers = None
+        if running is not None:
+            # A fallback round keeps the statistics from before its (non-finite) forward passes.
+            if not fallback:
+                self._server_buffers = running
+            assert self._server_buffers is not None
+            server_buffers = {
+                name: value.detach().cpu().numpy() for name, value in self._server_buffers.items()
+            }
         return aggregate_fedlaw(
-            self.model, client_params, gamma, lambdas, self.proxy_batches, device=self.device
+            self.model,
+            client_params,
+            gamma,
+            lambdas,
+            self.proxy_batches,
+            device=self.device,
+            server_buffers=server_buffers,
+        )
+
+    def _running_buffers(self, global_arrays: NDArrayDict) -> dict[str, torch.Tensor] | None:
+        """fedlaw-bn = "authors": a working copy of the server's buffers (first round: the
+        global model's, i.e. the initial model's); None in the default mode."""
+        if self.bn != "authors":
+            return None
+        if self._server_buffers is None:
+            self._server_buffers = {
+                name: torch.from_numpy(np.array(as_numpy(global_arrays[name]))).to(self.device)
+                for name, _ in self.model.named_buffers()
+            }
+        return {name: value.clone() for name, value in self._server_buffers.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """fedlaw-bn = "authors": the server's own buffers, carried across rounds."""
+        if self._server_buffers is None:
+            return {}
+        return {
+            "server-buffers": {
+                name: value.detach().cpu().numpy() for name, value in self._server_buffers.items()
+            }
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (the server's buffers, if any)."""
+        unknown = sorted(set(state) - {"server-buffers"})
+        if unknown:
+            raise ValueError(f"FedLAW's checkpoint state holds unknown entries {unknown}")
+        buffers = state.get("server-buffers")
+        self._server_buffers = (
+            None
+            if buffers is None
+            else {
+                name: torch.from_numpy(np.array(value)).to(self.device)
+                for name, value in buffers.items()
+            }
         )
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
