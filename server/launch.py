@@ -1,4 +1,9 @@
-"""``ba-run``: run the app in Flower simulation with the runtime environment handled for you.
+"""``ba-run``: run the app in Flower simulation or in process, the environment handled for you.
+
+``--runtime simulation`` (the default) is Flower's simulation, described below. ``--runtime
+inprocess`` runs the same ServerApp and ClientApp in this Python process through
+:mod:`server.inprocess` (no Ray, no SuperLink; see docs/runtimes.md), with the same run folder and
+summary, and the same exit status.
 
 Plain ``flwr run .`` needs several environment variables set by hand, leaves a detached SuperLink
 running and exits 0 even when the run failed. This launcher
@@ -269,15 +274,10 @@ def read_summary(summary_path: Path) -> dict[str, Any]:
     return dict(json.loads(summary_path.read_text(encoding="utf-8")))
 
 
-def launch(
-    app_dir: Path,
-    overrides: Sequence[str],
-    *,
-    timeout: float | None = None,
-    client_cpus: int | None = None,
-) -> Path:
-    """Run the app in simulation; return the run folder, or raise :class:`LaunchError`."""
-    app_dir = app_dir.resolve()
+def run_settings(app_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """The fused settings of a launch and the overrides it adds: a run name and an absolute
+    output folder when the configuration gives none, so the launcher knows where the summary
+    will be."""
     settings = app_defaults(app_dir) | parse_overrides(overrides)
     extra: list[str] = []
     run_name = str(settings.get("run-name") or "")
@@ -292,8 +292,35 @@ def launch(
     num_clients = settings.get("num-clients")
     if not isinstance(num_clients, int) or num_clients < 1:
         raise LaunchError(f"num-clients = {num_clients!r}: allowed is an integer >= 1")
-    summary_path = output_dir / run_name / "summary.json"
-    federation = [f"num-supernodes={num_clients}"]
+    settings.update(parse_overrides(extra))
+    return settings, extra
+
+
+def completed_run(settings: Mapping[str, Any], failure: str) -> Path:
+    """The run folder when its summary says completed; otherwise :class:`LaunchError`."""
+    run_name = str(settings["run-name"])
+    summary_path = Path(str(settings["output-dir"])).expanduser() / run_name / "summary.json"
+    summary = read_summary(summary_path)
+    if summary.get("status") != "completed":
+        reason = summary.get("error") or (
+            f"{failure} and the ServerApp wrote no summary at {summary_path}; the run failed "
+            "before round 1 (see the log above, e.g. an invalid run configuration)"
+        )
+        raise LaunchError(f"run '{run_name}' did not complete: {reason}")
+    return summary_path.parent
+
+
+def launch(
+    app_dir: Path,
+    overrides: Sequence[str],
+    *,
+    timeout: float | None = None,
+    client_cpus: int | None = None,
+) -> Path:
+    """Run the app in simulation; return the run folder, or raise :class:`LaunchError`."""
+    app_dir = app_dir.resolve()
+    settings, extra = run_settings(app_dir, overrides)
+    federation = [f"num-supernodes={settings['num-clients']}"]
     if client_cpus is not None:
         federation.append(f"client-resources-num-cpus={client_cpus}")
     with simulation_superlink(app_dir) as env:
@@ -307,15 +334,33 @@ def launch(
             completed = subprocess.run(command, env=env, cwd=app_dir, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
             raise LaunchError(f"the run did not finish within {timeout} s") from None
-    summary = read_summary(summary_path)
-    if summary.get("status") != "completed":
-        reason = summary.get("error") or (
-            f"`flwr run` exited with code {completed.returncode} and the ServerApp wrote no "
-            f"summary at {summary_path}; the run failed before round 1 (see the log above, "
-            "e.g. an invalid run configuration)"
-        )
-        raise LaunchError(f"run '{run_name}' did not complete: {reason}")
-    return summary_path.parent
+    return completed_run(settings, f"`flwr run` exited with code {completed.returncode}")
+
+
+def launch_inprocess(app_dir: Path, overrides: Sequence[str], *, threads: int | None = 1) -> Path:
+    """Run the app in this process (:func:`server.inprocess.run_inprocess`); return the run
+    folder, or raise :class:`LaunchError`.
+
+    ``threads`` sets torch's intra-op threads (None leaves torch's default). The default 1 is
+    what each simulated client gets from Ray with ``--client-cpus 1``; on a small shared CPU
+    more threads make the small models here slower, not faster.
+    """
+    app_dir = app_dir.resolve()
+    settings, extra = run_settings(app_dir, overrides)
+    for key, value in flower_environment(app_dir / ".flwr" / "inprocess").items():
+        if key.startswith("FLWR_"):
+            os.environ[key] = value  # no telemetry or update check from this process either
+    import torch
+
+    from .inprocess import run_inprocess
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        run_inprocess(app_dir, parse_overrides([*overrides, *extra]))
+    except Exception as error:  # the ServerApp has written a failed summary when it got that far
+        return completed_run(settings, f"the run raised {type(error).__name__}: {error}")
+    return completed_run(settings, "the run returned")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -339,11 +384,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="CPUs Ray reserves per simulated client (default 1: as many clients train at once "
         "as there are cores; Flower's own default of 2 runs one at a time on a 2-core machine)",
     )
+    parser.add_argument(
+        "--runtime",
+        choices=["simulation", "inprocess"],
+        default="simulation",
+        help="simulation: Flower's simulation (Ray, a local SuperLink); inprocess: ServerApp and "
+        "ClientApp in this process, no Ray (fast; no --timeout; --client-cpus sets torch "
+        "threads). See docs/runtimes.md",
+    )
     args = parser.parse_args(argv)
     try:
-        run_dir = launch(
-            args.app, args.run_config, timeout=args.timeout, client_cpus=args.client_cpus
-        )
+        if args.runtime == "inprocess":
+            run_dir = launch_inprocess(args.app, args.run_config, threads=args.client_cpus)
+        else:
+            run_dir = launch(
+                args.app, args.run_config, timeout=args.timeout, client_cpus=args.client_cpus
+            )
     except LaunchError as error:
         print(f"ba-run: error: {error}", file=sys.stderr)
         return 1
