@@ -50,6 +50,7 @@ def client_task(config: RunConfig) -> ClientTask:
         momentum=config.momentum,
         weight_decay=config.weight_decay,
         proximal_mu=config.proximal_mu,
+        client_holdout=config.client_holdout,
     )
 
 

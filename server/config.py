@@ -67,6 +67,9 @@ class RunConfig(BaseModel):
     dirichlet_alpha: float = Field(0.5, gt=0.0)
     classes_per_client: int = Field(2, ge=1)
     proxy_per_class: int = Field(10, ge=0, description="server proxy set, samples per class")
+    client_holdout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="share of each partition held out, not trained on"
+    )
     synthetic_alpha: float = Field(1.0, ge=0.0)
     synthetic_beta: float = Field(1.0, ge=0.0)
     # --- model and local training ------------------------------------------------------------
@@ -105,6 +108,7 @@ class RunConfig(BaseModel):
     fedlaw_lr_step: int = Field(20, ge=1, description="StepLR period, server epochs")
     fedlaw_lr_gamma: float = Field(0.5, gt=0.0, le=1.0)
     fedlaw_swa: bool = False
+    fedlaw_bn: Literal["reestimate", "authors"] = "reestimate"
     proxy_dir: str = Field("", description="IDX folder used as proxy set instead of held-out")
     # --- FedGMA ------------------------------------------------------------------------------
     gma_mask: Literal["hard", "soft"] = "hard"

@@ -81,6 +81,7 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
                 lr_step=config.fedlaw_lr_step,
                 lr_gamma=config.fedlaw_lr_gamma,
                 swa=config.fedlaw_swa,
+                bn=config.fedlaw_bn,
                 proxy_source=proxy_source,
                 **base,
             )

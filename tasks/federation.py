@@ -26,6 +26,7 @@ from .splits import split_server_data
 # the partitioning and the proxy draw do not all consume the same random stream.
 _PARTITION_STAGE = 1
 _PROXY_STAGE = 2
+_HOLDOUT_STAGE = 3
 # Each cached entry holds a whole data set (up to ~200 MB for MNIST-sized data).
 _CACHED_SPECS = 4
 
@@ -55,6 +56,10 @@ class DataSpec:
         Server proxy samples per class (0: no proxy).
     synthetic_alpha, synthetic_beta : float
         Synthetic(alpha, beta) parameters (``dataset="synthetic"`` only).
+    client_holdout : float
+        Share in [0, 1) of each client's partition held out (seeded) and not trained on: the
+        FedLAW authors' clients keep 30 % for validation (``client_valid_ratio`` 0.3); 0 trains
+        on the whole partition. See :func:`holdout_split`.
     """
 
     dataset: str
@@ -67,6 +72,7 @@ class DataSpec:
     proxy_per_class: int
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
+    client_holdout: float = 0.0
 
     @classmethod
     def from_task(cls, task: ClientTask, num_partitions: int, proxy_per_class: int = 0) -> DataSpec:
@@ -86,6 +92,7 @@ class DataSpec:
             proxy_per_class=proxy_per_class,
             synthetic_alpha=task.synthetic_alpha,
             synthetic_beta=task.synthetic_beta,
+            client_holdout=task.client_holdout,
         )
 
     def __post_init__(self) -> None:
@@ -99,6 +106,11 @@ class DataSpec:
             raise ValueError(
                 f"partition={self.partition!r} is not allowed: choose one of "
                 f"{', '.join(PARTITION_SCHEMES)}"
+            )
+        if not 0.0 <= self.client_holdout < 1.0:
+            raise ValueError(
+                f"client_holdout={self.client_holdout} is not allowed: it is the share of each "
+                "partition held out from training, in [0, 1) (the FedLAW authors use 0.3)"
             )
 
 
@@ -115,7 +127,8 @@ def load_client_partition(spec: DataSpec, partition_id: int) -> LabeledData:
     Returns
     -------
     LabeledData
-        A fresh (writable) copy of that client's samples, in pool order.
+        A fresh (writable) copy of that client's training samples, in pool order: the whole
+        partition, or without its held-out share when ``spec.client_holdout`` > 0.
 
     Raises
     ------
@@ -128,9 +141,34 @@ def load_client_partition(spec: DataSpec, partition_id: int) -> LabeledData:
             f"[0, {spec.num_partitions - 1}] for num_partitions={spec.num_partitions}"
         )
     train_pool, _ = _spec_data(spec)
-    grey = train_pool.subset(_partitions(spec)[partition_id])
+    indices = _partitions(spec)[partition_id]
+    if spec.client_holdout > 0.0:
+        seed = int(
+            np.random.SeedSequence([spec.seed, _HOLDOUT_STAGE, partition_id]).generate_state(1)[0]
+        )
+        indices, _ = holdout_split(indices, spec.client_holdout, seed)
+    grey = train_pool.subset(indices)
     # Colored data sets are partitioned grey on the digit, then colored per client (environment).
     return client_view(spec.dataset, grey, partition_id, spec.num_partitions, spec.seed)
+
+
+def holdout_split(indices: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split a partition's pool indices into (train, held out), as the FedLAW authors' clients do.
+
+    Their ``Node.train_val_split`` shuffles the indices and holds out the first
+    ``int(fraction * n)``; here the shuffle is seeded (``seed``) and both parts come back in
+    pool order, so a run is reproducible and the training order does not depend on the split.
+
+    Returns
+    -------
+    train, held_out : np.ndarray
+        Disjoint, together ``indices``; ``held_out`` has ``int(fraction * len(indices))``
+        entries, so ``train`` keeps at least one sample for ``fraction < 1``.
+    """
+    order = np.random.default_rng(seed).permutation(len(indices))
+    held = np.sort(order[: int(fraction * len(indices))])
+    kept = np.sort(order[int(fraction * len(indices)) :])
+    return indices[kept], indices[held]
 
 
 def load_server_splits(spec: DataSpec) -> tuple[LabeledData, LabeledData]:

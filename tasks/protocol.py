@@ -58,6 +58,7 @@ class ClientTask:
     momentum: float
     weight_decay: float
     proximal_mu: float
+    client_holdout: float = 0.0
 
     def to_config(self) -> dict[str, ConfigValue]:
         """Flat kebab-case entries for a Flower ConfigRecord."""
