@@ -24,7 +24,23 @@ Soft mask (the later "Gradient Masked Averaging", Tenison et al., TMLR 2023, ``m
 ``server_lr`` different roles: the hard variant adds a step to the average (0 turns it off), the
 soft variant scales the masked mean update itself (1 is a full averaging step).
 
-Only floating tensors are masked and stepped; integer buffers (BatchNorm's counter) are averaged.
+**Ties.** An agreement exactly at the threshold keeps the full update (``A >= threshold``,
+within a 1e-9 slack for the rounding of sums of p_k): the TMLR paper's rule and the docstring of
+Inria's declearn (``GradientMaskedAveraging``). declearn's code compares strictly
+(``A > threshold``) and so damps a tie to ``A`` itself; the two differ only at exact ties, and
+not at all at declearn's default threshold 1.0 (there m = A = 1 either way).
+
+**Buffers.** Only parameters are masked and stepped. Normalisation buffers (tensors named like
+torch's ``running_mean``, ``running_var``, ``num_batches_tracked``) and integer tensors are the
+p-weighted average of the clients' values, as in every other rule here; declearn aggregates
+trainable parameters only. (Running statistics are not gradients: stepping them by a masked
+"update" would give statistics of no model.) The hard variant's gradient record covers
+parameters only, so there too buffers are only averaged.
+
+**Client weights.** p_k is proportional to the example count each client reports
+(``num-examples``), as in the seed paper (McMahan et al.'s weighting); declearn weights by the
+clients' local step counts by default, which is the same up to a per-client batch rounding
+when every client runs the same epochs with the same batch size.
 """
 
 from __future__ import annotations
@@ -59,6 +75,9 @@ MASK_VARIANTS: tuple[MaskVariant, ...] = ("hard", "soft")
 #: of the weights p_k carry rounding errors far above this, and a true agreement gap is at least
 #: 1 vote (hard) or the smallest p_k (soft), far above it too.
 _AGREEMENT_TOLERANCE = 1e-9
+
+#: Names of normalisation-layer buffers (torch's ``_NormBase``): averaged, never masked/stepped.
+NORM_BUFFER_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
 GRADIENT_HINT = (
     "This project's ClientApp adds it when the train config's 'request-records' names "
@@ -199,6 +218,11 @@ class _SignVote:
         np.multiply(vote, weight, out=out)
 
 
+def is_stepped(key: str, value: npt.NDArray[Any]) -> bool:
+    """Whether FedGMA masks and steps a tensor: floating and not a normalisation buffer."""
+    return is_floating(value) and key.rsplit(".", 1)[-1] not in NORM_BUFFER_NAMES
+
+
 def _agreement_mask(
     signed_agreement: npt.NDArray[np.float64], threshold: float
 ) -> npt.NDArray[np.float64]:
@@ -270,9 +294,9 @@ def fedgma_step(
         raise ValueError(f"server_lr = {server_lr}: allowed is a finite value >= 0")
     probabilities = normalise_weights(weights, num_clients=len(client_arrays))
     global_np = as_numpy_dict(global_arrays)
-    float_keys = [key for key, value in global_np.items() if is_floating(value)]
-    # The hard variant steps from the average; the soft one steps its floating tensors from w,
-    # so only its integer buffers (BatchNorm's counter) need the average.
+    float_keys = [key for key, value in global_np.items() if is_stepped(key, value)]
+    # The hard variant steps from the average; the soft one steps its parameters from w, so
+    # only its buffers (normalisation statistics, counters) need the average.
     averaged = list(global_np) if mask == "hard" else [k for k in global_np if k not in float_keys]
     average = weighted_mean(client_arrays, probabilities, keys=averaged) if averaged else {}
     if mask == "hard":
@@ -286,7 +310,8 @@ def fedgma_step(
         not_float = sorted(set(step_keys) - set(float_keys))
         if not_float:
             raise ValueError(
-                f"gradient keys {not_float[:5]} are not floating tensors of the global model"
+                f"gradient keys {not_float[:5]} are not floating parameters of the global model "
+                "(normalisation buffers and integer tensors are averaged, never stepped)"
             )
         grad, mask_mean = _masked_gradient_mean(client_gradients, probabilities, threshold)
         stepped = ServerOptimizer("sgd", server_lr).step(average, grad)
