@@ -1,10 +1,18 @@
-"""The ServerApp: validate the configuration, build the strategy, run it, record everything."""
+"""The ServerApp: validate the configuration, build the strategy, run it, record everything.
+
+After every round the global model is evaluated on the server's test split, the round's metrics
+are appended to ``metrics.jsonl`` and a checkpoint is written (:mod:`server.checkpoint`), from
+which ``resume-from`` continues the run. A run that cannot train ends ``failed`` with the reason
+(:class:`RunStalledError`).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from logging import ERROR, INFO
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,8 +26,10 @@ from ..tasks.evaluation import evaluate, resolve_device
 from ..tasks.federation import DataSpec, load_server_splits
 from ..tasks.models import build_model
 from ..tasks.protocol import ClientTask
+from .checkpoint import RunCheckpoint, capture_rng, restore_rng
 from .config import RunConfig, parse_run_config
 from .recorder import RunRecorder
+from .rounds import RoundOutcome, run_rounds
 from .strategy_factory import ServerResources, build_strategy
 
 app = ServerApp()
@@ -60,6 +70,10 @@ def default_run_name(config: RunConfig) -> str:
     return config.run_name or f"{config.strategy}-{config.dataset}-{stamp}"
 
 
+class RunStalledError(RuntimeError):
+    """The run kept its previous model ``max-idle-rounds`` rounds in a row, or in every round."""
+
+
 class CentralEvaluation:
     """Evaluates the global model on the server's test split after every round and records it."""
 
@@ -76,14 +90,22 @@ class CentralEvaluation:
         self.strategy, self.recorder, self.num_rounds = strategy, recorder, num_rounds
         self.last_time = time.perf_counter()
 
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """Flower's ``evaluate_fn``: test the global model, log a progress line, record it."""
+    def __call__(
+        self, server_round: int, arrays: ArrayRecord, extra: Mapping[str, Any] | None = None
+    ) -> MetricRecord:
+        """Flower's ``evaluate_fn``: test the global model, log a progress line, record it.
+
+        ``extra`` joins the recorded metrics (the round loop's reply counts).
+        """
         state = arrays.to_torch_state_dict()
         self.model.load_state_dict(state)
         loss, accuracy = evaluate(self.model, self.test_set, self.device)
         now = time.perf_counter()
         seconds, self.last_time = now - self.last_time, now
-        train_metrics = self.strategy.last_round_metrics if server_round > 0 else {}
+        train_metrics = {
+            **(self.strategy.last_round_metrics if server_round > 0 else {}),
+            **(extra or {}),
+        }
         log(
             INFO,
             "round %d/%d | test accuracy %.4f | test loss %.4f | %.1f s | replies %s/%s",
@@ -93,7 +115,7 @@ class CentralEvaluation:
             loss,
             seconds,
             train_metrics.get("replies-valid", "-"),
-            train_metrics.get("replies-received", "-"),
+            train_metrics.get("replies-sent", train_metrics.get("replies-received", "-")),
         )
         self.recorder.log_round(
             {
@@ -104,16 +126,106 @@ class CentralEvaluation:
                 **train_metrics,
             }
         )
-        self.recorder.save_model(state)
         return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
+
+
+def round_reply_counts(
+    outcome: RoundOutcome, strategy_metrics: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The loop's view of a round: instructions sent, and late replies counted as dropped."""
+    counts: dict[str, Any] = {
+        "replies-sent": outcome.train_sent,
+        "replies-dropped": int(strategy_metrics.get("replies-dropped", 0)) + outcome.train_late,
+        **outcome.evaluate_metrics,
+    }
+    if outcome.train_late:
+        counts["dropped-timeout"] = outcome.train_late
+    return counts
+
+
+def idle_reason(outcome: RoundOutcome, metrics: Mapping[str, Any]) -> str:
+    """Why a round kept the previous model, from its metrics (reply counts, drops, rejection)."""
+    drops = ", ".join(
+        f"{key.removeprefix('dropped-')} {value}"
+        for key, value in sorted(metrics.items())
+        if key.startswith("dropped-")
+    )
+    reason = (
+        f"round {outcome.server_round}: {metrics.get('replies-valid', 0)} valid of "
+        f"{outcome.train_sent} replies wanted" + (f" (dropped: {drops})" if drops else "")
+    )
+    if metrics.get("model-rejected"):
+        reason += f"; aggregate rejected: {metrics['model-rejected']}"
+    return reason
+
+
+class RunProgress:
+    """After each round: evaluate, record, checkpoint, and stop a run that cannot train."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        strategy: ContractStrategy,
+        evaluation: CentralEvaluation,
+        recorder: RunRecorder,
+        idle_rounds: int = 0,
+    ) -> None:
+        self.config, self.strategy = config, strategy
+        self.evaluation, self.recorder = evaluation, recorder
+        self.idle_rounds = idle_rounds
+
+    def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Write the run's state after ``server_round`` (see :mod:`server.checkpoint`)."""
+        RunCheckpoint(
+            round=server_round,
+            model=arrays.to_torch_state_dict(),
+            strategy=self.strategy.state_dict(),
+            rng=capture_rng(),
+            idle_rounds=self.idle_rounds,
+            config=self.config.to_run_config(),
+        ).save(self.recorder.directory)
+
+    def __call__(self, arrays: ArrayRecord, outcome: RoundOutcome) -> None:
+        """The round hook of :func:`server.rounds.run_rounds`."""
+        metrics = {**self.strategy.last_round_metrics}
+        extra = round_reply_counts(outcome, metrics)
+        self.evaluation(outcome.server_round, arrays, extra)
+        self.idle_rounds = 0 if outcome.aggregated else self.idle_rounds + 1
+        self.checkpoint(outcome.server_round, arrays)
+        if self.idle_rounds == 0:
+            return
+        reason = idle_reason(outcome, {**metrics, **extra})
+        if self.idle_rounds >= self.config.max_idle_rounds:
+            raise RunStalledError(
+                f"no round aggregated in the last {self.idle_rounds} rounds "
+                f"(max-idle-rounds = {self.config.max_idle_rounds}); last: {reason}"
+            )
+        if outcome.server_round == self.config.num_server_rounds and (
+            self.idle_rounds >= outcome.server_round
+        ):
+            raise RunStalledError(f"no round of the run aggregated; last: {reason}")
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run the configured federated training and write ``<output-dir>/<run-name>/``."""
+    """Run the configured federated training and write ``<output-dir>/<run-name>/``.
+
+    With ``resume-from = <run folder>`` the run continues in that folder from its checkpoint.
+    """
     config = parse_run_config(context.run_config)  # stops the run before round 1 on bad input
-    run_name = default_run_name(config)
-    recorder = RunRecorder(config.output_dir, run_name, config.to_run_config())
+    checkpoint = None
+    if config.resume_from:  # read before anything is written: a refused resume changes nothing
+        folder = Path(config.resume_from).expanduser().resolve()
+        checkpoint = RunCheckpoint.load(folder, config.to_run_config())
+        output_dir, run_name = str(folder.parent), folder.name
+    else:
+        output_dir, run_name = config.output_dir, default_run_name(config)
+    recorder = RunRecorder(
+        output_dir,
+        run_name,
+        config.to_run_config(),
+        resume_round=None if checkpoint is None else checkpoint.round,
+    )
     log(INFO, "run '%s' writes to %s", run_name, recorder.directory)
     try:
         torch.manual_seed(config.seed)
@@ -134,18 +246,31 @@ def main(grid: Grid, context: Context) -> None:
         evaluation = CentralEvaluation(
             model, test_set, device, strategy, recorder, config.num_server_rounds
         )
-        result = strategy.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(
-                {k: v.detach().cpu() for k, v in model.state_dict().items()}
-            ),
+        progress = RunProgress(config, strategy, evaluation, recorder)
+        arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        if checkpoint is None:
+            evaluation(0, arrays)
+            progress.checkpoint(0, arrays)
+        else:
+            log(INFO, "run '%s' resumes after round %d", run_name, checkpoint.round)
+            arrays = ArrayRecord(checkpoint.model)
+            strategy.load_state_dict(checkpoint.strategy)
+            restore_rng(checkpoint.rng)
+            progress.idle_rounds = checkpoint.idle_rounds
+        strategy.summary()
+        task = client_task(config).to_config()
+        arrays = run_rounds(
+            strategy,
+            grid,
+            arrays,
+            first_round=1 if checkpoint is None else checkpoint.round + 1,
             num_rounds=config.num_server_rounds,
-            train_config=ConfigRecord(client_task(config).to_config()),
-            evaluate_config=ConfigRecord(client_task(config).to_config()),
-            evaluate_fn=evaluation,
+            timeout=config.round_timeout,
+            train_config=ConfigRecord(dict(task)),
+            evaluate_config=ConfigRecord(dict(task)),
+            on_round_end=progress,
         )
-        del result  # the evaluation hook already loaded the last global model into `model`
-        recorder.save_model(model.state_dict(), final=True)
+        recorder.save_model(arrays.to_torch_state_dict())
     except BaseException as error:
         recorder.write_summary("failed", error=f"{type(error).__name__}: {error}")
         log(ERROR, "run '%s' failed: %s: %s", run_name, type(error).__name__, error)

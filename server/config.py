@@ -60,6 +60,13 @@ class RunConfig(BaseModel):
     fraction_evaluate: float = Field(0.0, ge=0.0, le=1.0, description="federated evaluation")
     min_train_replies: int = Field(2, ge=1, description="valid replies needed to aggregate")
     output_dir: str = Field("runs", min_length=1)
+    round_timeout: float = Field(
+        600.0, gt=0.0, description="seconds a round waits for replies; late ones are dropped"
+    )
+    max_idle_rounds: int = Field(
+        5, ge=1, description="the run fails after this many rounds in a row without aggregation"
+    )
+    resume_from: str = Field("", description="run folder to continue from its checkpoint")
     # --- data --------------------------------------------------------------------------------
     dataset: DatasetChoice = "digits"
     data_dir: str = Field("", description="IDX folder; empty: the dataset's default location")

@@ -304,6 +304,24 @@ class ContractStrategy(Strategy):
         """Strategy-specific metrics of the last aggregation (e.g. FedLAW's gamma)."""
         return {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the strategy carries from one round to the next, for a run's checkpoint.
+
+        NumPy arrays, numbers, strings and nested dicts/lists of them. A rule whose aggregation
+        depends on earlier rounds (server-optimizer moments, buffers) returns that state, so that
+        a resumed run continues bit for bit (``tests/test_resume.py``); node sampling needs none,
+        it is seeded by the round. The base has no state.
+        """
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` of the same strategy and configuration."""
+        if state:
+            raise ValueError(
+                f"{type(self).__name__} carries no state between rounds, but the checkpoint "
+                f"holds {sorted(state)}: it was written by another strategy"
+            )
+
     def summary(self) -> None:
         """Log the strategy's configuration."""
         log(INFO, "\t├──> %s", self.__class__.__name__)

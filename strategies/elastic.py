@@ -245,6 +245,14 @@ class ElasticAggregation(ContractStrategy):
         )
         self._zeta_metrics: dict[str, float | int | list[float]] = {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The server optimizer's moments."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue with a checkpoint's server-optimizer moments."""
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def summary(self) -> None:
         """Log the configuration."""
         super().summary()

@@ -44,6 +44,22 @@ class ServerOptimizer:
         if not self.lr >= 0:
             raise ValueError(f"server learning rate must be >= 0, got {self.lr}")
 
+    def state_dict(self) -> dict[str, NDArrayDict]:
+        """Copies of the moments (empty for ``sgd``, and before the first step)."""
+        return {
+            "first-moment": {key: value.copy() for key, value in self._first_moment.items()},
+            "second-moment": {key: value.copy() for key, value in self._second_moment.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, npt.NDArray[Any]]]) -> None:
+        """Continue with the moments of a :meth:`state_dict`."""
+        self._first_moment = {
+            key: np.array(value, dtype=np.float64) for key, value in state["first-moment"].items()
+        }
+        self._second_moment = {
+            key: np.array(value, dtype=np.float64) for key, value in state["second-moment"].items()
+        }
+
     def step(
         self, global_arrays: Mapping[str, Any], pseudo_gradient: Mapping[str, npt.NDArray[Any]]
     ) -> NDArrayDict:

@@ -1,0 +1,118 @@
+"""The round loop of a run: Flower's ``Strategy.start``, able to start at any round.
+
+Flower's loop always starts at round 1 and waits an hour for replies. A resumed run must start
+after its checkpoint's round, and a run should not wait longer than ``round-timeout`` for a node
+that hangs; this loop is Flower's (the same calls, in the same order) with
+
+- ``first_round``: the round to start with (``checkpoint round + 1`` on a resume);
+- ``timeout``: the bound of each ``send_and_receive``; replies that miss it are never read and
+  are counted as ``dropped-timeout`` (the instructions sent minus the replies received);
+- ``on_round_end``: called after every round with the global arrays and what the round did, where
+  the ServerApp evaluates, records and checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from logging import INFO
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one round did, for the ServerApp's bookkeeping."""
+
+    server_round: int
+    #: The new global model aggregated (False: the strategy kept the previous one).
+    aggregated: bool
+    train_sent: int
+    train_received: int
+    #: Federated evaluation metrics of the round (empty without federated evaluation).
+    evaluate_metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def train_late(self) -> int:
+        """Train instructions whose reply did not arrive within the round timeout."""
+        return self.train_sent - self.train_received
+
+
+RoundHook = Callable[[ArrayRecord, RoundOutcome], None]
+
+
+def run_rounds(
+    strategy: Strategy,
+    grid: Grid,
+    arrays: ArrayRecord,
+    *,
+    first_round: int,
+    num_rounds: int,
+    timeout: float,
+    train_config: ConfigRecord,
+    evaluate_config: ConfigRecord,
+    on_round_end: RoundHook,
+) -> ArrayRecord:
+    """Run rounds ``first_round..num_rounds``; return the last global arrays.
+
+    Parameters
+    ----------
+    strategy : Strategy
+        Any Flower message-API strategy.
+    grid : Grid
+        Where instructions go and replies come from.
+    arrays : ArrayRecord
+        The global model before ``first_round``.
+    first_round, num_rounds : int
+        The first and the last round to run (none when ``first_round > num_rounds``).
+    timeout : float
+        Seconds each ``send_and_receive`` waits for replies.
+    train_config, evaluate_config : ConfigRecord
+        Sent with every train / evaluate instruction (the strategy adds its own entries).
+    on_round_end : RoundHook
+        Called after each round with the global arrays and the round's :class:`RoundOutcome`.
+    """
+    for server_round in range(first_round, num_rounds + 1):
+        log(INFO, "")
+        log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+        instructions = list(strategy.configure_train(server_round, arrays, train_config, grid))
+        replies = list(grid.send_and_receive(instructions, timeout=timeout))
+        received = len(replies)
+        if received < len(instructions):
+            log(
+                INFO,
+                "round %d: %d of %d train replies missed the %.0f s round timeout (dropped)",
+                server_round,
+                len(instructions) - received,
+                len(instructions),
+                timeout,
+            )
+        new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        del replies  # the replies' buffers are not held through evaluation
+        if new_arrays is not None:
+            arrays = new_arrays
+        evaluate_instructions = list(
+            strategy.configure_evaluate(server_round, arrays, evaluate_config, grid)
+        )
+        evaluate_metrics: MetricRecord | None = None
+        if evaluate_instructions:
+            evaluate_replies = grid.send_and_receive(evaluate_instructions, timeout=timeout)
+            evaluate_metrics = strategy.aggregate_evaluate(server_round, evaluate_replies)
+        on_round_end(
+            arrays,
+            RoundOutcome(
+                server_round=server_round,
+                aggregated=new_arrays is not None,
+                train_sent=len(instructions),
+                train_received=received,
+                evaluate_metrics={
+                    key: float(value)
+                    for key, value in (evaluate_metrics or {}).items()
+                    if isinstance(value, int | float)
+                },
+            ),
+        )
+    return arrays

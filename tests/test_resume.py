@@ -1,0 +1,180 @@
+"""A run killed with SIGKILL resumes from its checkpoint and ends exactly where it would have.
+
+The ServerApp runs in a subprocess (``tests/local_run.py``: its real ``main`` over an in-process
+grid that runs the real ClientApp). The subprocess blocks once round 3's instructions are out and
+is killed with SIGKILL there; ``resume-from`` then continues it in a new process. Its final model
+must equal, bit for bit, the final model of an uninterrupted run in a third process, for every
+strategy (the state that makes this hard: FedAdam's moments, Elastic's server momentum, and the
+torch generator the server draws from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from beyond_averaging.server.checkpoint import (
+    CHECKPOINT_FILE,
+    CheckpointError,
+    RunCheckpoint,
+    atomic_torch_save,
+    capture_rng,
+)
+from beyond_averaging.server.config import RunConfig
+from tests.deploy_helpers import REPO, read_metrics
+
+ROUNDS = 4
+KILLED_IN_ROUND = 3
+BASE: dict[str, Any] = {
+    "dataset": "digits",
+    "model": "mlp",
+    "num-clients": 3,
+    "num-server-rounds": ROUNDS,
+    "local-epochs": 1,
+    "seed": 3,
+    "device": "cpu",
+}
+#: Every rule, each with the state it carries between rounds.
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "fedadam": {"strategy": "fedavg", "server-optimizer": "adam", "server-lr": 0.05},
+    # sensitivity-decay 0: the moving average of the sensitivity lives in each node's
+    # Context.state, which Flower keeps for one run only; a resumed run is a new Flower run, so
+    # with a decay > 0 its nodes restart that average (docs/reliability.md, Runs).
+    "elastic-momentum": {
+        "strategy": "elastic",
+        "server-optimizer": "momentum",
+        "sensitivity-decay": 0.0,
+    },
+    "fedlaw": {"strategy": "fedlaw", "fedlaw-epochs": 5},
+    "fedgma": {"strategy": "fedgma"},
+}
+
+
+def _settings(tmp_path: Path, name: str, extra: dict[str, Any]) -> dict[str, Any]:
+    return {**BASE, **extra, "run-name": name, "output-dir": str(tmp_path)}
+
+
+def _server_process(settings: dict[str, Any], tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+    path = tmp_path / f"{settings['run-name']}-{len(list(tmp_path.glob('*.json')))}.json"
+    path.write_text(json.dumps(settings), encoding="utf-8")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.local_run", str(path), *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(process: subprocess.Popen[str], timeout: float = 300.0) -> None:
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output[-3000:]
+
+
+def _final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = torch.load(run_dir / "final_model.pt", weights_only=True)
+    return state
+
+
+@pytest.mark.parametrize("variant", list(STRATEGIES))
+def test_run_killed_mid_round_resumes_to_the_uninterrupted_final_model(
+    tmp_path: Path, variant: str
+) -> None:
+    reference = _server_process(_settings(tmp_path, "reference", STRATEGIES[variant]), tmp_path)
+    settings = _settings(tmp_path, "killed", STRATEGIES[variant])
+    run_dir = tmp_path / "killed"
+    victim = _server_process(settings, tmp_path, "--hang-in-round", str(KILLED_IN_ROUND))
+    deadline = time.monotonic() + 300.0
+    while not (run_dir / "hanging").exists():
+        assert victim.poll() is None, victim.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the run never reached the round where it is killed"
+        time.sleep(0.2)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=30)
+    assert victim.returncode == -signal.SIGKILL
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["status"] == "running"  # killed: nothing could record the end
+    assert not (run_dir / "final_model.pt").exists()
+
+    resumed = _server_process({**settings, "resume-from": str(run_dir)}, tmp_path)
+    _finish(resumed)
+    _finish(reference)
+
+    expected, actual = _final_model(tmp_path / "reference"), _final_model(run_dir)
+    assert list(actual) == list(expected)
+    for key in expected:
+        assert torch.equal(actual[key], expected[key]), f"{variant}: tensor {key} differs"
+    rounds = read_metrics(run_dir)
+    assert [entry["round"] for entry in rounds] == list(range(ROUNDS + 1))
+    reference_rounds = read_metrics(tmp_path / "reference")
+    assert [entry["test-accuracy"] for entry in rounds] == [
+        entry["test-accuracy"] for entry in reference_rounds
+    ]
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["status"] == "completed"
+    assert summary["resumed-from-round"] == KILLED_IN_ROUND - 1
+
+
+def _checkpoint(config: dict[str, Any], round_: int = 2) -> RunCheckpoint:
+    return RunCheckpoint(
+        round=round_,
+        model={"w": torch.arange(4, dtype=torch.float32)},
+        strategy={"optimizer": {"first-moment": {}, "second-moment": {}}},
+        rng=capture_rng(),
+        idle_rounds=0,
+        config=config,
+    )
+
+
+def test_resume_with_another_configuration_is_refused_naming_each_changed_key(
+    tmp_path: Path,
+) -> None:
+    config = RunConfig().to_run_config()
+    _checkpoint(config).save(tmp_path)
+    changed = {**config, "learning-rate": 0.1, "strategy": "elastic", "num-server-rounds": 40}
+    with pytest.raises(CheckpointError) as error:
+        RunCheckpoint.load(tmp_path, changed)
+    message = str(error.value)
+    assert "learning-rate: 0.05 -> 0.1" in message
+    assert "strategy: 'fedavg' -> 'elastic'" in message
+    assert "num-server-rounds" not in message  # a run may be extended by more rounds
+    assert RunCheckpoint.load(tmp_path, {**config, "num-server-rounds": 40}).round == 2
+
+
+def test_a_crash_while_writing_keeps_the_previous_checkpoint_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = RunConfig().to_run_config()
+    _checkpoint(config, round_=4).save(tmp_path)
+
+    def torn_save(obj: Any, stream: Any) -> None:
+        stream.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(OSError, match="disk full"):
+        _checkpoint(config, round_=5).save(tmp_path)
+    monkeypatch.undo()
+    assert RunCheckpoint.load(tmp_path, config).round == 4
+    assert [path.name for path in tmp_path.iterdir()] == [CHECKPOINT_FILE]
+
+
+def test_checkpoint_of_an_older_format_is_refused_with_the_reason(tmp_path: Path) -> None:
+    atomic_torch_save({"w": torch.zeros(2)}, tmp_path / CHECKPOINT_FILE)  # weights only
+    with pytest.raises(CheckpointError, match="stored only the model weights"):
+        RunCheckpoint.load(tmp_path, RunConfig().to_run_config())
+
+
+def test_resume_without_a_checkpoint_names_the_folder(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"no checkpoint\.pt there"):
+        RunCheckpoint.load(tmp_path / "nowhere", RunConfig().to_run_config())
