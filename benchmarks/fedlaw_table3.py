@@ -7,12 +7,13 @@ drawn from the test set (10 per class) and removed from it, accuracy = mean test
 last 10 rounds, 200 rounds, seeds 8, 9, 10. The client batch size is the authors' code default,
 128 (the paper does not state it).
 
-Every run is this project's app, in one process: the ServerApp's pieces (``build_strategy``,
-``CentralEvaluation``, ``RunRecorder``: the same ``metrics.jsonl`` as ``ba-run`` writes, with the
-strategy's ``aggregation-seconds``) drive the real ClientApp (``client.app.app``) through an
-in-process Grid that hands each message to the ClientApp of its node. Flower's Ray simulation
-does the same work but costs minutes per round on a small shared CPU machine; here nothing but
-the transport differs.
+Every run is this project's app, in one process: ``server.inprocess.run_inprocess`` runs the real
+ServerApp (``server.app``: the same ``metrics.jsonl`` as ``ba-run`` writes, with the strategy's
+``aggregation-seconds``) and hands each message to the real ClientApp of its node through the
+in-process Grid, exactly what ``ba-run --runtime inprocess`` does. Flower's Ray simulation does the
+same work but costs minutes per round on a small shared CPU machine; here nothing but the
+transport differs. ``--client-backend vectorized`` trains each round's cohort as one batched
+program (docs/runtimes.md).
 
 Outputs:
 
@@ -36,8 +37,7 @@ import platform
 import shlex
 import sys
 import time
-import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,25 +48,13 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
-from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
-from beyond_averaging.client.app import app as client_app
-from beyond_averaging.server.app import CentralEvaluation, client_task, data_spec
-from beyond_averaging.server.config import RunConfig, parse_run_config
-from beyond_averaging.server.recorder import RunRecorder
-from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
-from beyond_averaging.tasks.evaluation import resolve_device
-from beyond_averaging.tasks.federation import load_server_splits
-from beyond_averaging.tasks.models import build_model
+from beyond_averaging.server.inprocess import run_inprocess
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "fedlaw"
 PUBLISH = REPO / "docs" / "results"
 LAST_ROUNDS = 10  # the paper's metric: mean test accuracy of the last 10 rounds
-RUN_ID, SERVER_NODE_ID = 1, 0
 
 #: Paper, Table 3, FashionMNIST, MLP: (alpha, strategy) -> top-1 test accuracy (%).
 PAPER_TABLE3 = {
@@ -92,85 +80,6 @@ TABLE3_SETTING: dict[str, Any] = {
     "weight-decay": 5e-4,
     "proxy-per-class": 10,  # FedAvg too: every method is tested on the same remaining test set
 }
-
-
-class InProcessGrid(Grid):
-    """Hands each instruction to the ClientApp of its node in this process (no SuperLink)."""
-
-    def __init__(self, app: ClientApp, contexts: Mapping[int, Context]) -> None:
-        self.app, self.contexts = app, dict(contexts)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        replies = []
-        for message in messages:
-            node = message.metadata.dst_node_id
-            delivered = Message(  # type: ignore[call-overload]
-                content=message.content,
-                metadata=Metadata(
-                    run_id=RUN_ID,
-                    message_id=uuid.uuid4().hex,
-                    src_node_id=SERVER_NODE_ID,
-                    dst_node_id=node,
-                    reply_to_message_id="",
-                    group_id="",
-                    created_at=time.time(),
-                    ttl=3600.0,
-                    message_type=message.metadata.message_type,
-                ),
-            )
-            replies.append(self.app(delivered, self.contexts[node]))
-        return replies
-
-    def _not_used(self, *args: object, **kwargs: object) -> Any:
-        raise NotImplementedError("Strategy.start only needs get_node_ids and send_and_receive")
-
-    create_message = push_messages = pull_messages = set_run = _not_used
-
-    @property
-    def run(self) -> Any:
-        raise NotImplementedError
-
-
-def run_once(config: RunConfig) -> Path:
-    """One run of the app in this process, as ``server.app.main`` runs it; returns its folder."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, SERVER_NODE_ID, 0
-    recorder = RunRecorder(config.output_dir, config.run_name, config.to_run_config())
-    torch.manual_seed(config.seed)
-    device = resolve_device(config.device)
-    test_set, proxy_set = load_server_splits(data_spec(config))
-    model = build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
-    model = model.to(device)
-    strategy = build_strategy(config, ServerResources(model, proxy_set, device))
-    evaluation = CentralEvaluation(
-        model, test_set, device, strategy, recorder, config.num_server_rounds
-    )
-    contexts = {
-        partition + 1: Context(
-            run_id=RUN_ID,
-            node_id=partition + 1,
-            node_config={"partition-id": partition, "num-partitions": config.num_clients},
-            state=RecordDict(),
-            run_config=config.to_run_config(),
-        )
-        for partition in range(config.num_clients)
-    }
-    task = ConfigRecord(dict[str, Any](client_task(config).to_config()))
-    strategy.start(
-        grid=InProcessGrid(client_app, contexts),
-        initial_arrays=ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()}),
-        num_rounds=config.num_server_rounds,
-        train_config=task,
-        evaluate_config=task,
-        evaluate_fn=evaluation,
-    )
-    recorder.save_model(model.state_dict(), final=True)
-    recorder.write_summary("completed")
-    return recorder.directory
 
 
 def summarise_run(
@@ -328,6 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedlaw"])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--client-backend",
+        default="clientapp",
+        choices=["clientapp", "vectorized"],
+        help="who trains a round's cohort in process (docs/runtimes.md)",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--publish", type=Path, default=PUBLISH)
     args = parser.parse_args(argv)
@@ -343,20 +258,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results.append(json.loads(result_path.read_text(encoding="utf-8")))
                     print(f"{name}: done before, reusing {result_path}", flush=True)
                     continue
-                config = parse_run_config(
-                    {
-                        **TABLE3_SETTING,
-                        "strategy": strategy,
-                        "dirichlet-alpha": alpha,
-                        "seed": seed,
-                        "num-server-rounds": args.rounds,
-                        "device": args.device,
-                        "run-name": name,
-                        "output-dir": str(args.results / "runs"),
-                    }
-                )
+                settings = {
+                    **TABLE3_SETTING,
+                    "strategy": strategy,
+                    "dirichlet-alpha": alpha,
+                    "seed": seed,
+                    "num-server-rounds": args.rounds,
+                    "device": args.device,
+                    "run-name": name,
+                    "output-dir": str(args.results / "runs"),
+                }
+                if args.client_backend != "clientapp":  # the key exists from B2's option on
+                    settings["client-backend"] = args.client_backend
                 run_started, cpu_started = time.perf_counter(), time.process_time()
-                run_dir = run_once(config)
+                run_inprocess(REPO, settings)
+                run_dir = args.results / "runs" / name
                 result = summarise_run(
                     run_dir, alpha, strategy, seed, time.perf_counter() - run_started
                 )

@@ -1,7 +1,9 @@
-"""The benchmark grid: strategies x datasets x partitions x models x seeds in Flower simulation.
+"""The benchmark grid: strategies x datasets x partitions x models x seeds, one real run per cell.
 
-Every cell is one real run of the app (ServerApp + ClientApp under Flower simulation) through
-:func:`server.launch.launch`, exactly what ``ba-run`` does, with a deterministic run name
+Every cell is one real run of the app (ServerApp + ClientApp) through
+:func:`server.launch.launch_runtime`, exactly what ``ba-run --runtime <runtime>`` does:
+``--runtime simulation`` (default, Flower's Ray simulation) or ``--runtime inprocess`` (the same
+apps in this process, no Ray; see docs/runtimes.md), with a deterministic run name
 (``<dataset>-<partition>-<model>-<strategy>-seed<seed>``) under ``<grid folder>/runs/``. Per cell
 the grid writes ``<grid folder>/cells/<cell>.json`` (per-round test accuracy and loss, every round
 metric, the run's configuration, its status and wall time). A cell is *finished* when that file
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import math
 import re
@@ -59,9 +62,11 @@ import numpy as np
 from benchmarks.plots import plot_accuracy_bands
 from beyond_averaging.server.config import ConfigError, parse_run_config
 from beyond_averaging.server.launch import (
+    RUNTIMES,
     LaunchError,
     app_defaults,
     launch,
+    launch_runtime,
     parse_overrides,
     run_config_argument,
 )
@@ -802,7 +807,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     parser.add_argument("--timeout", type=float, help="seconds per cell before giving up")
     parser.add_argument(
-        "--client-cpus", type=int, default=1, help="CPUs Ray reserves per simulated client"
+        "--client-cpus",
+        type=int,
+        default=1,
+        help="CPUs Ray reserves per simulated client (in process: torch threads)",
+    )
+    parser.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default=RUNTIMES[0],
+        help="simulation (Flower/Ray) or inprocess (no Ray, much faster; docs/runtimes.md)",
     )
     return parser
 
@@ -843,7 +857,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = stored_results(spec, grid_dir)
     else:
         started = time.monotonic()
-        outcome = run_grid(spec, grid_dir, timeout=args.timeout, client_cpus=args.client_cpus)
+        outcome = run_grid(
+            spec,
+            grid_dir,
+            launcher=functools.partial(launch_runtime, args.runtime),
+            timeout=args.timeout,
+            client_cpus=args.client_cpus,
+        )
         results, failed = outcome.results, outcome.failed
         print(
             f"[grid] ran {len(outcome.ran)}, skipped {len(outcome.skipped)} finished earlier, "

@@ -296,6 +296,26 @@ def run_settings(app_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, Any
     return settings, extra
 
 
+def resume_overrides(run_dir: Path) -> list[str]:
+    """Overrides that continue ``run_dir`` from its checkpoint: the run's own configuration
+    (from its ``summary.json``), ``resume-from`` and the folder's name and parent."""
+    run_dir = run_dir.expanduser().resolve()
+    summary = read_summary(run_dir / "summary.json")
+    config = summary.get("config")
+    if not isinstance(config, dict):
+        raise LaunchError(
+            f"--resume {run_dir}: no summary.json with the run's configuration there; pass the "
+            "folder of a run this app started (runs/<run-name>)"
+        )
+    settings = {
+        **config,
+        "resume-from": str(run_dir),
+        "run-name": run_dir.name,
+        "output-dir": str(run_dir.parent),
+    }
+    return [run_config_argument(settings)]
+
+
 def completed_run(settings: Mapping[str, Any], failure: str) -> Path:
     """The run folder when its summary says completed; otherwise :class:`LaunchError`."""
     run_name = str(settings["run-name"])
@@ -363,6 +383,30 @@ def launch_inprocess(app_dir: Path, overrides: Sequence[str], *, threads: int | 
     return completed_run(settings, "the run returned")
 
 
+#: ``ba-run --runtime`` choices; the first is the default.
+RUNTIMES = ("simulation", "inprocess")
+
+
+def launch_runtime(
+    runtime: str,
+    app_dir: Path,
+    overrides: Sequence[str],
+    *,
+    timeout: float | None = None,
+    client_cpus: int | None = 1,
+) -> Path:
+    """One run in the chosen runtime: :func:`launch` (simulation) or :func:`launch_inprocess`.
+
+    In process, ``client_cpus`` is torch's thread count (the one client running at a time gets
+    them) and ``timeout`` is not enforced (a run cannot be abandoned half-way in its own process).
+    """
+    if runtime == "simulation":
+        return launch(app_dir, overrides, timeout=timeout, client_cpus=client_cpus)
+    if runtime == "inprocess":
+        return launch_inprocess(app_dir, overrides, threads=client_cpus)
+    raise LaunchError(f"runtime = {runtime!r}: choose one of {', '.join(RUNTIMES)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``ba-run``."""
     parser = argparse.ArgumentParser(
@@ -386,20 +430,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--runtime",
-        choices=["simulation", "inprocess"],
-        default="simulation",
+        choices=RUNTIMES,
+        default=RUNTIMES[0],
         help="simulation: Flower's simulation (Ray, a local SuperLink); inprocess: ServerApp and "
         "ClientApp in this process, no Ray (fast; no --timeout; --client-cpus sets torch "
         "threads). See docs/runtimes.md",
     )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="continue runs/<name> from its checkpoint with its configuration (-c may raise "
+        "num-server-rounds; any other change is refused)",
+    )
     args = parser.parse_args(argv)
     try:
-        if args.runtime == "inprocess":
-            run_dir = launch_inprocess(args.app, args.run_config, threads=args.client_cpus)
-        else:
-            run_dir = launch(
-                args.app, args.run_config, timeout=args.timeout, client_cpus=args.client_cpus
-            )
+        overrides = args.run_config
+        if args.resume is not None:
+            overrides = [*resume_overrides(args.resume), *args.run_config]
+        run_dir = launch_runtime(
+            args.runtime,
+            args.app,
+            overrides,
+            timeout=args.timeout,
+            client_cpus=args.client_cpus,
+        )
     except LaunchError as error:
         print(f"ba-run: error: {error}", file=sys.stderr)
         return 1
