@@ -9,21 +9,19 @@ SGD lr 0.05, momentum 0.9), elastic tau 0.5 and sensitivity decay 0.9 (the paper
 - ``fedadam``: FedAvg's mean update through the Adam server optimizer (server lr ``--adam-lr``);
 - ``fedadam+elastic``: the zeta-scaled update through the same Adam optimizer.
 
-Two runtimes, chosen with ``--runtime``:
+Two runtimes, chosen with ``--runtime`` (``server.launch.launch_runtime``, what ``ba-run
+--runtime`` runs; docs/runtimes.md):
 
-- ``flower``: a real run of the app (ServerApp + ClientApp under Flower simulation) through
-  ``server.launch.launch``, exactly what ``ba-run`` does; its metrics.jsonl gives the centralised
-  test accuracy after every round. On the 2 shared cores this was measured at about 4.5 minutes for
-  one 30-round digits run, mostly Flower/Ray messaging and start-up, far too slow for a sweep.
-- ``inprocess`` (default): the same objects without the transport. The run configuration is
-  validated by ``server.config.parse_run_config``, the strategy comes from
-  ``server.strategy_factory.build_strategy``, its ``configure_train`` samples the nodes and writes
-  the train messages, each is handed to the real ClientApp (``client.app.app``, one Flower
-  ``Context`` per node, kept across rounds, so the sensitivity moving average persists as in a
-  deployment), and the replies go through the strategy's ``aggregate_train`` (reply contract
-  included). Only Ray, gRPC and the SuperLink are left out. Node ids are 1..N in partition order,
-  so the sampled cohorts differ from a Flower run's (whose node ids are random) but are the same
-  for every method of one seed.
+- ``simulation``: the app under Flower's Ray simulation. On the 2 shared cores this was measured
+  at about 4.5 minutes for one 30-round digits run, mostly Flower/Ray messaging and start-up, far
+  too slow for a sweep.
+- ``inprocess`` (default): the same ServerApp and ClientApp in this process through
+  ``server.inprocess`` (one Flower ``Context`` per node, kept across rounds, so the sensitivity
+  moving average persists as in a deployment). Only Ray, gRPC and the SuperLink are left out. Node
+  ids are in partition order, so the sampled cohorts differ from a Flower simulation's (whose node
+  ids are random) but are the same for every method of one seed.
+
+Both read the centralised test accuracy after every round from the run's metrics.jsonl.
 
 One JSON per run goes to
 ``benchmarks/results/elastic/`` (git-ignored; existing ones are reused, so an interrupted sweep
@@ -54,17 +52,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 import torch  # noqa: E402
-from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+from flwr.app import ArrayRecord  # noqa: E402
 
-from benchmarks.inprocess import NodeGrid, delivered  # noqa: E402
-from beyond_averaging.client.app import app as client_app  # noqa: E402
-from beyond_averaging.server.app import client_task, data_spec  # noqa: E402
-from beyond_averaging.server.config import parse_run_config  # noqa: E402
-from beyond_averaging.server.launch import LaunchError, launch, run_config_argument  # noqa: E402
-from beyond_averaging.server.strategy_factory import ServerResources, build_strategy  # noqa: E402
-from beyond_averaging.tasks.evaluation import evaluate  # noqa: E402
-from beyond_averaging.tasks.federation import load_server_splits  # noqa: E402
+from beyond_averaging.server.launch import (  # noqa: E402
+    RUNTIMES,
+    LaunchError,
+    launch_runtime,
+    run_config_argument,
+)
 from beyond_averaging.tasks.models import build_model  # noqa: E402
 
 RESULTS_DIR = REPO / "benchmarks" / "results" / "elastic"
@@ -91,43 +86,6 @@ def variants(adam_lr: float) -> dict[str, dict[str, Any]]:
         "fedadam": {"strategy": "fedavg", **adam},
         "fedadam+elastic": {"strategy": "elastic", **adam},
     }
-
-
-def federate_in_process(settings: Mapping[str, Any]) -> list[float]:
-    """Run the ServerApp's loop in this process; centralised test accuracy after every round."""
-    config = parse_run_config(settings)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
-    device = torch.device("cpu")
-    torch.manual_seed(config.seed)
-    test_set, proxy_set = load_server_splits(data_spec(config))
-    model = build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
-    strategy = build_strategy(config, ServerResources(model, proxy_set, device))
-    grid = NodeGrid(config.num_clients)
-    contexts = {
-        node: Context(
-            run_id=1,
-            node_id=node,
-            node_config={"partition-id": node - 1, "num-partitions": config.num_clients},
-            state=RecordDict(),
-            run_config={},
-        )
-        for node in grid.node_ids
-    }
-    arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
-    accuracy = [evaluate(model, test_set, device)[1]]
-    for server_round in range(1, config.num_server_rounds + 1):
-        task_config = ConfigRecord(client_task(config).to_config())
-        messages = strategy.configure_train(server_round, arrays, task_config, grid)  # type: ignore[arg-type]
-        replies = [
-            client_app(delivered(m, f"{server_round}-{i}"), contexts[m.metadata.dst_node_id])
-            for i, m in enumerate(messages)
-        ]
-        new_arrays, _ = strategy.aggregate_train(server_round, replies)
-        if new_arrays is not None:
-            arrays = new_arrays
-        model.load_state_dict(arrays.to_torch_state_dict())
-        accuracy.append(evaluate(model, test_set, device)[1])
-    return accuracy
 
 
 def upload_bytes() -> str:
@@ -190,16 +148,15 @@ def run_one(
         "run-name": f"{dataset}-{variant.replace('+', '-')}-seed{seed}",
     }
     started, started_cpu = time.perf_counter(), time.process_time()
-    if runtime == "inprocess":
-        accuracy = federate_in_process(settings)
-    else:
-        run_dir = launch(
-            REPO,
-            [run_config_argument(settings)],
-            client_cpus=client_cpus,
-        )
-        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-        accuracy = [json.loads(line)["test-accuracy"] for line in lines if line.strip()]
+    run_dir = launch_runtime(
+        runtime,
+        REPO,
+        [run_config_argument(settings)],
+        # in process: keep the torch threads that --threads set
+        client_cpus=client_cpus if runtime == "simulation" else torch.get_num_threads(),
+    )
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    accuracy = [json.loads(line)["test-accuracy"] for line in lines if line.strip()]
     return {
         "dataset": dataset,
         "variant": variant,
@@ -365,10 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--adam-lr", type=float, default=0.03, help="FedAdam server lr")
     parser.add_argument("--variants", nargs="+", default=None, help="subset of the variants")
-    parser.add_argument("--runtime", choices=["inprocess", "flower"], default="inprocess")
+    parser.add_argument("--runtime", choices=RUNTIMES, default="inprocess")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (shared machine)")
     parser.add_argument(
-        "--client-cpus", type=int, default=2, help="CPUs per simulated client (flower runtime)"
+        "--client-cpus", type=int, default=2, help="CPUs per simulated client (simulation runtime)"
     )
     parser.add_argument("--report-only", action="store_true", help="only redraw from saved JSON")
     parser.add_argument(
