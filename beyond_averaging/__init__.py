@@ -5,6 +5,7 @@ The public API a Flower app needs::
     from beyond_averaging import FedAvg, ElasticAggregation, FedLAW, FedGMA, FedGMASoft
     from beyond_averaging import FedAdam, FedAvgM  # Flower's names and arguments
     from beyond_averaging import sensitivity_record  # the client side of Elastic aggregation
+    from beyond_averaging import last_step_gradient  # the client side of hard FedGMA
 
 The library's parts are subpackages: ``beyond_averaging.strategies`` (the aggregation rules),
 ``beyond_averaging.client`` (client-side helpers and this project's ClientApp),
@@ -28,6 +29,7 @@ if not Path(__file__).with_name("strategies").is_dir() and (_SOURCE_ROOT / "stra
     __path__.append(str(_SOURCE_ROOT))
 
 if TYPE_CHECKING:
+    from .client.gradient import last_step_gradient
     from .client.sensitivity import sensitivity_record
     from .strategies import (
         ClientReply,
@@ -72,6 +74,7 @@ _MODULE_OF_EXPORT = {
     "aggregate_fedlaw": ".strategies",
     "aggregate_metrics": ".strategies",
     "and_mask": ".strategies",
+    "last_step_gradient": ".client.gradient",
     "learn_aggregation_weights": ".strategies",
     "sensitivity_record": ".client.sensitivity",
 }
@@ -95,6 +98,7 @@ __all__ = [
     "aggregate_fedlaw",
     "aggregate_metrics",
     "and_mask",
+    "last_step_gradient",
     "learn_aggregation_weights",
     "sensitivity_record",
 ]

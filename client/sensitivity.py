@@ -47,15 +47,66 @@ UPLOAD_DTYPES: Mapping[str, np.dtype[Any]] = {
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
+#: Keys under which a dict batch holds the model input, as common datasets name it (Flower's
+#: quickstarts: "img"; Hugging Face image processors: "pixel_values").
+INPUT_KEYS = ("img", "image", "images", "pixel_values", "x", "input", "inputs", "features")
+
+
+def _as_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray) and value.dtype != np.object_:
+        return torch.from_numpy(value)
+    return None
+
+
 def batch_inputs(batch: Any) -> torch.Tensor:
-    """The model input of a batch: the batch itself, or the first item of a (features, labels)."""
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, list | tuple) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0]
+    """The model input of a batch, found without help when the batch format says it clearly.
+
+    - a tensor (or numpy array): the batch itself;
+    - a tuple or list whose first item is a tensor: that item, the (features, labels) convention
+      of ``TensorDataset`` and torchvision;
+    - a dict: the value under the one key of :data:`INPUT_KEYS` it has (``"img"`` in Flower's
+      quickstarts); without such a key, its only floating tensor of rank >= 2.
+
+    Raises
+    ------
+    TypeError
+        For any other batch, or a dict with several candidates: the message lists what it found
+        and names ``input_of=``, which picks the input explicitly (``input_of=lambda b: b["x"]``).
+    """
+    tensor = _as_tensor(batch)
+    if tensor is not None:
+        return tensor
+    if isinstance(batch, list | tuple) and batch:
+        first = _as_tensor(batch[0])
+        if first is not None:
+            return first
+    if isinstance(batch, Mapping):
+        named = [key for key in INPUT_KEYS if key in batch and _as_tensor(batch[key]) is not None]
+        if len(named) == 1:
+            return _as_tensor(batch[named[0]])  # type: ignore[return-value]
+        floating = [
+            key
+            for key, value in batch.items()
+            if (t := _as_tensor(value)) is not None and t.is_floating_point() and t.dim() >= 2
+        ]
+        if not named and len(floating) == 1:
+            return _as_tensor(batch[floating[0]])  # type: ignore[return-value]
+        candidates = named or floating
+        raise TypeError(
+            f"cannot tell the model input in a dict batch with keys {sorted(map(str, batch))}: "
+            + (
+                f"several candidates {candidates}"
+                if candidates
+                else f"no key of {list(INPUT_KEYS)} and no floating tensor of rank >= 2"
+            )
+            + '. Pass input_of=lambda batch: batch["<input key>"]'
+        )
     raise TypeError(
-        f"cannot find the model input in a batch of type {type(batch).__name__}: pass "
-        "input_of=lambda batch: <its features tensor> (e.g. lambda b: b['img'])"
+        f"cannot find the model input in a batch of type {type(batch).__name__}: expected a "
+        "tensor, a (features, labels) tuple or a dict. Pass input_of=lambda batch: <its input "
+        "tensor>"
     )
 
 
@@ -100,7 +151,8 @@ def compute_sensitivity(
     model : torch.nn.Module
         The received global model (not yet trained locally).
     batches : Iterable
-        Batches of inputs, or of (features, labels) tuples; moved to the model's device.
+        Batches of inputs, (features, labels) tuples or dicts (see :func:`batch_inputs`); moved
+        to the model's device.
     previous : Mapping[str, torch.Tensor], optional
         The moving average of the rounds before, keyed like the trainable parameters.
     decay : float
@@ -197,7 +249,7 @@ def sensitivity_record(
     the rounds this node joined before, stores the new average there (float32), and returns it
     in the upload dtype, keyed like the model's trainable parameters.
 
-    Recipe for any Flower ClientApp (README.md, "Elastic aggregation")::
+    Recipe for any Flower ClientApp (docs/elastic.md, "Use in your Flower app")::
 
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
         sensitivity = sensitivity_record(model, trainloader, msg, context)  # before training

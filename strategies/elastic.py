@@ -53,8 +53,8 @@ SENSITIVITY_HINT = (
     "'sensitivity' keyed like 'arrays' (trainable parameters). This project's ClientApp sends it "
     "when asked; to add it to another Flower ClientApp call "
     "beyond_averaging.sensitivity_record(model, batches, message, context) on the received model "
-    "before local training and put the result in the reply as content['sensitivity'] (README.md, "
-    "section 'Elastic aggregation', 'Use in an existing Flower app')."
+    "before local training and put the result in the reply as content['sensitivity'] "
+    "(docs/elastic.md, 'Use in your Flower app')."
 )
 
 

@@ -80,11 +80,12 @@ _AGREEMENT_TOLERANCE = 1e-9
 NORM_BUFFER_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
 GRADIENT_HINT = (
-    "This project's ClientApp adds it when the train config's 'request-records' names "
-    "'gradient' (client/training.py train_local(keep_last_gradient=True)); a custom ClientApp must "
-    "send an ArrayRecord 'gradient' holding the loss gradient at its last local step, keyed like "
-    "'arrays'. Alternatively run gma-mask=\"soft\", which uses pseudo-gradients w - theta_k and "
-    "needs no gradient record."
+    "Hard FedGMA needs each client's loss gradient at its last local step, sent as the "
+    "ArrayRecord 'gradient' keyed like 'arrays'. In a Flower ClientApp, wrap the training loop: "
+    "`with beyond_averaging.last_step_gradient(model) as gradient: <your training loop>`, then "
+    "`content['gradient'] = gradient.record()` (docs/fedgma.md, 'Use in your Flower app'). "
+    "This project's own ClientApp sends it when asked. Or use FedGMASoft, the soft mask on "
+    "pseudo-gradients w - theta_k, which needs no gradient record."
 )
 
 

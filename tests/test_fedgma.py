@@ -311,7 +311,7 @@ def test_hard_strategy_requests_the_gradient_record_and_drops_replies_without_it
 
 def test_hard_strategy_stops_when_no_reply_carries_a_gradient() -> None:
     strategy = with_global(FedGMA(min_train_replies=1))
-    with pytest.raises(MissingRecordError, match=r"'gradient'.*gma-mask=\"soft\""):
+    with pytest.raises(MissingRecordError, match=r"'gradient'.*last_step_gradient.*FedGMASoft"):
         strategy.aggregate_train(1, [reply(1.0, None, 10, 1), reply(2.0, None, 10, 2)])
 
 
