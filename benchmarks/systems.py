@@ -54,7 +54,6 @@ from flwr.app import (
     Array,
     ArrayRecord,
     ConfigRecord,
-    Context,
     Message,
     Metadata,
     MetricRecord,
@@ -64,11 +63,11 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
-from benchmarks.inprocess import NodeGrid, delivered
-from beyond_averaging.client.app import train as client_train
+from beyond_averaging.client.app import app as client_app
 from beyond_averaging.client.sensitivity import compute_sensitivity
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import (
     ContractStrategy,
@@ -79,8 +78,9 @@ from beyond_averaging.strategies import (
     FedLAW,
 )
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
+from beyond_averaging.tasks.batching import shuffled_batches
 from beyond_averaging.tasks.datasets import LabeledData
-from beyond_averaging.tasks.evaluation import make_loader
+from beyond_averaging.tasks.evaluation import DeviceData
 from beyond_averaging.tasks.federation import load_client_partition, load_server_splits
 from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD
 
@@ -423,41 +423,34 @@ CLIENT_STRATEGIES: dict[str, dict[str, Any]] = {
 
 @dataclass
 class ClientSetup:
-    """One strategy's train instruction to node 1 and that node's context."""
+    """One strategy's train instruction to the node of partition 0, and its in-process Grid."""
 
     config: Any
     message_of: Callable[[int], Message]
-    context: Context
+    grid: InProcessGrid
 
 
 def client_setup(label: str, options: argparse.Namespace) -> ClientSetup:
-    """Build the strategy of ``label`` and a function giving its train instruction to node 1."""
+    """Build the strategy of ``label`` and a function giving its train instruction to partition 0.
+
+    The instruction goes through the one in-process Grid (server.inprocess), so the ClientApp
+    sees it as in ``ba-run --runtime inprocess``; the node's Context (Elastic's moving average)
+    persists across repeats.
+    """
     config = parse_run_config({**client_settings(options), **CLIENT_STRATEGIES[label]})
     test_set, proxy_set = load_server_splits(data_spec(config))
     model = build_model_for(config, test_set)
     strategy = build_strategy(config, ServerResources(model, proxy_set, torch.device("cpu")))
     arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
     task = ConfigRecord({**client_task(config).to_config()})
+    grid = InProcessGrid(client_app, config.num_clients, config.to_run_config())
 
     def message_of(repeat: int) -> Message:
-        # All nodes of the federation are sampled (fraction-train 1); node 1 runs partition 0.
-        instructions = strategy.configure_train(
-            1,
-            arrays,
-            task,
-            NodeGrid(config.num_clients),  # type: ignore[arg-type]
-        )
-        first = next(m for m in instructions if m.metadata.dst_node_id == 1)
-        return delivered(first, f"{label}-{repeat}")
+        # All nodes of the federation are sampled (fraction-train 1).
+        instructions = strategy.configure_train(1, arrays, task, grid)
+        return next(m for m in instructions if m.metadata.dst_node_id == FIRST_NODE_ID)
 
-    context = Context(
-        run_id=1,
-        node_id=1,
-        node_config={"partition-id": 0, "num-partitions": config.num_clients},
-        state=RecordDict(),
-        run_config={},
-    )
-    return ClientSetup(config, message_of, context)
+    return ClientSetup(config, message_of, grid)
 
 
 def time_clients(options: argparse.Namespace) -> tuple[list[ClientFigure], dict[str, Any]]:
@@ -474,7 +467,7 @@ def time_clients(options: argparse.Namespace) -> tuple[list[ClientFigure], dict[
         for label, setup in setups.items():
             message = setup.message_of(repeat)
             started = time.perf_counter()
-            replies[label] = client_train(message, setup.context)
+            (replies[label],) = setup.grid.send_and_receive([message])
             if repeat >= 0:
                 seconds[label].append(time.perf_counter() - started)
     figures = [
@@ -503,7 +496,7 @@ def time_clients(options: argparse.Namespace) -> tuple[list[ClientFigure], dict[
     return figures, setting
 
 
-def build_model_for(config: Any, test_set: LabeledData) -> nn.Module:
+def build_model_for(config: Any, test_set: LabeledData | DeviceData) -> nn.Module:
     """The task model of a configuration."""
     from beyond_averaging.tasks.models import build_model
 
@@ -531,12 +524,16 @@ def client_settings(options: argparse.Namespace) -> dict[str, Any]:
 def time_sensitivity_pass(options: argparse.Namespace) -> float:
     """Median seconds of ``compute_sensitivity`` alone over partition 0's batches."""
     config = parse_run_config(client_settings(options))
-    data = load_client_partition(client_spec(config), 0)
+    data = DeviceData.from_labeled(
+        load_client_partition(client_spec(config), 0), torch.device("cpu")
+    )
     model = build_model_for(config, data)
     seconds = []
     for _ in range(options.repeats):
-        batches = make_loader(data, config.batch_size, shuffle=True, seed=0)
+        # The ClientApp's pass: one epoch's index batches of the partition on its device.
+        plan = shuffled_batches(len(data), config.batch_size, 1, seed=0)
         started = time.perf_counter()
+        batches = (data.features[positions] for positions in plan)
         compute_sensitivity(model, batches, decay=config.sensitivity_decay)
         seconds.append(time.perf_counter() - started)
     return statistics.median(seconds)
