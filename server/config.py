@@ -124,6 +124,18 @@ class RunConfig(BaseModel):
     # --- diagnostics -------------------------------------------------------------------------
     diagnostics: bool = False
     diagnostics_mi_coordinates: int = Field(256, ge=2)
+    # --- replies: influence bounds (strategies/validation.py, docs/reliability.md) ------------
+    max_client_weight: float = Field(
+        1.0, gt=0.0, le=1.0, description="largest weight share of one reply; 1: no cap"
+    )
+    update_norm_factor: float = Field(
+        10.0, ge=0.0, description="drop updates above this x the round's median norm; 0: off"
+    )
+    robust_aggregation: Literal["none", "trimmed-mean", "median"] = "none"
+    trim_fraction: float = Field(0.1, ge=0.0, lt=0.5, description="trimmed-mean cut per end")
+    max_reply_bytes: int = Field(
+        0, ge=0, description="larger replies are dropped undecoded; 0: from the model's bytes"
+    )
 
     @model_validator(mode="after")
     def _check_relations(self) -> RunConfig:
@@ -131,6 +143,13 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"min-train-replies = {self.min_train_replies} exceeds num-clients = "
                 f"{self.num_clients}: allowed is 1..num-clients"
+            )
+        if self.robust_aggregation != "none" and self.strategy != "fedavg":
+            raise ValueError(
+                f"robust-aggregation = '{self.robust_aggregation}' composes with strategy = "
+                f"'fedavg' only (any server-optimizer), not with '{self.strategy}': it replaces "
+                "the data-size-weighted mean, which Elastic scales by zeta, FedLAW re-weights "
+                "and FedGMA masks. Use strategy = 'fedavg' or robust-aggregation = 'none'"
             )
         if self.strategy == "fedlaw" and self.proxy_per_class == 0 and not self.proxy_dir:
             raise ValueError(

@@ -41,6 +41,11 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "min_train_replies": config.min_train_replies,
         "min_available_nodes": config.min_train_replies,
         "seed": config.seed,
+        "max_client_weight": config.max_client_weight,
+        "update_norm_factor": config.update_norm_factor,
+        "robust_aggregation": config.robust_aggregation,
+        "trim_fraction": config.trim_fraction,
+        "max_reply_bytes": config.max_reply_bytes,
     }
     server_update: dict[str, Any] = {  # keyword arguments of several strategies
         "server_lr": config.server_lr,

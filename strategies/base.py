@@ -27,6 +27,8 @@ Subclasses implement :meth:`ContractStrategy.aggregate`, a call into their pure 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 import time
 from abc import abstractmethod
@@ -56,7 +58,7 @@ from ..tasks.protocol import (
     NUM_EXAMPLES_KEY,
     REQUEST_RECORDS_KEY,
 )
-from .aggregate import NDArrayDict, normalise_weights, npy_view, value_range
+from .aggregate import NDArrayDict, normalise_weights, npy_view
 from .metrics import (
     MetricsAggregationFn,
     aggregate_metrics,
@@ -64,6 +66,24 @@ from .metrics import (
     reply_metric_record,
     reply_weight,
 )
+from .robust import RobustAggregation, check_robust
+from .validation import ReplyRejected as ReplyRejected  # re-exported: rules raise it too
+from .validation import (
+    cap_weights,
+    check_reply_size,
+    check_reply_weight,
+    common_key_set,
+    decode_record,
+    default_reply_byte_limit,
+    model_rejection,
+    norm_outliers,
+    record_norms,
+    update_norms,
+)
+
+#: Default of ``update_norm_factor``: above every max/median ratio of honest replies measured on
+#: digits, Dirichlet(0.1) and (0.5) (docs/reliability.md, ``benchmarks/reply_norms.py``).
+DEFAULT_UPDATE_NORM_FACTOR = 10.0
 
 
 class MissingRecordError(RuntimeError):
@@ -76,7 +96,8 @@ class ClientReply:
 
     node_id: int
     arrays: NDArrayDict
-    #: The reply's weight: its metric ``weighted_by_key`` (by default ``num-examples``).
+    #: The reply's weight: its metric ``weighted_by_key`` (by default ``num-examples``); under
+    #: ``max_client_weight`` < 1, its capped share of the round's weights instead.
     num_examples: float
     metrics: dict[str, float]
     records: dict[str, NDArrayDict] = field(default_factory=dict)
@@ -109,65 +130,11 @@ class StrategyOptions(TypedDict, total=False):
     evaluate_metrics_aggr_fn: MetricsAggregationFn | None
     min_train_replies: int | None
     seed: int
-
-
-class ReplyRejected(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """Internal: why a reply is dropped (``reason`` is the metrics key suffix)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-
-def _check_values(
-    name: str, arrays: Mapping[str, np.ndarray[Any, Any]], minimum: float = -np.inf
-) -> None:
-    """Reject NaN, Inf and values below ``minimum``: one pass over each floating tensor."""
-    for key, value in arrays.items():
-        if np.issubdtype(value.dtype, np.floating):
-            low, high = value_range(value)
-            finite = bool(np.isfinite(low) and np.isfinite(high))
-        elif np.issubdtype(value.dtype, np.complexfloating):  # unordered: finiteness only
-            low, finite = minimum, bool(np.all(np.isfinite(value)))
-        else:  # integer counters are finite; their minimum matters only under a bound
-            finite = True
-            low = float(value.min()) if value.size and np.isfinite(minimum) else minimum
-        if not finite:
-            raise ReplyRejected(
-                "non-finite" if name == ARRAYS_RECORD else f"bad-{name}",
-                f"record '{name}' tensor '{key}' holds NaN or Inf",
-            )
-        if low < minimum:
-            raise ReplyRejected(
-                f"bad-{name}",
-                f"record '{name}' tensor '{key}' has values below {minimum} (smallest {low})",
-            )
-
-
-def _check_like_global(
-    name: str,
-    arrays: NDArrayDict,
-    global_arrays: NDArrayDict,
-    subset: bool,
-    minimum: float = -np.inf,
-) -> None:
-    keys, expected = set(arrays), set(global_arrays)
-    if (subset and (not keys or not keys <= expected)) or (not subset and keys != expected):
-        unknown, missing = sorted(keys - expected), sorted(expected - keys)
-        raise ReplyRejected(
-            "key-mismatch" if name == ARRAYS_RECORD else f"bad-{name}",
-            f"record '{name}' keys differ from the global model "
-            f"(unknown: {unknown[:5]}, missing: {[] if subset else missing[:5]})",
-        )
-    for key, value in arrays.items():
-        if value.shape != global_arrays[key].shape:
-            raise ReplyRejected(
-                "shape-mismatch" if name == ARRAYS_RECORD else f"bad-{name}",
-                f"record '{name}' tensor '{key}' has shape {value.shape}, "
-                f"global model has {global_arrays[key].shape}",
-            )
-    _check_values(name, arrays, minimum)
+    max_client_weight: float
+    update_norm_factor: float
+    robust_aggregation: RobustAggregation
+    trim_fraction: float
+    max_reply_bytes: int
 
 
 def _to_numpy(record: ArrayRecord) -> NDArrayDict:
@@ -210,7 +177,24 @@ class ContractStrategy(Strategy):
     seed : int
         This project's extra: seeds node sampling, so that two strategies of one seed see the
         same cohorts.
+    max_client_weight : float
+        Largest weight share one reply may get, in (0, 1]; the excess goes to the others in
+        proportion to their weights (:func:`strategies.validation.cap_weights`). 1 is no cap.
+    update_norm_factor : float
+        A reply whose update norm ||theta_k - w|| (or whose required record's norm) exceeds this
+        factor times the round's median is dropped (``norm-outlier``); 0 turns it off.
+    robust_aggregation : {"none", "trimmed-mean", "median"}
+        Coordinate-wise robust mean instead of the weighted mean, for rules that compose with it
+        (``robust_composes``; FedAvg and its server optimizers).
+    trim_fraction : float
+        Share of clients left out at each end of every coordinate by ``trimmed-mean``.
+    max_reply_bytes : int
+        A reply holding more bytes is dropped before decoding (``oversized``); 0: four times
+        the model's bytes per record sent back, plus 1 MiB.
     """
+
+    #: Whether ``robust_aggregation`` may replace this rule's weighted mean.
+    robust_composes: ClassVar[bool] = False
 
     #: Extra ArrayRecords every reply must carry, with the hint shown when they are missing.
     required_records: ClassVar[Mapping[str, str]] = {}
@@ -233,7 +217,19 @@ class ContractStrategy(Strategy):
         evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         min_train_replies: int | None = None,
         seed: int = 0,
+        max_client_weight: float = 1.0,
+        update_norm_factor: float = DEFAULT_UPDATE_NORM_FACTOR,
+        robust_aggregation: RobustAggregation = "none",
+        trim_fraction: float = 0.1,
+        max_reply_bytes: int = 0,
     ) -> None:
+        self._set_reply_bounds(
+            max_client_weight,
+            update_norm_factor,
+            robust_aggregation,
+            trim_fraction,
+            max_reply_bytes,
+        )
         for name, fraction in (
             ("fraction_train", fraction_train),
             ("fraction_evaluate", fraction_evaluate),
@@ -284,6 +280,39 @@ class ContractStrategy(Strategy):
         self.last_round_metrics: dict[str, Any] = {}
         self.last_aggregation_seconds = 0.0
         self.reply_observers: list[ReplyObserver] = []
+
+    def _set_reply_bounds(
+        self,
+        max_client_weight: float,
+        update_norm_factor: float,
+        robust_aggregation: RobustAggregation,
+        trim_fraction: float,
+        max_reply_bytes: int,
+    ) -> None:
+        if not 0.0 < max_client_weight <= 1.0:
+            raise ValueError(f"max_client_weight = {max_client_weight}: allowed is (0, 1]")
+        if not update_norm_factor >= 0.0:
+            raise ValueError(f"update_norm_factor = {update_norm_factor}: allowed is >= 0")
+        if isinstance(max_reply_bytes, bool) or not isinstance(max_reply_bytes, int):
+            raise ValueError(f"max_reply_bytes = {max_reply_bytes!r}: allowed is an integer >= 0")
+        if max_reply_bytes < 0:
+            raise ValueError(f"max_reply_bytes = {max_reply_bytes!r}: allowed is an integer >= 0")
+        check_robust(robust_aggregation, trim_fraction)
+        if robust_aggregation != "none" and not self.robust_composes:
+            raise ValueError(
+                f"robust_aggregation = {robust_aggregation!r} does not compose with "
+                f"{type(self).__name__}: it replaces the data-size-weighted mean, which this rule "
+                "changes in its own way (Elastic's zeta-scaled update, FedLAW's learned weights, "
+                "FedGMA's masks). Use it with FedAvg (any server optimizer), or set "
+                "robust_aggregation = 'none'"
+            )
+        self.max_client_weight = max_client_weight
+        self.update_norm_factor = update_norm_factor
+        self.robust_aggregation: RobustAggregation = robust_aggregation
+        self.trim_fraction = trim_fraction
+        self.max_reply_bytes = max_reply_bytes
+        self.reply_byte_limit = max_reply_bytes
+        self._largest_update = 0.0
 
     # ------------------------------------------------------------------ what subclasses provide
     @abstractmethod
@@ -342,7 +371,17 @@ class ContractStrategy(Strategy):
             self.configrecord_key,
         )
         log(INFO, "\t│\t├── min train replies: %s", self.min_train_replies)
-        log(INFO, "\t│\t└── required records: %s", ["arrays", "metrics", *self.required_records])
+        log(INFO, "\t│\t├── required records: %s", ["arrays", "metrics", *self.required_records])
+        log(
+            INFO,
+            "\t│\t└── reply bounds: max client weight %s, update norm factor %s, robust %s "
+            "(trim %s), max reply bytes %s",
+            self.max_client_weight,
+            self.update_norm_factor,
+            self.robust_aggregation,
+            self.trim_fraction,
+            self.max_reply_bytes or "auto",
+        )
 
     # ------------------------------------------------------------------ Flower Strategy API
     def _sample(self, grid: Grid, fraction: float, min_nodes: int, server_round: int) -> list[int]:
@@ -375,6 +414,9 @@ class ContractStrategy(Strategy):
         if self.fraction_train == 0.0:
             return []
         self.global_arrays = _to_numpy(arrays)
+        self.reply_byte_limit = self.max_reply_bytes or default_reply_byte_limit(
+            self.global_arrays, len(self.required_records)
+        )
         config["server-round"] = server_round
         config[REQUEST_RECORDS_KEY] = ",".join(self.required_records)
         for key, value in self.train_config_entries().items():
@@ -390,10 +432,16 @@ class ContractStrategy(Strategy):
         )
 
     def validate_reply(self, message: Message) -> ClientReply:
-        """Unpack a reply or raise :class:`ReplyRejected` with the contract clause it breaks."""
+        """Unpack a reply or raise :class:`ReplyRejected` with the contract clause it breaks.
+
+        Its size is checked before anything is decoded, every requested record is decoded only
+        through :func:`strategies.validation.decode_record`, and records the strategy did not
+        request are never read.
+        """
         if message.has_error():
-            raise ReplyRejected("error-reply", f"error reply: {message.error.reason}")
+            raise ReplyRejected("error-reply", f"error reply: {message.error.reason}"[:300])
         content = message.content
+        check_reply_size(content, self.reply_byte_limit)
         arrays_record = content.array_records.get(self.arrayrecord_key)
         if arrays_record is None:
             raise ReplyRejected("missing-arrays", f"no ArrayRecord named '{self.arrayrecord_key}'")
@@ -404,32 +452,31 @@ class ContractStrategy(Strategy):
                 f"no MetricRecord (named 'metrics', or the reply's only one) with the weight "
                 f"'{self.weighted_by_key}'",
             )
-        num_examples = reply_weight(metrics_record, self.weighted_by_key)
-        if num_examples is None:
-            raise ReplyRejected(
-                "bad-num-examples",
-                f"{self.weighted_by_key} = {metrics_record[self.weighted_by_key]!r}, must be a "
-                "finite number > 0",
-            )
-        arrays = _to_numpy(arrays_record)
-        _check_like_global(ARRAYS_RECORD, arrays, self.global_arrays, subset=False)
+        num_examples = check_reply_weight(
+            metrics_record[self.weighted_by_key],
+            self.weighted_by_key,
+            whole=self.weighted_by_key == NUM_EXAMPLES_KEY,
+        )
+        arrays = decode_record(ARRAYS_RECORD, arrays_record, self.global_arrays, subset=False)
         records: dict[str, NDArrayDict] = {}
         for name in self.required_records:
             extra = content.array_records.get(name)
             if extra is None:
                 raise ReplyRejected(f"missing-{name}", f"no ArrayRecord named '{name}'")
-            records[name] = _to_numpy(extra)
-            _check_like_global(
+            records[name] = decode_record(
                 name,
-                records[name],
+                extra,
                 self.global_arrays,
                 subset=True,
-                minimum=self.record_minimums.get(name, -np.inf),
+                minimum=self.record_minimums.get(name, -math.inf),
             )
-        metrics = {
+        metrics = {  # finite numbers only: a NaN or a list never reaches an observer
             key: float(value)
             for key, value in metrics_record.items()
-            if key != self.weighted_by_key and isinstance(value, int | float)
+            if key != self.weighted_by_key
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
         }
         return ClientReply(
             node_id=message.metadata.src_node_id,
@@ -438,6 +485,93 @@ class ContractStrategy(Strategy):
             metrics=metrics,
             records=records,
         )
+
+    def _bound_influence(
+        self,
+        server_round: int,
+        accepted: list[tuple[ClientReply, RecordDict]],
+        dropped: Counter[str],
+    ) -> list[tuple[ClientReply, RecordDict]]:
+        """Drop replies whose records share no key with the rest, or whose norms are outliers.
+
+        Keeps the largest update norm of the kept replies for the model check.
+        """
+        rejected: dict[int, ReplyRejected] = {}
+        for name in self.required_records:
+            keep = common_key_set([frozenset(reply.records[name]) for reply, _ in accepted])
+            for index, (reply, _) in enumerate(accepted):
+                if keep is not None and frozenset(reply.records[name]) != keep:
+                    rejected.setdefault(
+                        index,
+                        ReplyRejected(
+                            f"bad-{name}",
+                            f"record '{name}' shares no tensor with the round's other replies",
+                        ),
+                    )
+        updates = update_norms(self.global_arrays, [r.arrays for r, _ in accepted])
+        if self.update_norm_factor > 0.0 and accepted:
+            norms = {
+                "update": updates,
+                **{
+                    name: record_norms([r.records[name] for r, _ in accepted])
+                    for name in self.required_records
+                },
+            }
+            for name, values in norms.items():
+                median = float(np.median(values))
+                for flagged in np.flatnonzero(norm_outliers(values, self.update_norm_factor)):
+                    index = int(flagged)
+                    rejected.setdefault(
+                        index,
+                        ReplyRejected(
+                            "norm-outlier" if name == "update" else f"norm-outlier-{name}",
+                            f"{name} norm {values[index]:.4g} exceeds update-norm-factor = "
+                            f"{self.update_norm_factor:g} x the round's median {median:.4g}",
+                        ),
+                    )
+        for index, rejection in sorted(rejected.items()):
+            dropped[rejection.reason] += 1
+            log(
+                WARNING,
+                "round %d: dropped reply from node %s: %s",
+                server_round,
+                accepted[index][0].node_id,
+                rejection.detail,
+            )
+        kept = [index for index in range(len(accepted)) if index not in rejected]
+        # The model check bounds the new model by the largest update that was aggregated.
+        self._largest_update = float(updates[kept].max()) if kept else 0.0
+        return [accepted[index] for index in kept]
+
+    def _client_metrics(self, server_round: int, contents: list[RecordDict]) -> MetricRecord | None:
+        """The clients' train metrics, or None when there are none or they cannot be averaged.
+
+        Metrics are the clients' claims, not checked by the contract: one client's inf beside
+        another's -inf makes a weighted mean raise, which must not end the round.
+        """
+        if not contents:
+            return None
+        try:
+            return self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        except (ArithmeticError, ValueError, TypeError) as error:
+            log(
+                WARNING,
+                "round %d: the clients' train metrics cannot be aggregated (%s): no client "
+                "metrics this round",
+                server_round,
+                error,
+            )
+            return None
+
+    def _capped(self, valid: list[ClientReply]) -> list[ClientReply]:
+        """The replies with their weights capped at ``max_client_weight`` (shares summing to 1)."""
+        if self.max_client_weight >= 1.0 or not valid:
+            return valid
+        shares = cap_weights([reply.num_examples for reply in valid], self.max_client_weight)
+        return [
+            dataclasses.replace(reply, num_examples=float(share))
+            for reply, share in zip(valid, shares, strict=True)
+        ]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -451,13 +585,11 @@ class ContractStrategy(Strategy):
         if self.fraction_train == 0.0:
             return None, None
         replies = list(replies)
-        valid: list[ClientReply] = []
-        valid_contents: list[RecordDict] = []
+        accepted: list[tuple[ClientReply, RecordDict]] = []
         dropped: Counter[str] = Counter()
         for message in replies:
             try:
-                valid.append(self.validate_reply(message))
-                valid_contents.append(message.content)
+                accepted.append((self.validate_reply(message), message.content))
             except ReplyRejected as rejection:
                 dropped[rejection.reason] += 1
                 log(
@@ -468,15 +600,16 @@ class ContractStrategy(Strategy):
                     rejection.detail,
                 )
         self._stop_if_record_absent(replies, dropped)
+        accepted = self._bound_influence(server_round, accepted, dropped)
+        valid = self._capped([reply for reply, _ in accepted])
+        valid_contents = [content for _, content in accepted]
         metrics: dict[str, Any] = {
             "replies-received": len(replies),
             "replies-valid": len(valid),
             "replies-dropped": sum(dropped.values()),
             **{f"dropped-{reason}": count for reason, count in sorted(dropped.items())},
         }
-        client_metrics = (
-            self.train_metrics_aggr_fn(valid_contents, self.weighted_by_key) if valid else None
-        )
+        client_metrics = self._client_metrics(server_round, valid_contents)
         if len(valid) < self.min_train_replies:
             log(
                 WARNING,
@@ -493,6 +626,19 @@ class ContractStrategy(Strategy):
         started = time.perf_counter()
         new_arrays = self.aggregate(server_round, self.global_arrays, valid)
         self.last_aggregation_seconds = time.perf_counter() - started
+        refusal = model_rejection(new_arrays, self.global_arrays, self._largest_update)
+        if refusal is not None:
+            log(
+                WARNING,
+                "round %d: the aggregated global model is not committed, %s: keeping the "
+                "global model of the previous round",
+                server_round,
+                refusal,
+            )
+            metrics["aggregated"] = 0
+            metrics["model-rejected"] = 1
+            self._record_round(server_round, client_metrics, metrics)
+            return None, client_metrics
         metrics["aggregated"] = 1
         metrics["aggregation-seconds"] = self.last_aggregation_seconds
         metrics.update(self.round_metrics())

@@ -1,0 +1,154 @@
+"""How far honest clients' replies spread: the default of ``update-norm-factor`` rests on this.
+
+For every round of an in-process federation (the real ClientApp's ``train`` on each sampled node,
+the real strategy's ``configure_train`` / ``aggregate_train``, no transport; as in
+``benchmarks/elastic_evidence.py``), the honest replies are read before aggregation and, per
+round, these ratios are taken over the cohort:
+
+- ``update``: max_k ||theta_k - w|| / median_k ||theta_k - w|| (floating tensors of ``arrays``);
+- ``sensitivity`` (Elastic runs): max / median of the L2 norms of the ``sensitivity`` records;
+- ``gradient`` (hard FedGMA runs): max / median of the L2 norms of the ``gradient`` records;
+- ``weight-share``: the largest data-size weight n_k / sum_j n_j of the round.
+
+The norm filter is turned off in these runs (``update-norm-factor = 0``), so that no reply is
+dropped by the very bound being measured. Setting: digits, 10 clients, every client each round,
+the default mlp and local training, Dirichlet(0.1) and Dirichlet(0.5) label skew.
+
+Usage (from the repository root; about a minute per run on one core)::
+
+    nice -n 10 .venv/bin/python benchmarks/reply_norms.py --seeds 0 1 2 --rounds 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+import torch  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Message  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from beyond_averaging.client.app import app as client_app  # noqa: E402
+from beyond_averaging.server.app import client_task, data_spec  # noqa: E402
+from beyond_averaging.server.config import RunConfig, parse_run_config  # noqa: E402
+from beyond_averaging.server.inprocess import InProcessGrid  # noqa: E402
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy  # noqa: E402
+from beyond_averaging.tasks.federation import load_server_splits  # noqa: E402
+from beyond_averaging.tasks.models import build_model  # noqa: E402
+
+#: The strategies whose replies are measured, as run-config overrides.
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "fedavg": {"strategy": "fedavg"},
+    "elastic": {"strategy": "elastic"},
+    "fedgma": {"strategy": "fedgma", "gma-mask": "hard"},
+}
+
+
+def _norm(arrays: dict[str, np.ndarray[Any, Any]], keys: Sequence[str]) -> float:
+    return float(np.sqrt(sum(np.sum(np.square(arrays[k], dtype=np.float64)) for k in keys)))
+
+
+def _ratio(values: Sequence[float]) -> float:
+    median = float(np.median(values))
+    return float(max(values) / median) if median > 0 else float("nan")
+
+
+def round_figures(
+    global_arrays: dict[str, np.ndarray[Any, Any]], replies: Sequence[Message]
+) -> dict[str, float]:
+    """The ratios of one round's honest replies (see the module docstring)."""
+    float_keys = [k for k, v in global_arrays.items() if np.issubdtype(v.dtype, np.floating)]
+    updates, counts = [], []
+    records: dict[str, list[float]] = {"sensitivity": [], "gradient": []}
+    for reply in replies:
+        content = reply.content
+        arrays = {k: a.numpy() for k, a in content.array_records["arrays"].items()}
+        diff = {k: arrays[k].astype(np.float64) - global_arrays[k] for k in float_keys}
+        updates.append(_norm(diff, float_keys))
+        counts.append(float(content.metric_records["metrics"]["num-examples"]))  # type: ignore[arg-type]
+        for name, norms in records.items():
+            if name in content.array_records:
+                record = {k: a.numpy() for k, a in content.array_records[name].items()}
+                norms.append(_norm(record, list(record)))
+    figures = {"update": _ratio(updates), "weight-share": max(counts) / sum(counts)}
+    figures.update({name: _ratio(norms) for name, norms in records.items() if norms})
+    return figures
+
+
+def measure(settings: dict[str, Any]) -> list[dict[str, float]]:
+    """Run the federation in this process; one dict of ratios per round."""
+    if "update-norm-factor" in RunConfig.model_fields or "update_norm_factor" in (
+        RunConfig.model_fields
+    ):
+        settings = {**settings, "update-norm-factor": 0.0}
+    config = parse_run_config(settings)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    torch.manual_seed(config.seed)
+    test_set, proxy_set = load_server_splits(data_spec(config))
+    model = build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
+    strategy = build_strategy(config, ServerResources(model, proxy_set, torch.device("cpu")))
+    grid = InProcessGrid(client_app, config.num_clients, config.to_run_config())
+    arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    per_round = []
+    for server_round in range(1, config.num_server_rounds + 1):
+        task_config = ConfigRecord(client_task(config).to_config())
+        messages = strategy.configure_train(server_round, arrays, task_config, grid)
+        replies = list(grid.send_and_receive(messages))
+        global_np = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
+        per_round.append(round_figures(global_np, replies))
+        new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        if new_arrays is not None:
+            arrays = new_arrays
+    return per_round
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure every (strategy, alpha, seed) and print one JSON summary line per strategy/alpha."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.5])
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    args = parser.parse_args(argv)
+    for name in args.strategies:
+        for alpha in args.alphas:
+            rounds: list[dict[str, float]] = []
+            for seed in args.seeds:
+                settings = {
+                    **STRATEGIES[name],
+                    "dataset": "digits",
+                    "partition": "dirichlet",
+                    "dirichlet-alpha": alpha,
+                    "num-clients": 10,
+                    "device": "cpu",
+                    "seed": seed,
+                    "num-server-rounds": args.rounds,
+                }
+                rounds += measure(settings)
+            summary: dict[str, Any] = {
+                "strategy": name,
+                "dirichlet-alpha": alpha,
+                "seeds": args.seeds,
+                "rounds": args.rounds,
+            }
+            for key in rounds[0]:
+                values = np.array([r[key] for r in rounds])
+                summary[key] = {
+                    "max": round(float(np.nanmax(values)), 3),
+                    "median": round(float(np.nanmedian(values)), 3),
+                }
+            print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
