@@ -143,7 +143,9 @@ def round_reply_counts(
     return counts
 
 
-def idle_reason(outcome: RoundOutcome, metrics: Mapping[str, Any]) -> str:
+def idle_reason(
+    outcome: RoundOutcome, metrics: Mapping[str, Any], strategy: ContractStrategy
+) -> str:
     """Why a round kept the previous model, from its metrics (reply counts, drops, rejection)."""
     drops = ", ".join(
         f"{key.removeprefix('dropped-')} {value}"
@@ -155,7 +157,8 @@ def idle_reason(outcome: RoundOutcome, metrics: Mapping[str, Any]) -> str:
         f"{outcome.train_sent} replies wanted" + (f" (dropped: {drops})" if drops else "")
     )
     if metrics.get("model-rejected"):
-        reason += f"; aggregate rejected: {metrics['model-rejected']}"
+        rejection = getattr(strategy, "last_model_rejection", None) or "non-finite or exploding"
+        reason += f"; the aggregate was not committed: {rejection}"
     return reason
 
 
@@ -194,7 +197,7 @@ class RunProgress:
         self.checkpoint(outcome.server_round, arrays)
         if self.idle_rounds == 0:
             return
-        reason = idle_reason(outcome, {**metrics, **extra})
+        reason = idle_reason(outcome, {**metrics, **extra}, self.strategy)
         if self.idle_rounds >= self.config.max_idle_rounds:
             raise RunStalledError(
                 f"no round aggregated in the last {self.idle_rounds} rounds "

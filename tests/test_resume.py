@@ -1,11 +1,11 @@
 """A run killed with SIGKILL resumes from its checkpoint and ends exactly where it would have.
 
-The ServerApp runs in a subprocess (``tests/local_run.py``: its real ``main`` over an in-process
-grid that runs the real ClientApp). The subprocess blocks once round 3's instructions are out and
-is killed with SIGKILL there; ``resume-from`` then continues it in a new process. Its final model
-must equal, bit for bit, the final model of an uninterrupted run in a third process, for every
-strategy (the state that makes this hard: FedAdam's moments, Elastic's server momentum, and the
-torch generator the server draws from).
+``ba-run --runtime inprocess`` (the real ServerApp and ClientApp in one process) runs in a
+subprocess that is killed with SIGKILL once round 2 is recorded, wherever it then is in round 3;
+``ba-run --resume <run folder>`` continues it in a new process. Its final model must equal, bit
+for bit, the final model of an uninterrupted run in a third process, for every strategy (the
+state that makes this hard: FedAdam's moments, Elastic's server momentum, FedLAW's kept
+BatchNorm statistics, and the torch generator the server draws from).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,10 +29,12 @@ from beyond_averaging.server.checkpoint import (
     capture_rng,
 )
 from beyond_averaging.server.config import RunConfig
+from beyond_averaging.server.launch import run_config_argument
 from tests.deploy_helpers import REPO, read_metrics
 
-ROUNDS = 4
-KILLED_IN_ROUND = 3
+BA_RUN = REPO / ".venv" / "bin" / "ba-run"
+ROUNDS = 5
+KILLED_AFTER_ROUND = 2
 BASE: dict[str, Any] = {
     "dataset": "digits",
     "model": "mlp",
@@ -59,26 +60,30 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 }
 
 
-def _settings(tmp_path: Path, name: str, extra: dict[str, Any]) -> dict[str, Any]:
-    return {**BASE, **extra, "run-name": name, "output-dir": str(tmp_path)}
-
-
-def _server_process(settings: dict[str, Any], tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
-    path = tmp_path / f"{settings['run-name']}-{len(list(tmp_path.glob('*.json')))}.json"
-    path.write_text(json.dumps(settings), encoding="utf-8")
+def _ba_run(*arguments: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.local_run", str(path), *extra],
+        [str(BA_RUN), "--runtime", "inprocess", *arguments],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=True,
+        start_new_session=True,  # its own process group, killed as one
     )
 
 
-def _finish(process: subprocess.Popen[str], timeout: float = 300.0) -> None:
+def _new_run(tmp_path: Path, name: str, extra: dict[str, Any]) -> subprocess.Popen[str]:
+    settings = {**BASE, **extra, "run-name": name, "output-dir": str(tmp_path)}
+    return _ba_run("-c", run_config_argument(settings))
+
+
+def _finish(process: subprocess.Popen[str], timeout: float = 400.0) -> None:
     output, _ = process.communicate(timeout=timeout)
     assert process.returncode == 0, output[-3000:]
+
+
+def _rounds_recorded(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
 
 
 def _final_model(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -90,24 +95,23 @@ def _final_model(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_run_killed_mid_round_resumes_to_the_uninterrupted_final_model(
     tmp_path: Path, variant: str
 ) -> None:
-    reference = _server_process(_settings(tmp_path, "reference", STRATEGIES[variant]), tmp_path)
-    settings = _settings(tmp_path, "killed", STRATEGIES[variant])
+    reference = _new_run(tmp_path, "reference", STRATEGIES[variant])
     run_dir = tmp_path / "killed"
-    victim = _server_process(settings, tmp_path, "--hang-in-round", str(KILLED_IN_ROUND))
-    deadline = time.monotonic() + 300.0
-    while not (run_dir / "hanging").exists():
+    victim = _new_run(tmp_path, "killed", STRATEGIES[variant])
+    deadline = time.monotonic() + 400.0
+    while _rounds_recorded(run_dir) <= KILLED_AFTER_ROUND:  # round 0 is the first line
         assert victim.poll() is None, victim.communicate()[0][-3000:]
         assert time.monotonic() < deadline, "the run never reached the round where it is killed"
-        time.sleep(0.2)
+        time.sleep(0.05)
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait(timeout=30)
-    assert victim.returncode == -signal.SIGKILL
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    assert summary["status"] == "running"  # killed: nothing could record the end
+    assert summary["status"] == "running", "the run ended before the kill: make it longer"
     assert not (run_dir / "final_model.pt").exists()
+    checkpoint_round = torch.load(run_dir / CHECKPOINT_FILE, weights_only=True)["round"]
+    assert KILLED_AFTER_ROUND - 1 <= checkpoint_round < ROUNDS
 
-    resumed = _server_process({**settings, "resume-from": str(run_dir)}, tmp_path)
-    _finish(resumed)
+    _finish(_ba_run("--resume", str(run_dir)))
     _finish(reference)
 
     expected, actual = _final_model(tmp_path / "reference"), _final_model(run_dir)
@@ -122,7 +126,7 @@ def test_run_killed_mid_round_resumes_to_the_uninterrupted_final_model(
     ]
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert summary["status"] == "completed"
-    assert summary["resumed-from-round"] == KILLED_IN_ROUND - 1
+    assert summary["resumed-from-round"] == checkpoint_round
 
 
 def _checkpoint(config: dict[str, Any], round_: int = 2) -> RunCheckpoint:
