@@ -1,0 +1,359 @@
+"""Seconds per round of each runtime and client backend, next to a vmapped yardstick.
+
+Two settings:
+
+- ``table3``: FedLAW's Table 3 setting (Fashion-MNIST, the 784-200-200-10 MLP, 20 clients all
+  sampled, E = 3, batch 128, Dirichlet 0.1, seed 8; ``benchmarks.fedlaw_table3.TABLE3_SETTING``),
+  FedAvg;
+- ``digits``: the default run (``ba-run`` with no options: 10 clients, 15 rounds of digits).
+
+Each row is one real run of the app through ``server.launch.launch_runtime``, exactly what
+``ba-run --runtime <runtime>`` does, for every runtime (``simulation``: Flower's Ray simulation;
+``inprocess``: the same apps in this process) and client backend (``clientapp``; ``vectorized``
+once the run configuration knows ``client-backend``). Seconds per round are the run's own
+``round-seconds`` (time between two central evaluations: client training, replies, aggregation
+and evaluation), as the median of the rounds after the first; the first round (partition loading,
+first-touch costs) and the whole run's wall time, Ray's start included, are shown apart.
+
+The yardstick, measured in the same process on the same device: the same local training of all
+clients of a round (same partitions, E epochs of SGD with the setting's learning rate, momentum
+and weight decay, batches of the setting's size) as one batched program: parameters stacked per
+client, ``torch.func.vmap`` of ``torch.func.grad`` over the clients, data on the device, eager.
+Clients are sorted by their number of steps, and each step computes only the clients that still
+have steps, so the yardstick does the work of the sequential loop, batched, and no more. It is a
+speed reference, not a training path: its batches are cut from a per-epoch permutation with every
+batch full (a partial last batch is filled up by wrapping around), and it skips evaluation. The
+ratio column is seconds per round over the yardstick's.
+
+``--ba-run`` also times the default ``ba-run --runtime inprocess`` as a user runs it (a fresh
+process, imports and data loading included), once to warm the caches and once measured.
+
+Usage::
+
+    .venv/bin/python -m benchmarks.speed --settings digits table3 --rounds 3 --publish
+    .venv/bin/python -m benchmarks.speed --settings table3 --runtimes inprocess --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.fedlaw_table3 import TABLE3_SETTING, hardware
+from beyond_averaging.server.app import data_spec
+from beyond_averaging.server.config import RunConfig, parse_run_config
+from beyond_averaging.server.launch import (
+    RUNTIMES,
+    LaunchError,
+    app_defaults,
+    launch_runtime,
+    run_config_argument,
+)
+from beyond_averaging.tasks.evaluation import resolve_device
+from beyond_averaging.tasks.federation import load_client_partition
+from beyond_averaging.tasks.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "speed"
+PUBLISH = REPO / "docs" / "results"
+BACKENDS = ("clientapp", "vectorized")
+
+#: Run-config overrides of each setting (everything else: the RunConfig defaults).
+SETTINGS: dict[str, dict[str, Any]] = {
+    "table3": {
+        **TABLE3_SETTING,
+        "strategy": "fedavg",
+        "dirichlet-alpha": 0.1,
+        "seed": 8,
+    },
+    "digits": {},
+}
+
+
+@dataclass
+class Row:
+    """One run's timing."""
+
+    setting: str
+    runtime: str
+    backend: str
+    rounds: int
+    seconds_per_round: float
+    first_round_seconds: float
+    wall_seconds: float
+    final_accuracy: float | None
+    yardstick_seconds: float | None = None
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        """Seconds per round over the yardstick's."""
+        if self.yardstick_seconds is None or self.yardstick_seconds <= 0:
+            return None
+        return self.seconds_per_round / self.yardstick_seconds
+
+
+# --- real runs ----------------------------------------------------------------------------
+def time_run(
+    setting: str,
+    runtime: str,
+    backend: str,
+    rounds: int,
+    *,
+    device: str,
+    threads: int,
+    output_dir: Path,
+) -> Row:
+    """One run of ``setting`` in ``runtime`` with ``backend``; its seconds per round."""
+    name = f"{setting}-{runtime}-{backend}-{device}-r{rounds}"
+    overrides: dict[str, Any] = {
+        **SETTINGS[setting],
+        "num-server-rounds": rounds,
+        "device": device,
+        "run-name": name,
+        "output-dir": str(output_dir),
+    }
+    if backend != "clientapp":
+        overrides["client-backend"] = backend
+    started = time.perf_counter()
+    run_dir = launch_runtime(runtime, REPO, [run_config_argument(overrides)], client_cpus=threads)
+    wall = time.perf_counter() - started
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    entries = [json.loads(line) for line in lines if line.strip()]
+    per_round = [float(e["round-seconds"]) for e in entries if int(e["round"]) >= 1]
+    steady = per_round[1:] or per_round
+    return Row(
+        setting=setting,
+        runtime=runtime,
+        backend=backend,
+        rounds=rounds,
+        seconds_per_round=statistics.median(steady),
+        first_round_seconds=per_round[0],
+        wall_seconds=wall,
+        final_accuracy=entries[-1].get("test-accuracy"),
+    )
+
+
+def time_ba_run(output_dir: Path) -> dict[str, Any]:
+    """Wall seconds of the default ``ba-run --runtime inprocess`` in a fresh process (warm)."""
+    command = [
+        str(Path(sys.executable).parent / "ba-run"),
+        "--runtime",
+        "inprocess",
+        "-c",
+        run_config_argument({"output-dir": str(output_dir), "run-name": "ba-run-default"}),
+    ]
+    seconds = []
+    for _ in range(2):  # the first run warms the page cache and the partition cache
+        started = time.perf_counter()
+        subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+        seconds.append(time.perf_counter() - started)
+    summary = json.loads((output_dir / "ba-run-default" / "summary.json").read_text())
+    return {
+        "command": shlex.join(["ba-run", *command[1:]]),
+        "cold-seconds": seconds[0],
+        "warm-seconds": seconds[1],
+        "final-accuracy": summary["final"]["test-accuracy"],
+        "rounds": summary["final"]["round"],
+    }
+
+
+# --- the yardstick ------------------------------------------------------------------------
+def yardstick_seconds(setting: str, device: torch.device, rounds: int) -> float:
+    """Median seconds of one round of all clients' local training as one vmapped SGD loop."""
+    config = parse_run_config({**SETTINGS[setting], "device": str(device)})
+    partitions = [load_client_partition(data_spec(config), k) for k in range(config.num_clients)]
+    # Longest first: the clients still training at step s are always a prefix.
+    partitions.sort(key=len, reverse=True)
+    sizes = torch.tensor([len(p) for p in partitions], device=device)
+    longest = int(sizes[0])
+    features = torch.zeros((len(partitions), longest, *partitions[0].input_shape), device=device)
+    labels = torch.zeros((len(partitions), longest), dtype=torch.int64, device=device)
+    for k, part in enumerate(partitions):
+        features[k, : len(part)] = torch.from_numpy(part.features).to(device)
+        labels[k, : len(part)] = torch.from_numpy(part.labels).to(device)
+    model = build_model(
+        config.model, partitions[0].input_shape, partitions[0].num_classes, seed=config.seed
+    ).to(device)
+    seconds = []
+    for _ in range(rounds + 1):  # the first round warms up
+        started = time.perf_counter()
+        _vmapped_round(model, features, labels, sizes, config)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[1:])
+
+
+def _vmapped_round(
+    model: nn.Module,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    sizes: torch.Tensor,
+    config: RunConfig,
+) -> dict[str, torch.Tensor]:
+    """All clients' E epochs from the global model; returns the weighted-average model."""
+    clients, batch = features.shape[0], config.batch_size
+    device = features.device
+    global_state = {name: p.detach() for name, p in model.named_parameters()}
+    params = {n: p.unsqueeze(0).repeat(clients, *[1] * p.dim()) for n, p in global_state.items()}
+    velocity = {n: torch.zeros_like(p) for n, p in params.items()}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(torch.func.functional_call(model, p, (x,)), y)
+
+    gradient = torch.func.vmap(torch.func.grad(loss))
+    steps_per_epoch = [int(s) for s in ((sizes + batch - 1) // batch).tolist()]
+    offsets = torch.arange(batch, device=device)
+    for _ in range(config.local_epochs):
+        # One permutation per client of its own samples (padding sorts last).
+        keys = torch.rand(features.shape[:2], device=device)
+        keys[torch.arange(features.shape[1], device=device)[None, :] >= sizes[:, None]] = 2.0
+        order = keys.argsort(dim=1)
+        for step in range(steps_per_epoch[0]):
+            active = sum(1 for count in steps_per_epoch if count > step)
+            positions = (step * batch + offsets)[None, :] % sizes[:active, None]
+            rows = order[:active].gather(1, positions)
+            x = features[:active].gather(
+                1,
+                rows.view(active, batch, *[1] * (features.dim() - 2)).expand(
+                    -1, -1, *features.shape[2:]
+                ),
+            )
+            y = labels[:active].gather(1, rows)
+            live = {n: p[:active] for n, p in params.items()}
+            grads = gradient(live, x, y)
+            with torch.no_grad():
+                for name, g in grads.items():
+                    g = g + config.weight_decay * live[name]
+                    velocity[name][:active] = config.momentum * velocity[name][:active] + g
+                    params[name][:active] -= config.learning_rate * velocity[name][:active]
+    weights = (sizes / sizes.sum()).to(features.dtype)
+    return {n: (p * weights.view(-1, *[1] * (p.dim() - 1))).sum(dim=0) for n, p in params.items()}
+
+
+# --- report -------------------------------------------------------------------------------
+def table(rows: Sequence[Row]) -> str:
+    """Markdown table of the rows."""
+    lines = [
+        "| setting | runtime | backend | rounds | s / round | x yardstick | yardstick s / round | "
+        "first round s | run wall s | final accuracy | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = "-" if r.ratio is None else f"{r.ratio:.1f}"
+        yard = "-" if r.yardstick_seconds is None else f"{r.yardstick_seconds:.3f}"
+        accuracy = "-" if r.final_accuracy is None else f"{r.final_accuracy:.4f}"
+        lines.append(
+            f"| {r.setting} | {r.runtime} | {r.backend} | {r.rounds} | "
+            f"{r.seconds_per_round:.3f} | {ratio} | {yard} | {r.first_round_seconds:.2f} | "
+            f"{r.wall_seconds:.1f} | {accuracy} | {r.note} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def report(rows: Sequence[Row], ba_run: Mapping[str, Any] | None, command: str, device: str) -> str:
+    """The Markdown page."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    text = [
+        "# Speed: seconds per round by runtime and client backend\n",
+        f"Hardware: {hardware()}; device `{device}`; load average when written "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.\n",
+        f"Command: `{command}`\n",
+        "Written by `benchmarks/speed.py` (its docstring defines every column). s / round: "
+        "median `round-seconds` of the rounds after the first; x yardstick: that over the "
+        "vmapped yardstick's seconds per round, measured in the same process on the same "
+        "device.\n",
+        table(rows),
+    ]
+    if ba_run is not None:
+        text.append(
+            f"\nDefault run as a user starts it: `{ba_run['command']}` took "
+            f"{ba_run['warm-seconds']:.1f} s warm ({ba_run['cold-seconds']:.1f} s the first "
+            f"time), final test accuracy {ba_run['final-accuracy']:.4f} after round "
+            f"{ba_run['rounds']}.\n"
+        )
+    return "\n".join(text)
+
+
+def knows_backend_option() -> bool:
+    """Whether the run configuration has ``client-backend`` (the vectorized backend exists)."""
+    return "client-backend" in app_defaults(REPO)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Time the requested rows, print the table, write the report."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--runtimes", nargs="+", choices=RUNTIMES, default=list(RUNTIMES))
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per run (>= 2)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads / CPUs per client")
+    parser.add_argument("--ba-run", action="store_true", help="also time the default ba-run")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--publish", type=Path, nargs="?", const=PUBLISH, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    args.results.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="speed-runs-") as runs:
+        for setting in args.settings:
+            yardstick = yardstick_seconds(setting, device, args.rounds)
+            print(f"[speed] {setting}: yardstick {yardstick:.3f} s/round", flush=True)
+            for runtime in args.runtimes:
+                for backend in args.backends:
+                    if backend != "clientapp" and not knows_backend_option():
+                        print(f"[speed] {backend}: no client-backend option yet, skipped")
+                        continue
+                    if backend != "clientapp" and runtime != "inprocess":
+                        continue  # the cohort backend exists in the in-process runtime only
+                    try:
+                        row = time_run(
+                            setting,
+                            runtime,
+                            backend,
+                            args.rounds,
+                            device=args.device,
+                            threads=args.threads,
+                            output_dir=Path(runs),
+                        )
+                    except LaunchError as error:
+                        print(f"[speed] {setting}/{runtime}/{backend} failed: {error}")
+                        continue
+                    row.yardstick_seconds = yardstick
+                    rows.append(row)
+                    print(f"[speed] {asdict(row)} ratio {row.ratio}", flush=True)
+        ba_run = time_ba_run(Path(runs)) if args.ba_run else None
+    command = shlex.join([".venv/bin/python", "-m", "benchmarks.speed", *sys.argv[1:]])
+    page = report(rows, ba_run, command, str(device))
+    print(page)
+    (args.results / "speed.md").write_text(page, encoding="utf-8")
+    (args.results / "speed.json").write_text(
+        json.dumps({"rows": [asdict(r) for r in rows], "ba-run": ba_run}, indent=2),
+        encoding="utf-8",
+    )
+    if args.publish is not None:
+        args.publish.mkdir(parents=True, exist_ok=True)
+        (args.publish / "speed.md").write_text(page, encoding="utf-8")
+        print(f"wrote {args.publish / 'speed.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
