@@ -543,8 +543,10 @@ class ContractStrategy(Strategy):
         self._largest_update = float(updates[kept].max()) if kept else 0.0
         return [accepted[index] for index in kept]
 
-    def _client_metrics(self, server_round: int, contents: list[RecordDict]) -> MetricRecord | None:
-        """The clients' train metrics, or None when there are none or they cannot be averaged.
+    def _client_metrics(
+        self, server_round: int, contents: list[RecordDict], aggregate: MetricsAggregationFn
+    ) -> MetricRecord | None:
+        """The clients' metrics by ``aggregate``; None without replies or if they cannot average.
 
         Metrics are the clients' claims, not checked by the contract: one client's inf beside
         another's -inf makes a weighted mean raise, which must not end the round.
@@ -552,12 +554,12 @@ class ContractStrategy(Strategy):
         if not contents:
             return None
         try:
-            return self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+            return aggregate(contents, self.weighted_by_key)
         except (ArithmeticError, ValueError, TypeError) as error:
             log(
                 WARNING,
-                "round %d: the clients' train metrics cannot be aggregated (%s): no client "
-                "metrics this round",
+                "round %d: the clients' metrics cannot be aggregated (%s): no client metrics "
+                "this round",
                 server_round,
                 error,
             )
@@ -609,7 +611,9 @@ class ContractStrategy(Strategy):
             "replies-dropped": sum(dropped.values()),
             **{f"dropped-{reason}": count for reason, count in sorted(dropped.items())},
         }
-        client_metrics = self._client_metrics(server_round, valid_contents)
+        client_metrics = self._client_metrics(
+            server_round, valid_contents, self.train_metrics_aggr_fn
+        )
         if len(valid) < self.min_train_replies:
             log(
                 WARNING,
@@ -712,6 +716,4 @@ class ContractStrategy(Strategy):
                 message.metadata.src_node_id,
                 reason,
             )
-        if not contents:
-            return None
-        return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
+        return self._client_metrics(server_round, contents, self.evaluate_metrics_aggr_fn)

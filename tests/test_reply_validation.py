@@ -315,3 +315,12 @@ def test_metrics_that_cannot_be_averaged_do_not_end_the_round() -> None:
     assert arrays is not None  # the model is aggregated; only the metrics are left out
     assert client_metrics is None
     np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 2.0))
+
+
+def test_evaluate_metrics_that_cannot_be_averaged_give_no_metrics_instead_of_an_error() -> None:
+    strategy = with_global(FedAvg())
+    replies = [
+        reply_message(RecordDict({"metrics": MetricRecord({"num-examples": 5, "acc": v})}))
+        for v in (float("inf"), float("-inf"))
+    ]
+    assert strategy.aggregate_evaluate(1, replies) is None
