@@ -34,6 +34,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 from flwr.supercore import log
 from torch import nn
 
+from ..tasks.batch_format import BatchFormatError
+from ..tasks.batch_format import batch_inputs as find_inputs
 from ..tasks.protocol import CONFIG_RECORD, SENSITIVITY_DECAY_KEY, SENSITIVITY_DTYPE_KEY
 
 #: The paper's moving-average decay (the authors' code).
@@ -47,67 +49,23 @@ UPLOAD_DTYPES: Mapping[str, np.dtype[Any]] = {
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
-#: Keys under which a dict batch holds the model input, as common datasets name it (Flower's
-#: quickstarts: "img"; Hugging Face image processors: "pixel_values").
-INPUT_KEYS = ("img", "image", "images", "pixel_values", "x", "input", "inputs", "features")
-
-
-def _as_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, np.ndarray) and value.dtype != np.object_:
-        return torch.from_numpy(value)
-    return None
-
-
 def batch_inputs(batch: Any) -> torch.Tensor:
-    """The model input of a batch, found without help when the batch format says it clearly.
+    """The model input of a batch: a tensor, the first item of a tuple, or a dict's input.
 
-    - a tensor (or numpy array): the batch itself;
-    - a tuple or list whose first item is a tensor: that item, the (features, labels) convention
-      of ``TensorDataset`` and torchvision;
-    - a dict: the value under the one key of :data:`INPUT_KEYS` it has (``"img"`` in Flower's
-      quickstarts); without such a key, its only floating tensor of rank >= 2.
+    The rule is :func:`tasks.batch_format.batch_inputs` (a dict: its ``"img"``, ``"image"``,
+    ``"pixel_values"``, ``"x"``, ... key, else its only floating tensor of rank >= 2).
 
     Raises
     ------
     TypeError
-        For any other batch, or a dict with several candidates: the message lists what it found
-        and names ``input_of=``, which picks the input explicitly (``input_of=lambda b: b["x"]``).
+        When the rule cannot tell the input; the message names ``input_of=``.
     """
-    tensor = _as_tensor(batch)
-    if tensor is not None:
-        return tensor
-    if isinstance(batch, list | tuple) and batch:
-        first = _as_tensor(batch[0])
-        if first is not None:
-            return first
-    if isinstance(batch, Mapping):
-        named = [key for key in INPUT_KEYS if key in batch and _as_tensor(batch[key]) is not None]
-        if len(named) == 1:
-            return _as_tensor(batch[named[0]])  # type: ignore[return-value]
-        floating = [
-            key
-            for key, value in batch.items()
-            if (t := _as_tensor(value)) is not None and t.is_floating_point() and t.dim() >= 2
-        ]
-        if not named and len(floating) == 1:
-            return _as_tensor(batch[floating[0]])  # type: ignore[return-value]
-        candidates = named or floating
+    try:
+        return find_inputs(batch)
+    except BatchFormatError as error:
         raise TypeError(
-            f"cannot tell the model input in a dict batch with keys {sorted(map(str, batch))}: "
-            + (
-                f"several candidates {candidates}"
-                if candidates
-                else f"no key of {list(INPUT_KEYS)} and no floating tensor of rank >= 2"
-            )
-            + '. Pass input_of=lambda batch: batch["<input key>"]'
-        )
-    raise TypeError(
-        f"cannot find the model input in a batch of type {type(batch).__name__}: expected a "
-        "tensor, a (features, labels) tuple or a dict. Pass input_of=lambda batch: <its input "
-        "tensor>"
-    )
+            f"{error}. Pass input_of=lambda batch: <its input tensor>, e.g. batch['img']"
+        ) from None
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, torch.Tensor]:

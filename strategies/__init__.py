@@ -4,13 +4,9 @@ from .base import ClientReply, ContractStrategy, MissingRecordError, StrategyOpt
 from .elastic import ElasticAggregation, aggregate_elastic
 from .fedavg import FedAdam, FedAvg, FedAvgM, aggregate_fedavg
 from .fedgma import FedGMA, FedGMASoft, aggregate_fedgma, and_mask
-from .fedlaw import (
-    FedLAW,
-    ProxySetError,
-    aggregate_fedlaw,
-    learn_aggregation_weights,
-)
+from .fedlaw import FedLAW, aggregate_fedlaw, learn_aggregation_weights
 from .metrics import aggregate_metrics
+from .proxy_data import ProxySetError
 from .server_optimizer import ServerOptimizer
 
 __all__ = [

@@ -66,7 +66,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from logging import INFO, WARNING
 from typing import Any, Literal, Unpack, get_args
@@ -83,6 +83,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from ..tasks.datasets import LabeledData
 from .aggregate import NDArrayDict, as_numpy, normalise_weights, weighted_mean
 from .base import ClientReply, ContractStrategy, StrategyOptions
+from .proxy_data import ProxySetError, count_shared_samples, proxy_arrays, to_labeled_data
 
 LearnWhat = Literal["both", "shrink", "clients"]
 LEARN_CHOICES: tuple[str, ...] = get_args(LearnWhat)
@@ -104,10 +105,6 @@ SWA_ANNEAL_EPOCHS = 10
 ProxyBatch = tuple[torch.Tensor, torch.Tensor]
 
 
-class ProxySetError(ValueError):
-    """The proxy set cannot drive FedLAW; the message names the values and the fix."""
-
-
 # ----------------------------------------------------------------------------- proxy set
 def validate_proxy_set(
     features: npt.NDArray[Any],
@@ -121,6 +118,7 @@ def validate_proxy_set(
 
     "Smaller than a batch" means fewer samples than ``batch_size`` (``fedlaw-batch-size``): a
     configured batch size the proxy set cannot fill would silently become a smaller one.
+    Messages name the constructor argument, then the run option of this project's ServerApp.
 
     Parameters
     ----------
@@ -137,14 +135,14 @@ def validate_proxy_set(
     Raises
     ------
     ProxySetError
-        With the offending values and the run-config keys that fix it.
+        With the offending values, the constructor arguments and run options that fix it.
     """
     size = int(labels.shape[0])
     if size == 0:
         raise ProxySetError(
             f"FedLAW's proxy set ({source}) is empty: it learns the aggregation weights on it. "
-            "Set proxy-per-class >= 1 (the paper uses 10) or point proxy-dir to a folder whose "
-            "IDX files hold samples."
+            "Pass a non-empty proxy_set= (run options: proxy-per-class >= 1, the paper uses 10, "
+            "or a proxy-dir whose IDX files hold samples)."
         )
     if labels.min() < 0 or labels.max() >= num_classes:
         raise ProxySetError(
@@ -157,18 +155,19 @@ def validate_proxy_set(
         raise ProxySetError(
             f"FedLAW's proxy set ({source}, {size} samples) has no sample of class(es) "
             f"{missing.tolist()} of the {num_classes} classes: the proxy set stands for the "
-            "global objective and must cover every class. Use proxy-per-class >= 1, or add "
-            "samples of those classes to the proxy-dir files."
+            "global objective and must cover every class. Add samples of those classes to "
+            "proxy_set= (run options: proxy-per-class >= 1, or the proxy-dir files)."
         )
     if size < batch_size:
         per_class = math.ceil(batch_size / num_classes)
         raise ProxySetError(
             f"FedLAW's proxy set ({source}) holds {size} samples, fewer than one batch "
-            f"(fedlaw-batch-size = {batch_size}): set fedlaw-batch-size <= {size}, or enlarge "
-            f"the proxy set (proxy-per-class >= {per_class}, or more samples in proxy-dir)."
+            f"(batch_size = {batch_size}, run option fedlaw-batch-size): set batch_size <= "
+            f"{size}, or enlarge proxy_set= (run options: proxy-per-class >= {per_class}, or "
+            "more samples in proxy-dir)."
         )
     if not np.all(np.isfinite(features)):
-        raise ProxySetError(f"FedLAW's proxy set ({source}) holds NaN or Inf features.")
+        raise ProxySetError(f"FedLAW's proxy set ({source}) holds NaN or Inf inputs.")
 
 
 def make_proxy_batches(
@@ -633,6 +632,48 @@ def weights_are_usable(gamma: float, lambdas: Sequence[float]) -> bool:
 
 
 # ----------------------------------------------------------------------------- Flower strategy
+def _output_classes(model: nn.Module, sample: npt.NDArray[Any], device: torch.device) -> int:
+    """Classes of the model's output, from one forward pass of one proxy sample in eval mode."""
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            output = model(torch.from_numpy(np.ascontiguousarray(sample)).to(device))
+    except RuntimeError as error:
+        raise ProxySetError(
+            f"the model cannot take a proxy_set= sample of shape {tuple(sample.shape[1:])}: {error}"
+        ) from None
+    finally:
+        for module, training in modes:
+            module.training = training
+    if output.dim() != 2:
+        raise ProxySetError(
+            f"FedLAW needs a classifier returning (batch, classes) logits; on a proxy_set= "
+            f"sample the model returned shape {tuple(output.shape)}"
+        )
+    return int(output.shape[1])
+
+
+def _warn_if_shared(
+    proxy_features: npt.NDArray[Any], test_set: Any, transform: Callable[[Any], Any] | None
+) -> None:
+    """Log a warning when proxy samples also appear in the test set (same input bytes)."""
+    hugging_face = hasattr(test_set, "with_transform")
+    test_features, _ = proxy_arrays(
+        test_set, transform=transform if hugging_face else None, argument="test_set"
+    )
+    shared = count_shared_samples(proxy_features, test_features)
+    if shared:
+        log(
+            WARNING,
+            "FedLAW's proxy set (proxy_set=) shares %d of its %d samples with the test set "
+            "(test_set=): the weights are then learned on test data and test accuracy is "
+            "optimistic. Draw the proxy set from data held out of the test set",
+            shared,
+            len(proxy_features),
+        )
+
+
 class FedLAW(ContractStrategy):
     """FedLAW on the project's strategy base: learns gamma and lambda on a server proxy set.
 
@@ -647,8 +688,10 @@ class FedLAW(ContractStrategy):
     ----------
     model : nn.Module
         The global model's architecture; the strategy keeps its own copy on ``device``.
-    proxy_set : LabeledData
-        Small class-balanced server data; validated here (before round 1).
+    proxy_set : LabeledData, (inputs, labels), Dataset, DataLoader or Hugging Face Dataset
+        Small class-balanced server data, in any form :mod:`strategies.proxy_data` reads (for
+        all but ``LabeledData`` the class count is the model's output width); validated here,
+        before round 1.
     device : torch.device, optional
         Where the weight learning runs; default CUDA when present, else CPU.
     learn : {"both", "shrink", "clients"}
@@ -669,6 +712,12 @@ class FedLAW(ContractStrategy):
         Adam's betas (paper: 0.5, 0.999).
     proxy_source : str
         Where the proxy set came from, for error messages.
+    proxy_transform : callable, optional
+        For a Hugging Face ``proxy_set`` (and ``test_set``): applied as
+        ``dataset.with_transform(proxy_transform)``, e.g. the quickstart's ``apply_transforms``.
+    test_set : optional
+        The data the results are tested on, in any form ``proxy_set`` takes: a warning is logged
+        when proxy samples also appear in it (compared by a hash of each input).
     bn : {"reestimate", "authors"}
         The global model's BatchNorm running statistics: re-estimated on the proxy set for the
         final model (default), or the server's own, updated by the weight learning's forward
@@ -686,7 +735,7 @@ class FedLAW(ContractStrategy):
         self,
         *,
         model: nn.Module,
-        proxy_set: LabeledData,
+        proxy_set: Any,
         device: torch.device | None = None,
         learn: LearnWhat = "both",
         epochs: int = 100,
@@ -696,19 +745,22 @@ class FedLAW(ContractStrategy):
         lr_gamma: float = 0.5,
         swa: bool = False,
         betas: tuple[float, float] = (0.5, 0.999),
-        proxy_source: str = "the proxy set",
+        proxy_source: str = "proxy_set=",
         bn: BatchNormMode = "reestimate",
+        proxy_transform: Callable[[Any], Any] | None = None,
+        test_set: Any = None,
         **base: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**base)
         if learn not in LEARN_CHOICES:
             raise ValueError(f"learn = {learn!r} is unknown: use one of {LEARN_CHOICES}")
         if bn not in BN_CHOICES:
-            raise ValueError(f"fedlaw-bn = {bn!r} is unknown: use one of {BN_CHOICES}")
+            raise ValueError(f"bn = {bn!r} (fedlaw-bn) is unknown: use one of {BN_CHOICES}")
         if swa and learn == "shrink":
             raise ValueError(
-                "fedlaw-swa = true averages the client weights, which fedlaw-learn = 'shrink' "
-                "keeps fixed: use fedlaw-learn = 'both' or 'clients', or fedlaw-swa = false"
+                "swa = True (run option fedlaw-swa) averages the client weights, which "
+                "learn = 'shrink' (fedlaw-learn) keeps fixed: use learn = 'both' or 'clients', "
+                "or swa = False"
             )
         if epochs < 0 or lr < 0.0 or batch_size < 1 or lr_step < 1 or not 0.0 < lr_gamma <= 1.0:
             raise ValueError(
@@ -716,12 +768,19 @@ class FedLAW(ContractStrategy):
                 f"lr_gamma = {lr_gamma}: allowed are epochs >= 0, lr >= 0, batch_size >= 1, "
                 "lr_step >= 1, 0 < lr_gamma <= 1"
             )
-        output_classes = proxy_set.num_classes
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = copy.deepcopy(model).to(self.device)
+        if isinstance(proxy_set, LabeledData) and proxy_transform is None:
+            output_classes = proxy_set.num_classes
+        else:  # a Dataset, DataLoader, (x, y) pair or Hugging Face dataset (strategies.proxy_data)
+            features, labels = proxy_arrays(proxy_set, transform=proxy_transform)
+            output_classes = _output_classes(self.model, features[:1], self.device)
+            proxy_set = to_labeled_data((features, labels), output_classes)
         validate_proxy_set(
             proxy_set.features, proxy_set.labels, output_classes, batch_size, source=proxy_source
         )
-        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = copy.deepcopy(model).to(self.device)
+        if test_set is not None:
+            _warn_if_shared(proxy_set.features, test_set, proxy_transform)
         self.proxy_size = len(proxy_set)
         self.proxy_batches = make_proxy_batches(
             proxy_set, batch_size, seed=self.seed, device=self.device
@@ -730,8 +789,8 @@ class FedLAW(ContractStrategy):
         if _norm_modules(self.model) and smallest < 2:
             raise ProxySetError(
                 f"the model has BatchNorm, which needs at least 2 samples per proxy batch, but "
-                f"fedlaw-batch-size = {batch_size} gives batches of {smallest}: set "
-                "fedlaw-batch-size >= 2"
+                f"batch_size = {batch_size} (fedlaw-batch-size) gives batches of {smallest}: set "
+                "batch_size >= 2"
             )
         self.learn: LearnWhat = learn
         self.epochs, self.lr, self.batch_size = epochs, lr, batch_size
@@ -790,7 +849,7 @@ class FedLAW(ContractStrategy):
                 WARNING,
                 "round %d: FedLAW learned unusable weights (gamma = %s, lambdas = %s): keeping "
                 "FedAvg's weights (gamma = 1, lambda = data sizes) for this round. If it "
-                "recurs, lower fedlaw-lr or check the proxy set",
+                "recurs, lower lr (fedlaw-lr) or check the proxy set",
                 server_round,
                 gamma,
                 lambdas,

@@ -314,8 +314,8 @@ def labelled(labels: list[int], classes: int = 3) -> LabeledData:
         (
             [0, 1, 2, 0, 1],
             8,
-            r"holds 5 samples, fewer than one batch \(fedlaw-batch-size = 8\): "
-            r"set fedlaw-batch-size <= 5, .*proxy-per-class >= 3",
+            r"holds 5 samples, fewer than one batch \(batch_size = 8, run option "
+            r"fedlaw-batch-size\): set batch_size <= 5, .*proxy-per-class >= 3",
         ),
     ],
 )

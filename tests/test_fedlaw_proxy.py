@@ -93,14 +93,15 @@ def test_proxy_set_smaller_than_a_batch_is_a_config_error_before_round_one() -> 
     with pytest.raises(
         ConfigError,
         match=r"proxy-per-class = 5\) holds 50 samples, fewer than one batch "
-        r"\(fedlaw-batch-size = 100\): set fedlaw-batch-size <= 50, .*proxy-per-class >= 10",
+        r"\(batch_size = 100, run option fedlaw-batch-size\): set batch_size <= 50, "
+        r".*proxy-per-class >= 10",
     ):
         build_strategy(config, resources(heldout_proxy(per_class=5)))
 
 
 def test_swa_with_shrink_only_is_a_config_error() -> None:
     config = parse_run_config({"strategy": "fedlaw", "fedlaw-learn": "shrink", "fedlaw-swa": True})
-    with pytest.raises(ConfigError, match=r"fedlaw-swa = true .* fedlaw-learn = 'shrink'"):
+    with pytest.raises(ConfigError, match=r"swa = True \(run option fedlaw-swa\) .* 'shrink'"):
         build_strategy(config, resources(heldout_proxy()))
 
 
