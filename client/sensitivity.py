@@ -207,7 +207,7 @@ def sensitivity_record(
     the rounds this node joined before, stores the new average there (float32), and returns it
     in the upload dtype, keyed like the model's trainable parameters.
 
-    Recipe for any Flower ClientApp (docs/elastic.md, "Use in your Flower app")::
+    Recipe for any Flower ClientApp (docs/elastic.md, "Use in an existing Flower app")::
 
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
         sensitivity = sensitivity_record(model, trainloader, msg, context)  # before training

@@ -54,7 +54,7 @@ SENSITIVITY_HINT = (
     "when asked; to add it to another Flower ClientApp call "
     "beyond_averaging.sensitivity_record(model, batches, message, context) on the received model "
     "before local training and put the result in the reply as content['sensitivity'] "
-    "(docs/elastic.md, 'Use in your Flower app')."
+    "(docs/elastic.md, 'Use in an existing Flower app')."
 )
 
 

@@ -83,7 +83,7 @@ GRADIENT_HINT = (
     "Hard FedGMA needs each client's loss gradient at its last local step, sent as the "
     "ArrayRecord 'gradient' keyed like 'arrays'. In a Flower ClientApp, wrap the training loop: "
     "`with beyond_averaging.last_step_gradient(model) as gradient: <your training loop>`, then "
-    "`content['gradient'] = gradient.record()` (docs/fedgma.md, 'Use in your Flower app'). "
+    "`content['gradient'] = gradient.record()` (docs/fedgma.md, 'Use in an existing Flower app'). "
     "This project's own ClientApp sends it when asked. Or use FedGMASoft, the soft mask on "
     "pseudo-gradients w - theta_k, which needs no gradient record."
 )
