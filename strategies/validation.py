@@ -270,32 +270,44 @@ def common_key_set(key_sets: Sequence[frozenset[str]]) -> frozenset[str] | None:
 
 
 # ----------------------------------------------------------------------------- influence
+def squared_norm(array: npt.NDArray[Any]) -> float:
+    """sum(x^2) of a floating array, in float32 or wider (BLAS dot product, no float64 copy).
+
+    Float32's relative error (about 1e-6 per element, 1e-4 on a million) is far below what a norm
+    comparison by a factor needs, and it is several times faster than converting to float64.
+    A sum that overflows float32 gives inf: such a norm is an outlier by any measure.
+    """
+    flat = array.reshape(-1)
+    if flat.dtype.itemsize < 4:  # float16 would overflow at 65504
+        flat = flat.astype(np.float32)
+    with np.errstate(over="ignore"):
+        return float(np.dot(flat, flat))
+
+
 def update_norms(
     global_arrays: NDArrayDict, client_arrays: Sequence[Mapping[str, npt.NDArray[Any]]]
 ) -> npt.NDArray[np.float64]:
-    """||theta_k - w||_2 per client, over the floating tensors, accumulated in float64."""
+    """||theta_k - w||_2 per client, over the floating tensors (see :func:`squared_norm`)."""
     keys = [key for key, value in global_arrays.items() if is_floating(value)]
     norms = np.zeros(len(client_arrays))
     for index, arrays in enumerate(client_arrays):
         total = 0.0
         for key in keys:
-            # One tensor-sized float64 temporary at a time, never a model-sized one.
-            difference = np.subtract(arrays[key], global_arrays[key], dtype=np.float64).ravel()
-            total += float(np.dot(difference, difference))
+            value, current = arrays[key], global_arrays[key]
+            wide = np.promote_types(np.result_type(value, current), np.float32)
+            with np.errstate(over="ignore", invalid="ignore"):
+                # One tensor-sized temporary at a time, never a model-sized one.
+                total += squared_norm(np.subtract(value, current, dtype=wide))
         norms[index] = math.sqrt(total)
     return norms
 
 
 def record_norms(records: Sequence[Mapping[str, npt.NDArray[Any]]]) -> npt.NDArray[np.float64]:
-    """||r_k||_2 per client's record (all its tensors), accumulated in float64."""
-    norms = np.zeros(len(records))
-    for index, record in enumerate(records):
-        total = 0.0
-        for value in record.values():
-            flat = np.asarray(value, dtype=np.float64).ravel()
-            total += float(np.dot(flat, flat))
-        norms[index] = math.sqrt(total)
-    return norms
+    """||r_k||_2 per client's record, over all its tensors (see :func:`squared_norm`)."""
+    return np.array(
+        [math.sqrt(sum(squared_norm(value) for value in record.values())) for record in records],
+        dtype=np.float64,
+    )
 
 
 def norm_outliers(norms: npt.NDArray[np.float64], factor: float) -> npt.NDArray[np.bool_]:
@@ -374,11 +386,9 @@ def model_rejection(
             return f"tensor '{key}' holds NaN or Inf"
         if max(-low, high) > REPLY_VALUE_LIMIT:
             return f"tensor '{key}' holds a value of magnitude {max(-low, high):.3g}"
-        flat = value.astype(np.float64, copy=False).ravel()
-        squares_new += float(np.dot(flat, flat))
+        squares_new += squared_norm(value)
         if key in previous:
-            old = previous[key].astype(np.float64, copy=False).ravel()
-            squares_old += float(np.dot(old, old))
+            squares_old += squared_norm(previous[key])
         elements += value.size
     norm, previous_norm = math.sqrt(squares_new), math.sqrt(squares_old)
     reach = previous_norm + largest_update
