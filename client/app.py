@@ -49,10 +49,12 @@ def _partition(context: Context) -> tuple[int, int]:
 
 
 #: Partitions kept on their training device per process, least recently used dropped first.
-#: A process that hosts several nodes or rounds (the in-process runtime, a Ray actor of the
-#: simulation, a SuperNode's long-lived ClientApp process) loads and copies each partition
-#: once. The partitions of one federation add up to its training pool, so the bound is about
-#: one data set per federation held (Fashion-MNIST: 188 MB).
+#: A process that hosts several nodes or rounds (the in-process runtime; a Ray actor of the
+#: simulation, which serves many nodes in turn) loads and copies each partition once. A
+#: SuperNode starts a ClientApp process per message, so there the cache spans one message (the
+#: disk cache of tasks/partition_cache.py is what helps there). The partitions of one federation
+#: add up to its training pool, so the bound is about one data set per federation held
+#: (Fashion-MNIST: 188 MB).
 CACHED_PARTITIONS = 256
 #: Model objects kept per process (one per architecture, device and thread): each message loads
 #: the received state into it, so no model is rebuilt per round.
