@@ -237,7 +237,7 @@ def main(grid: Grid, context: Context) -> None:
         model = build_model(
             config.model, test_set.input_shape, test_set.num_classes, seed=config.seed
         ).to(device)
-        strategy = build_strategy(config, ServerResources(model, proxy_set, device))
+        strategy = build_strategy(config, ServerResources(model, proxy_set, device, test_set))
         if config.diagnostics:  # per-round client coherence, distances and MI (diag-* metrics)
             strategy.add_reply_observer(
                 ClientDiagnostics(

@@ -27,6 +27,8 @@ class ServerResources:
     model: torch.nn.Module
     proxy_set: LabeledData
     device: torch.device
+    #: The server's test split: FedLAW warns when proxy samples (e.g. from proxy-dir) are in it.
+    test_set: LabeledData | None = None
 
 
 def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStrategy:
@@ -88,6 +90,7 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
                 swa=config.fedlaw_swa,
                 bn=config.fedlaw_bn,
                 proxy_source=proxy_source,
+                test_set=resources.test_set,
                 **base,
             )
         except ValueError as error:

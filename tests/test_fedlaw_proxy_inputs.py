@@ -12,6 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from beyond_averaging import FedLAW, ProxySetError
+from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.tasks.datasets import LabeledData
 
 CLASSES = 3
@@ -136,3 +138,19 @@ def test_overlap_with_the_test_set_is_logged_naming_both(caplog: pytest.LogCaptu
     with caplog.at_level(logging.WARNING, logger="flwr"):
         fedlaw((x, y), test_set=proxy_arrays(count=30, seed=1))
     assert "shares" not in caplog.text
+
+
+def test_server_app_factory_checks_the_proxy_set_against_its_test_split(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rng = np.random.default_rng(3)
+    proxy = LabeledData(rng.normal(size=(100, 1, 8, 8)).astype(np.float32), np.arange(100) % 10, 10)
+    test = LabeledData(
+        np.concatenate([proxy.features[:4], proxy.features[:4] + 1]), np.zeros(8, np.int64), 10
+    )
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    config = parse_run_config({"strategy": "fedlaw", "fedlaw-epochs": 1})
+    logging.getLogger("flwr").propagate = True
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        build_strategy(config, ServerResources(net, proxy, torch.device("cpu"), test))
+    assert "shares 4 of its 100 samples" in caplog.text
