@@ -202,10 +202,10 @@ def sensitivity_record(
 ) -> ArrayRecord:
     """This round's ``sensitivity`` record; call it on the received model before training.
 
-    Reads ``sensitivity-decay`` and ``sensitivity-dtype`` from the message's ``config`` record
-    (defaults: 0.9 and float32), continues the moving average stored in ``context.state`` from
-    the rounds this node joined before, stores the new average there (float32), and returns it
-    in the upload dtype, keyed like the model's trainable parameters.
+    Reads ``sensitivity-decay`` and ``sensitivity-dtype`` from the message's ``config`` record,
+    or its only ConfigRecord (defaults: 0.9 and float32), continues the moving average stored in
+    ``context.state`` from the rounds this node joined before, stores the new average there
+    (float32), and returns it in the upload dtype, keyed like the model's trainable parameters.
 
     Recipe for any Flower ClientApp (docs/elastic.md, "Use in an existing Flower app")::
 
@@ -214,7 +214,10 @@ def sensitivity_record(
         ...train the model, build the reply content as usual...
         content["sensitivity"] = sensitivity
     """
-    config = message.content.config_records.get(CONFIG_RECORD, ConfigRecord())
+    records = message.content.config_records
+    # The ConfigRecord named "config", or the message's only one (a strategy's configrecord_key).
+    only = next(iter(records.values())) if len(records) == 1 else ConfigRecord()
+    config = records.get(CONFIG_RECORD, only)
     decay = float(config.get(SENSITIVITY_DECAY_KEY, DEFAULT_DECAY))  # type: ignore[arg-type]
     dtype = str(config.get(SENSITIVITY_DTYPE_KEY, "float32"))
     previous = _stored(context)
