@@ -72,13 +72,14 @@ def test_sensitivity_of_quickstart_dict_batches_equals_that_of_tuple_batches() -
         torch.testing.assert_close(found[name], value)
 
 
-def test_sensitivity_record_takes_dict_batches_in_a_client_app() -> None:
+@pytest.mark.parametrize("config_name", ["config", "settings"])  # Flower's configrecord_key
+def test_sensitivity_record_takes_dict_batches_in_a_client_app(config_name: str) -> None:
     model = net()
     message = instruction_message(
         RecordDict(
             {
                 "arrays": ArrayRecord(model.state_dict()),
-                "config": ConfigRecord({"sensitivity-decay": 0.5}),
+                config_name: ConfigRecord({"sensitivity-decay": 0.5}),
             }
         )
     )
