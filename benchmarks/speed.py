@@ -25,6 +25,10 @@ speed reference, not a training path: its batches are cut from a per-epoch permu
 batch full (a partial last batch is filled up by wrapping around), and it skips evaluation. The
 ratio column is seconds per round over the yardstick's.
 
+In-process rows also give this process's CPU seconds per round (the whole run's, loading and
+evaluation included, over the rounds) against the yardstick's CPU seconds per round: on a shared
+machine the wall times carry other processes' load and the CPU times do not.
+
 ``--ba-run`` also times the default ``ba-run --runtime inprocess`` as a user runs it (a fresh
 process, imports and data loading included), once to warm the caches and once measured.
 
@@ -97,6 +101,10 @@ class Row:
     wall_seconds: float
     final_accuracy: float | None
     yardstick_seconds: float | None = None
+    #: CPU seconds of this process per round (in process only: the runs' own work, first round
+    #: included), and the yardstick's; robust to other load on a shared machine.
+    cpu_seconds_per_round: float | None = None
+    yardstick_cpu_seconds: float | None = None
     note: str = ""
 
     @property
@@ -105,6 +113,13 @@ class Row:
         if self.yardstick_seconds is None or self.yardstick_seconds <= 0:
             return None
         return self.seconds_per_round / self.yardstick_seconds
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        """CPU seconds per round over the yardstick's (in-process rows)."""
+        if self.cpu_seconds_per_round is None or not self.yardstick_cpu_seconds:
+            return None
+        return self.cpu_seconds_per_round / self.yardstick_cpu_seconds
 
 
 # --- real runs ----------------------------------------------------------------------------
@@ -129,9 +144,9 @@ def time_run(
     }
     if backend != "clientapp":
         overrides["client-backend"] = backend
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     run_dir = launch_runtime(runtime, REPO, [run_config_argument(overrides)], client_cpus=threads)
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     entries = [json.loads(line) for line in lines if line.strip()]
     per_round = [float(e["round-seconds"]) for e in entries if int(e["round"]) >= 1]
@@ -145,6 +160,7 @@ def time_run(
         first_round_seconds=per_round[0],
         wall_seconds=wall,
         final_accuracy=entries[-1].get("test-accuracy"),
+        cpu_seconds_per_round=cpu / rounds if runtime == "inprocess" else None,
     )
 
 
@@ -173,8 +189,9 @@ def time_ba_run(output_dir: Path) -> dict[str, Any]:
 
 
 # --- the yardstick ------------------------------------------------------------------------
-def yardstick_seconds(setting: str, device: torch.device, rounds: int) -> float:
-    """Median seconds of one round of all clients' local training as one vmapped SGD loop."""
+def yardstick_seconds(setting: str, device: torch.device, rounds: int) -> tuple[float, float]:
+    """Median wall and CPU seconds of one round of all clients' local training as one vmapped
+    SGD loop."""
     config = parse_run_config({**SETTINGS[setting], "device": str(device)})
     partitions = [load_client_partition(data_spec(config), k) for k in range(config.num_clients)]
     # Longest first: the clients still training at step s are always a prefix.
@@ -189,14 +206,15 @@ def yardstick_seconds(setting: str, device: torch.device, rounds: int) -> float:
     model = build_model(
         config.model, partitions[0].input_shape, partitions[0].num_classes, seed=config.seed
     ).to(device)
-    seconds = []
+    seconds, cpu_seconds = [], []
     for _ in range(rounds + 1):  # the first round warms up
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         _vmapped_round(model, features, labels, sizes, config)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds[1:])
+        cpu_seconds.append(time.process_time() - cpu_started)
+    return statistics.median(seconds[1:]), statistics.median(cpu_seconds[1:])
 
 
 def _vmapped_round(
@@ -251,17 +269,19 @@ def table(rows: Sequence[Row]) -> str:
     """Markdown table of the rows."""
     lines = [
         "| setting | runtime | backend | rounds | s / round | x yardstick | yardstick s / round | "
-        "first round s | run wall s | final accuracy | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "CPU s / round | x yardstick CPU | first round s | run wall s | final accuracy | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = "-" if r.ratio is None else f"{r.ratio:.1f}"
         yard = "-" if r.yardstick_seconds is None else f"{r.yardstick_seconds:.3f}"
         accuracy = "-" if r.final_accuracy is None else f"{r.final_accuracy:.4f}"
+        cpu = "-" if r.cpu_seconds_per_round is None else f"{r.cpu_seconds_per_round:.3f}"
+        cpu_ratio = "-" if r.cpu_ratio is None else f"{r.cpu_ratio:.1f}"
         lines.append(
             f"| {r.setting} | {r.runtime} | {r.backend} | {r.rounds} | "
-            f"{r.seconds_per_round:.3f} | {ratio} | {yard} | {r.first_round_seconds:.2f} | "
-            f"{r.wall_seconds:.1f} | {accuracy} | {r.note} |"
+            f"{r.seconds_per_round:.3f} | {ratio} | {yard} | {cpu} | {cpu_ratio} | "
+            f"{r.first_round_seconds:.2f} | {r.wall_seconds:.1f} | {accuracy} | {r.note} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -277,7 +297,10 @@ def report(rows: Sequence[Row], ba_run: Mapping[str, Any] | None, command: str, 
         "Written by `benchmarks/speed.py` (its docstring defines every column). s / round: "
         "median `round-seconds` of the rounds after the first; x yardstick: that over the "
         "vmapped yardstick's seconds per round, measured in the same process on the same "
-        "device.\n",
+        "device. CPU s / round (in-process rows only): CPU seconds of the benchmark's process "
+        "over the whole run (first round, loading and evaluation included) divided by the "
+        "rounds, against the yardstick's CPU seconds per round: on a shared machine the wall "
+        "times carry other processes' load, the CPU times do not.\n",
         table(rows),
     ]
     if ba_run is not None:
@@ -314,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="speed-runs-") as runs:
         for setting in args.settings:
-            yardstick = yardstick_seconds(setting, device, args.rounds)
+            yardstick, yardstick_cpu = yardstick_seconds(setting, device, args.rounds)
             print(f"[speed] {setting}: yardstick {yardstick:.3f} s/round", flush=True)
             for runtime in args.runtimes:
                 for backend in args.backends:
@@ -337,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"[speed] {setting}/{runtime}/{backend} failed: {error}")
                         continue
                     row.yardstick_seconds = yardstick
+                    row.yardstick_cpu_seconds = yardstick_cpu
                     rows.append(row)
                     print(f"[speed] {asdict(row)} ratio {row.ratio}", flush=True)
         ba_run = time_ba_run(Path(runs)) if args.ba_run else None
