@@ -285,11 +285,11 @@ def train_stacked(
                     assert anchor is not None
                     reference = anchor[name]
                     reference = reference[:k] if reference.dim() == weights.dim() else reference
-                    gradient = gradient + proximal_mu * (weights - reference)
+                    gradient.add_(weights - reference, alpha=proximal_mu)
                 if last_gradient is not None:
                     last_gradient[name][:k] = gradient
-                if weight_decay:
-                    gradient = gradient.add(weights, alpha=weight_decay)
+                if weight_decay:  # in place: the gradient is ours, no second copy
+                    gradient.add_(weights, alpha=weight_decay)
                 if momentum:
                     gradient = buffers[name][:k].mul_(momentum).add_(gradient)
                 weights.add_(gradient, alpha=-learning_rate)
@@ -435,16 +435,16 @@ def _stacked_received(
     Each is loaded into ``model`` first, which checks its keys and shapes as the ClientApp's
     ``load_state_dict`` does.
     """
-    rows: list[dict[str, torch.Tensor]] = []
-    for message in messages:
-        received: ArrayRecord = message.content[ARRAYS_RECORD]  # type: ignore[assignment]
-        state = received.to_torch_state_dict()
-        model.load_state_dict(state)
-        rows.append(state)
-    return {
-        name: torch.stack([row[name] for row in rows]).to(device=device, dtype=p.dtype)
+    parameters = {
+        name: torch.empty((len(messages), *p.shape), dtype=p.dtype, device=device)
         for name, p in model.named_parameters()
     }
+    for row, message in enumerate(messages):  # one received model in memory at a time
+        received: ArrayRecord = message.content[ARRAYS_RECORD]  # type: ignore[assignment]
+        model.load_state_dict(received.to_torch_state_dict())
+        for name, p in model.named_parameters():
+            parameters[name][row] = p.detach()
+    return parameters
 
 
 def _anchor(parameters: Stacked) -> Stacked:

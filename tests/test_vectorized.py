@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,9 +29,11 @@ from beyond_averaging.client.vectorized import (
 )
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
+from beyond_averaging.server.inprocess import run_inprocess
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.tasks.federation import load_server_splits
 from beyond_averaging.tasks.models import build_model
+from tests.conftest import REPO
 
 # Unequal clients: 4 to 1 full batches plus remainders of 5, 3, 0 and 2 samples.
 SIZES = (37, 27, 16, 2)
@@ -405,3 +408,18 @@ def test_three_rounds_give_the_same_global_model_with_either_backend(name: str) 
     assert moved > 1e-2  # the rounds trained something
     gap = max(float((expected[k] - got[k]).abs().max()) for k in expected)
     assert gap <= 1e-4
+
+
+def test_inprocess_runtime_with_client_backend_vectorized_ends_at_the_clientapp_model(
+    tmp_path: Path,
+) -> None:
+    """Through the real ServerApp and the in-process Grid's hook: the run option alone switches
+    the backend, and the nodes' Contexts carry Elastic's average from round to round."""
+    settings = {**BASE, "strategy": "elastic", "num-server-rounds": 2, "output-dir": str(tmp_path)}
+    run_inprocess(REPO, {**settings, "run-name": "clientapp"})
+    run_inprocess(REPO, {**settings, "run-name": "vectorized", "client-backend": "vectorized"})
+    expected = torch.load(tmp_path / "clientapp" / "final_model.pt")
+    got = torch.load(tmp_path / "vectorized" / "final_model.pt")
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-4, rtol=0)
