@@ -8,6 +8,7 @@ the server optimizer (FedAvgM with ``momentum``, FedAdam with ``adam``). :class:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from logging import INFO
 from typing import Any, ClassVar, Unpack
@@ -171,11 +172,11 @@ class FedAdam(FedAvg):
     :class:`FedAvg` with ``server_optimizer="adam"`` (``eta`` = ``server_lr``, ``beta_1`` /
     ``beta_2`` = ``server_beta1`` / ``server_beta2``, ``tau`` = ``server_eps``).
 
-    Where the meaning differs from Flower's:
+    As in Flower, the step of server round t is ``eta`` times Adam's bias correction
+    sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1)) (0.74 in round 1 at the defaults, tending to 1),
+    so it gives Flower's numbers; ``FedAvg(server_optimizer="adam")`` is the paper's Algorithm 2
+    without that factor. Where the meaning differs from Flower's:
 
-    - the step is ``eta`` itself, as in the paper's Algorithm 2; Flower multiplies it by the
-      Adam bias correction sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1)) of server round t
-      (0.74 in round 1 at the defaults, tending to 1), so early rounds take larger steps here;
     - ``eta_l`` (the clients' learning rate) is stored and logged but, as in Flower, not sent to
       the clients: their learning rate is the ClientApp's own;
     - integer buffers (BatchNorm's counter) are averaged, not stepped.
@@ -213,6 +214,17 @@ class FedAdam(FedAvg):
             **base,
         )
         self.eta, self.eta_l, self.beta_1, self.beta_2, self.tau = eta, eta_l, beta_1, beta_2, tau
+
+    def aggregate(
+        self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
+    ) -> NDArrayDict:
+        """FedAvg's server-optimizer step with Flower's bias-corrected step size for this round."""
+        self.optimizer.lr = (
+            self.eta
+            * math.sqrt(1.0 - self.beta_2 ** (server_round + 1))
+            / (1.0 - self.beta_1 ** (server_round + 1))
+        )
+        return super().aggregate(server_round, global_arrays, replies)
 
     def summary(self) -> None:
         """Log the configuration, Flower's FedAdam names included."""

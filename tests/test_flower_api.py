@@ -299,9 +299,38 @@ def test_fedavgm_steps_exactly_as_flowers_fedavgm() -> None:
         arrays = new
 
 
-def test_fedadam_is_reddi_algorithm_2_with_flowers_argument_names() -> None:
+def test_fedadam_steps_exactly_as_flowers_fedadam() -> None:
+    options = {"eta": 0.05, "beta_1": 0.8, "beta_2": 0.95, "tau": 1e-2}
+    theirs = flower.FedAdam(**options)
+    ours = FedAdam(**options, min_train_replies=2)
+    arrays = ArrayRecord({key: Array(value) for key, value in GLOBAL.items()})
+    for server_round, (a, b) in enumerate([(1.0, 3.0), (-1.0, 2.0), (0.5, -4.0)], start=1):
+        list(ours.configure_train(server_round, arrays, ConfigRecord(), NodeGrid(2)))
+        theirs.current_arrays = {key: array.numpy() for key, array in arrays.items()}
+        current = theirs.current_arrays
+        replies = [
+            train_reply({k: (v + a).astype(np.float32) for k, v in current.items()}, 10, node_id=1),
+            train_reply({k: (v + b).astype(np.float32) for k, v in current.items()}, 30, node_id=2),
+        ]
+        new, _ = ours.aggregate_train(server_round, replies)
+        expected, _ = theirs.aggregate_train(server_round, replies)
+        assert new is not None
+        assert expected is not None
+        for key, value in expected.items():
+            np.testing.assert_allclose(new[key].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
+        arrays = new
+
+
+def test_fedavg_with_adam_is_reddi_algorithm_2_without_bias_correction() -> None:
     eta, beta_1, beta_2, tau = 0.1, 0.9, 0.99, 1e-3
-    strategy = FedAdam(eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau, min_train_replies=2)
+    strategy = FedAvg(
+        server_optimizer="adam",
+        server_lr=eta,
+        server_beta1=beta_1,
+        server_beta2=beta_2,
+        server_eps=tau,
+        min_train_replies=2,
+    )
     current = {key: value.astype(np.float64) for key, value in GLOBAL.items()}
     first = {key: np.zeros_like(value) for key, value in current.items()}
     second = {key: np.zeros_like(value) for key, value in current.items()}
@@ -314,7 +343,7 @@ def test_fedadam_is_reddi_algorithm_2_with_flowers_argument_names() -> None:
         ]
         new, _ = strategy.aggregate_train(server_round, replies)
         assert new is not None
-        for key in current:  # delta = average - w; no bias correction (Reddi et al., Alg. 2)
+        for key in current:  # delta = average - w
             delta = (10 * a + 30 * b) / 40 * np.ones_like(current[key])
             first[key] = beta_1 * first[key] + (1 - beta_1) * delta
             second[key] = beta_2 * second[key] + (1 - beta_2) * delta**2
