@@ -122,6 +122,8 @@ def check_reply_weight(value: Any, key: str, *, whole: bool = True) -> float:
             "bad-num-examples", f"{key} = {value!r}"[:200] + ": must be a number of examples"
         )
     weight = float(value)
+    if isinstance(value, int) and value > MAX_NUM_EXAMPLES:  # float() would round 2**53 + 1 down
+        weight = math.inf
     if not (
         math.isfinite(weight)
         and 0.0 < weight <= MAX_NUM_EXAMPLES

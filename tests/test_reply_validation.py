@@ -78,6 +78,7 @@ MALFORMED: dict[str, tuple[str, Callable[[], Message]]] = {
     "num-examples nan": ("bad-num-examples", lambda: train_reply(client(1.0), float("nan"))),
     "num-examples 1e300": ("bad-num-examples", lambda: train_reply(client(1.0), 1e300)),
     "num-examples negative": ("bad-num-examples", lambda: train_reply(client(1.0), -3)),
+    "num-examples 2**53 + 1": ("bad-num-examples", lambda: train_reply(client(1.0), 2**53 + 1)),
     "num-examples list": ("bad-num-examples", lambda: train_reply(client(1.0), [1, 2])),  # type: ignore[arg-type]
     "bytes not .npy": ("bad-encoding", lambda: with_b(raw_array(b"not an npy file at all"))),
     "empty bytes": ("bad-encoding", lambda: with_b(raw_array(b""))),
