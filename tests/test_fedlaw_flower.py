@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,17 +13,16 @@ from flwr.app import (
     ConfigRecord,
     Context,
     Message,
-    Metadata,
     MetricRecord,
     RecordDict,
 )
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from beyond_averaging.server.inprocess import InProcessGrid
 from beyond_averaging.strategies import FedLAW
 from beyond_averaging.tasks.datasets import LabeledData
 from tests.conftest import read_metrics
@@ -100,48 +97,6 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-# ----------------------------------------------------------------------------- in-process grid
-class InProcessGrid(Grid):
-    """Delivers each message to the ClientApp of its node, in this process (no SuperLink)."""
-
-    def __init__(self, app: ClientApp, contexts: dict[int, Context]) -> None:
-        self.app, self.contexts = app, contexts
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        replies = []
-        for message in messages:
-            delivered = Message(
-                content=message.content,
-                metadata=Metadata(
-                    run_id=1,
-                    message_id=uuid.uuid4().hex,
-                    src_node_id=SERVER_NODE_ID,
-                    dst_node_id=message.metadata.dst_node_id,
-                    reply_to_message_id="",
-                    group_id="1",
-                    created_at=time.time(),
-                    ttl=600.0,
-                    message_type=message.metadata.message_type,
-                ),
-            )
-            replies.append(self.app(delivered, self.contexts[message.metadata.dst_node_id]))
-        return replies
-
-    def _unused(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError("not needed by Strategy.start")
-
-    create_message = push_messages = pull_messages = set_run = _unused  # type: ignore[assignment]
-
-    @property
-    def run(self) -> None:  # type: ignore[override]
-        raise NotImplementedError
-
-
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """One intra-op thread: small problems run faster and steadier on a shared machine."""
@@ -172,17 +127,9 @@ def test_stock_quickstart_clientapp_trains_under_fedlaw(monkeypatch: pytest.Monk
         min_train_replies=NUM_NODES,
         fraction_evaluate=0.0,  # the stock app below has no evaluate function
     )
-    node_ids = [101, 202, 303]
-    contexts = {
-        node: Context(
-            run_id=1,
-            node_id=node,
-            node_config={"partition-id": index, "num-partitions": NUM_NODES},
-            state=RecordDict(),
-            run_config={"local-epochs": 1},
-        )
-        for index, node in enumerate(node_ids)
-    }
+    # The project's in-process Grid runs any ClientApp; its nodes hold partitions 0, 1, 2.
+    grid = InProcessGrid(stock_app, NUM_NODES, {"local-epochs": 1})
+    node_ids = sorted(grid.get_node_ids())
     accuracies: list[float] = []
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -194,7 +141,7 @@ def test_stock_quickstart_clientapp_trains_under_fedlaw(monkeypatch: pytest.Monk
         return MetricRecord({"accuracy": accuracies[-1]})
 
     result = strategy.start(
-        grid=InProcessGrid(stock_app, contexts),
+        grid=grid,
         initial_arrays=ArrayRecord(net.state_dict()),
         num_rounds=2,
         train_config=ConfigRecord({"lr": 0.1}),
