@@ -1,0 +1,1 @@
+"""qsapp: a Flower / PyTorch app in the shape of Flower's quickstart-pytorch."""
