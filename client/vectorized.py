@@ -555,27 +555,31 @@ def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> li
             (partitions[i][0] for i in order), data.offsets, data.sizes, strict=True
         )
     ]
+    plan = StepPlan.from_batches(batches, task.batch_size).to(device)
+    epoch_steps = [math.ceil(size / task.batch_size) for size in data.sizes]
+    first_epoch = StepPlan.from_batches(
+        [steps[:count] for steps, count in zip(batches, epoch_steps, strict=True)],
+        task.batch_size,
+    )
+    del batches  # the plans hold the same indices
     sensitivity: list[ArrayRecord] | None = None
-    if SENSITIVITY_RECORD in requested:
-        first_epoch = [
-            steps[: math.ceil(size / task.batch_size)]
-            for steps, size in zip(batches, data.sizes, strict=True)
-        ]
+    if SENSITIVITY_RECORD in requested:  # on the received models, before training
         sensitivity = _sensitivity(
             model,
             parameters,
             data.features,
-            StepPlan.from_batches(first_epoch, task.batch_size).to(device),
+            first_epoch.to(device),
             config,
             [contexts[i] for i in order],
         )
+    del first_epoch
     anchor = _anchor(parameters) if task.proximal_mu > 0 else None
     result = train_stacked(
         model,
         parameters,
         data.features,
         data.labels,
-        StepPlan.from_batches(batches, task.batch_size).to(device),
+        plan,
         learning_rate=task.round_learning_rate(server_round),
         momentum=task.momentum,
         weight_decay=task.weight_decay,
