@@ -12,7 +12,7 @@ relay (:class:`tests.deploy_helpers.FleetTap`) between each SuperNode and the Fl
   at least as long as the replies, and a SuperNode whose key was not registered is refused.
 
 The bytes each client uploads per round are printed (run with ``-s``) and written to
-``<tmp>/upload-bytes-<mode>.json``; the README's deployment section reports them.
+``<tmp>/upload-bytes-<mode>.json``; docs/deployment.md reports them.
 """
 
 from __future__ import annotations

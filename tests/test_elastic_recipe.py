@@ -1,7 +1,7 @@
-"""The README recipe: sensitivity added to someone else's Flower ClientApp in two lines.
+"""The Elastic recipe (docs/elastic.md): sensitivity added to a Flower ClientApp in two lines.
 
 ``recipe_app`` below is a stock-style Flower ClientApp (as in Flower's PyTorch quickstart) with
-exactly the two lines the README section "Elastic aggregation / Use in an existing Flower app"
+exactly the two lines the docs/elastic.md section "Use in an existing Flower app"
 adds. ElasticAggregation accepts its replies; the same app without the two lines is refused with
 the recipe in the error.
 """
