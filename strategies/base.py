@@ -67,8 +67,8 @@ from .metrics import (
     reply_weight,
 )
 from .robust import RobustAggregation, check_robust
-from .validation import ReplyRejected as ReplyRejected  # re-exported: rules raise it too
 from .validation import (
+    RECORD_NORM_FACTOR_SCALE,
     cap_weights,
     check_reply_size,
     check_reply_weight,
@@ -80,6 +80,7 @@ from .validation import (
     record_norms,
     update_norms,
 )
+from .validation import ReplyRejected as ReplyRejected  # re-exported: rules raise it too
 
 #: Default of ``update_norm_factor``: above every max/median ratio of honest replies measured on
 #: digits, Dirichlet(0.1) and (0.5) (docs/reliability.md, ``benchmarks/reply_norms.py``).
@@ -181,8 +182,10 @@ class ContractStrategy(Strategy):
         Largest weight share one reply may get, in (0, 1]; the excess goes to the others in
         proportion to their weights (:func:`strategies.validation.cap_weights`). 1 is no cap.
     update_norm_factor : float
-        A reply whose update norm ||theta_k - w|| (or whose required record's norm) exceeds this
-        factor times the round's median is dropped (``norm-outlier``); 0 turns it off.
+        A reply whose update norm ||theta_k - w|| exceeds this factor times the round's median
+        is dropped (``norm-outlier``), and one whose required record's norm exceeds
+        ``RECORD_NORM_FACTOR_SCALE`` times the factor times that record's median
+        (``norm-outlier-<record>``); 0 turns both off.
     robust_aggregation : {"none", "trimmed-mean", "median"}
         Coordinate-wise robust mean instead of the weighted mean, for rules that compose with it
         (``robust_composes``; FedAvg and its server optimizers).
@@ -519,14 +522,18 @@ class ContractStrategy(Strategy):
             }
             for name, values in norms.items():
                 median = float(np.median(values))
-                for flagged in np.flatnonzero(norm_outliers(values, self.update_norm_factor)):
+                factor = self.update_norm_factor * (
+                    1.0 if name == "update" else RECORD_NORM_FACTOR_SCALE
+                )
+                for flagged in np.flatnonzero(norm_outliers(values, factor)):
                     index = int(flagged)
                     rejected.setdefault(
                         index,
                         ReplyRejected(
                             "norm-outlier" if name == "update" else f"norm-outlier-{name}",
-                            f"{name} norm {values[index]:.4g} exceeds update-norm-factor = "
-                            f"{self.update_norm_factor:g} x the round's median {median:.4g}",
+                            f"{name} norm {values[index]:.4g} exceeds {factor:g} x the round's "
+                            f"median {median:.4g} (update-norm-factor = "
+                            f"{self.update_norm_factor:g})",
                         ),
                     )
         for index, rejection in sorted(rejected.items()):

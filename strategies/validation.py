@@ -53,6 +53,11 @@ REPLY_BYTES_SLACK = 1 << 20
 MODEL_GROWTH_FACTOR = 10.0
 MODEL_GROWTH_MARGIN = 2.0
 
+#: A ``sensitivity`` or ``gradient`` record is an outlier at this many times the update factor:
+#: one batch's last-step gradient spreads more between honest clients than their updates do
+#: (max/median up to 6.2 against 4.3 for updates on digits, docs/reliability.md).
+RECORD_NORM_FACTOR_SCALE = 2.0
+
 #: Dtypes a reply tensor may have besides the global tensor's own: IEEE floats that NumPy and
 #: torch both compute with (float16 is the half-size sensitivity upload).
 REAL_FLOAT_SIZES = frozenset({2, 4, 8})

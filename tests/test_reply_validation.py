@@ -325,3 +325,15 @@ def test_evaluate_metrics_that_cannot_be_averaged_give_no_metrics_instead_of_an_
         for v in (float("inf"), float("-inf"))
     ]
     assert strategy.aggregate_evaluate(1, replies) is None
+
+
+def test_records_get_twice_the_update_factor_before_they_count_as_outliers() -> None:
+    strategy = with_global(FedGMA(min_train_replies=1, update_norm_factor=10.0))
+    ones = {k: np.ones_like(v) for k, v in GLOBAL.items() if k != "count"}
+    scaled = {k: 15.0 * v for k, v in ones.items()}  # 15 x the median: an update outlier only
+    replies = [
+        train_reply(client(1.0), 10, node_id=i, extra={"gradient": g})
+        for i, g in enumerate([ones, ones, ones, scaled])
+    ]
+    strategy.aggregate_train(1, replies)
+    assert strategy.aggregation_metrics[1]["replies-valid"] == 4
