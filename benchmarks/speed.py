@@ -186,7 +186,7 @@ def time_ba_run(output_dir: Path) -> dict[str, Any]:
         )
     summary = json.loads((output_dir / "ba-run-default" / "summary.json").read_text())
     return {
-        "command": shlex.join(["ba-run", *command[1:]]),
+        "command": "ba-run --runtime inprocess",  # plus an output-dir in a temporary folder
         "cold-seconds": seconds[0],
         "warm-seconds": seconds[1],
         "warm-cpu-seconds": cpu_seconds[1],
