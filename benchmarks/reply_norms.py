@@ -8,7 +8,9 @@ round, these ratios are taken over the cohort:
 - ``update``: max_k ||theta_k - w|| / median_k ||theta_k - w|| (floating tensors of ``arrays``);
 - ``sensitivity`` (Elastic runs): max / median of the L2 norms of the ``sensitivity`` records;
 - ``gradient`` (hard FedGMA runs): max / median of the L2 norms of the ``gradient`` records;
-- ``weight-share``: the largest data-size weight n_k / sum_j n_j of the round.
+- ``weight-share``: the largest data-size weight n_k / sum_j n_j of the round;
+- ``zero-model``: ||w|| / median_k ||theta_k - w||, the ratio an all-zero model would score
+  (reported with its minimum: the round where such a reply is hardest to single out).
 
 The norm filter is turned off in these runs (``update-norm-factor = 0``), so that no reply is
 dropped by the very bound being measured. Setting: digits, 10 clients, every client each round,
@@ -79,7 +81,12 @@ def round_figures(
             if name in content.array_records:
                 record = {k: a.numpy() for k, a in content.array_records[name].items()}
                 norms.append(_norm(record, list(record)))
-    figures = {"update": _ratio(updates), "weight-share": max(counts) / sum(counts)}
+    figures = {
+        "update": _ratio(updates),
+        "weight-share": max(counts) / sum(counts),
+        # What an all-zero model would score: ||0 - w|| / median honest update norm.
+        "zero-model": _norm(global_arrays, float_keys) / float(np.median(updates)),
+    }
     figures.update({name: _ratio(norms) for name, norms in records.items() if norms})
     return figures
 
@@ -111,8 +118,28 @@ def measure(settings: dict[str, Any]) -> list[dict[str, float]]:
     return per_round
 
 
+def summarise(
+    rounds: Sequence[dict[str, float]], name: str, alpha: float, seeds: list[int], count: int
+) -> dict[str, Any]:
+    """Max, median and min of every figure over the given rounds."""
+    summary: dict[str, Any] = {
+        "strategy": name,
+        "dirichlet-alpha": alpha,
+        "seeds": seeds,
+        "rounds": count,
+    }
+    for key in rounds[0]:
+        values = np.array([r[key] for r in rounds])
+        summary[key] = {
+            "max": round(float(np.nanmax(values)), 3),
+            "median": round(float(np.nanmedian(values)), 3),
+            "min": round(float(np.nanmin(values)), 3),
+        }
+    return summary
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Measure every (strategy, alpha, seed) and print one JSON summary line per strategy/alpha."""
+    """Measure every (strategy, alpha, seed): a JSON line per run, then one per strategy/alpha."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=15)
@@ -133,20 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "seed": seed,
                     "num-server-rounds": args.rounds,
                 }
-                rounds += measure(settings)
-            summary: dict[str, Any] = {
-                "strategy": name,
-                "dirichlet-alpha": alpha,
-                "seeds": args.seeds,
-                "rounds": args.rounds,
-            }
-            for key in rounds[0]:
-                values = np.array([r[key] for r in rounds])
-                summary[key] = {
-                    "max": round(float(np.nanmax(values)), 3),
-                    "median": round(float(np.nanmedian(values)), 3),
-                }
-            print(json.dumps(summary), flush=True)
+                measured = measure(settings)
+                rounds += measured
+                # One line per run as well, so that an interrupted sweep keeps what it measured.
+                print(json.dumps(summarise(measured, name, alpha, [seed], args.rounds)), flush=True)
+            print(json.dumps(summarise(rounds, name, alpha, args.seeds, args.rounds)), flush=True)
     return 0
 
 

@@ -55,7 +55,7 @@ MODEL_GROWTH_MARGIN = 2.0
 
 #: A ``sensitivity`` or ``gradient`` record is an outlier at this many times the update factor:
 #: one batch's last-step gradient spreads more between honest clients than their updates do
-#: (max/median up to 6.2 against 4.3 for updates on digits, docs/reliability.md).
+#: (max/median up to 6.7 against 4.4 for updates on digits, docs/reliability.md).
 RECORD_NORM_FACTOR_SCALE = 2.0
 
 #: Dtypes a reply tensor may have besides the global tensor's own: IEEE floats that NumPy and
