@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.launch import (
     LaunchError,
+    descendants,
     flower_environment,
     free_port,
     read_summary,
@@ -354,8 +355,13 @@ class LocalDeployment:
         *,
         superlink_address: str | None = None,
         auth_key: Path | None = None,
+        node_config: str = "",
     ) -> SuperNodeProcess:
-        """Start a SuperNode for one partition (connecting via ``superlink_address`` if given)."""
+        """Start a SuperNode for one partition (connecting via ``superlink_address`` if given).
+
+        ``node_config`` adds entries to its ``--node-config`` (e.g. ``attack-kinds="..."`` for
+        :mod:`tests.attacker_app`).
+        """
         command = ["flower-supernode"]
         if self.certificates is None:
             command.append("--insecure")
@@ -369,7 +375,7 @@ class LocalDeployment:
             "--port",
             str(free_port()),  # each SuperNode's own Runtime API, distinct on one host
             "--node-config",
-            f"partition-id={partition_id} num-partitions={num_partitions}",
+            f"partition-id={partition_id} num-partitions={num_partitions} {node_config}".strip(),
         ]
         index = len(self.supernodes)
         node = SuperNodeProcess(
@@ -379,6 +385,38 @@ class LocalDeployment:
         )
         self.supernodes.append(node)
         return node
+
+    def stop_supernode(self, node: SuperNodeProcess, timeout: float = 120.0) -> None:
+        """Stop one SuperNode (by its process group) and wait until the SuperLink has
+        forgotten it, so that the next run does not sample it."""
+        online_before = len(self.online_node_ids())
+        stop_process_tree(node.process)
+        self.supernodes.remove(node)
+        deadline = time.monotonic() + timeout
+        while len(self.online_node_ids()) >= online_before:
+            if time.monotonic() > deadline:
+                raise LaunchError(f"a stopped SuperNode was still online after {timeout} s")
+            time.sleep(1.0)
+
+    def use_clientapp(self, component: str) -> None:
+        """Make the staged app run ``component`` (e.g. ``tests.attacker_app:app``) on every node.
+
+        Only the staged copy changes; the FAB that ``flwr run`` builds from it carries the
+        component's module (any ``.py`` file not named ``test_*.py``).
+        """
+        pyproject = self.staged_app / "pyproject.toml"
+        text = pyproject.read_text(encoding="utf-8")
+        default = 'clientapp = "beyond_averaging.client.app:app"'
+        if default not in text:
+            raise LaunchError(f"{pyproject} does not name the default ClientApp ({default})")
+        pyproject.write_text(text.replace(default, f'clientapp = "{component}"'), "utf-8")
+
+    def serverapp_pids(self) -> list[int]:
+        """PIDs of the ServerApp processes the SuperLink started (``flwr-serverapp``)."""
+        assert self.superlink is not None
+        return [
+            pid for pid in descendants(self.superlink.pid) if "flwr-serverapp" in _command_line(pid)
+        ]
 
     def flwr(self, *arguments: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run a ``flwr`` CLI command against this deployment."""
@@ -432,6 +470,50 @@ class LocalDeployment:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:  # ended meanwhile
+        return ""
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The peak resident memory of a live process so far (Linux ``VmHWM``), 0 once it ended."""
+    try:
+        status = (Path("/proc") / str(pid) / "status").read_text(encoding="utf-8")
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakMemory:
+    """Samples the peak RSS of the processes ``pids()`` returns, every ``interval`` seconds,
+    in a background thread; :attr:`peak` is the largest seen (each process's own VmHWM)."""
+
+    def __init__(self, pids: Callable[[], list[int]], interval: float = 0.2) -> None:
+        self.pids, self.interval = pids, interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            for pid in self.pids():
+                self.peak = max(self.peak, peak_rss_bytes(pid))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def online_nodes_from_listing(listing: str) -> list[int]:
