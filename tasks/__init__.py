@@ -19,7 +19,7 @@ if TYPE_CHECKING:
         load_dataset,
         make_synthetic,
     )
-    from .evaluation import DeviceRequest, evaluate, make_loader, resolve_device
+    from .evaluation import DeviceData, DeviceRequest, evaluate, resolve_device
     from .federation import DataSpec, load_client_partition, load_server_splits
     from .models import ModelName, build_model
     from .partition import PartitionScheme, partition_indices
@@ -32,9 +32,9 @@ _MODULE_OF_EXPORT = {
     "LabeledData": ".datasets",
     "load_dataset": ".datasets",
     "make_synthetic": ".datasets",
+    "DeviceData": ".evaluation",
     "DeviceRequest": ".evaluation",
     "evaluate": ".evaluation",
-    "make_loader": ".evaluation",
     "resolve_device": ".evaluation",
     "DataSpec": ".federation",
     "load_client_partition": ".federation",
@@ -51,6 +51,7 @@ __all__ = [
     "DataSpec",
     "DatasetName",
     "DatasetNotFoundError",
+    "DeviceData",
     "DeviceRequest",
     "LabeledData",
     "ModelName",
@@ -60,7 +61,6 @@ __all__ = [
     "load_client_partition",
     "load_dataset",
     "load_server_splits",
-    "make_loader",
     "make_synthetic",
     "partition_indices",
     "resolve_device",

@@ -4,7 +4,7 @@ Local training cuts its batches by index from tensors that already sit on the tr
 so the order of samples must come from a pure function. :func:`epoch_orders` reproduces, draw
 for draw, the order that ``torch.utils.data.DataLoader(dataset, batch_size, shuffle=True,
 generator=torch.Generator().manual_seed(seed))`` yields over consecutive epochs (what
-:func:`tasks.evaluation.make_loader` built and the ClientApp used until the fast path): the same
+``tasks.evaluation.make_loader`` built and the ClientApp used until the fast path): the same
 seed gives the same batches as before, so results of earlier runs stay reproducible.
 
 What one epoch of that loader draws from its generator (torch 2.x, ``num_workers=0``; read in

@@ -1,4 +1,4 @@
-"""Device choice, data on the device, data loaders and loss/accuracy evaluation."""
+"""Device choice, data on the device and loss/accuracy evaluation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Literal
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from .datasets import LabeledData
 
@@ -107,36 +106,6 @@ class DeviceData:
                 self.features[start : start + batch_size],
                 self.labels[start : start + batch_size],
             )
-
-
-def make_loader(
-    data: LabeledData, batch_size: int, *, shuffle: bool, seed: int = 0
-) -> DataLoader[tuple[torch.Tensor, ...]]:
-    """Wrap labelled data in a single-process ``DataLoader`` yielding ``(features, labels)``.
-
-    Parameters
-    ----------
-    data : LabeledData
-        The samples; the tensors share memory with its arrays where NumPy allows.
-    batch_size : int
-        Samples per batch (>= 1); the last batch may be smaller.
-    shuffle : bool
-        Reshuffle every epoch, from a generator seeded with ``seed``.
-    seed : int
-        Seed of the shuffling order (the same seed gives the same batches).
-
-    Returns
-    -------
-    torch.utils.data.DataLoader
-        Batches of float32 features and int64 labels, ``num_workers=0``.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    dataset = TensorDataset(_as_tensor(data.features), _as_tensor(data.labels))
-    generator = torch.Generator().manual_seed(seed) if shuffle else None
-    return DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, num_workers=0
-    )
 
 
 def evaluate(

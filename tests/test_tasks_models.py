@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from beyond_averaging.tasks.datasets import LabeledData
-from beyond_averaging.tasks.evaluation import evaluate, make_loader, resolve_device
+from beyond_averaging.tasks.evaluation import DeviceData, evaluate, resolve_device
 from beyond_averaging.tasks.models import ModelName, build_model
 
 CPU = torch.device("cpu")
@@ -137,7 +137,7 @@ def test_auto_and_cpu_requests_resolve_to_available_devices() -> None:
         resolve_device("tpu")  # type: ignore[arg-type]
 
 
-# --- loaders -----------------------------------------------------------------------------
+# --- data on the device --------------------------------------------------------------------
 
 
 def numbered_data(num_samples: int) -> LabeledData:
@@ -149,14 +149,9 @@ def numbered_data(num_samples: int) -> LabeledData:
     )
 
 
-def loader_order(data: LabeledData, **kwargs: object) -> list[int]:
-    loader = make_loader(data, 4, **kwargs)  # type: ignore[arg-type]
-    return [int(value) for features, _ in loader for value in features[:, 0]]
-
-
-def test_loader_without_shuffle_keeps_sample_order_and_labels() -> None:
-    data = numbered_data(10)
-    batches = list(make_loader(data, 4, shuffle=False))
+def test_device_slices_keep_sample_order_and_labels() -> None:
+    data = DeviceData.from_labeled(numbered_data(10), CPU)
+    batches = list(data.slices(4))
     assert [len(labels) for _, labels in batches] == [4, 4, 2]
     features = torch.cat([f for f, _ in batches])[:, 0]
     labels = torch.cat([lab for _, lab in batches])
@@ -165,23 +160,17 @@ def test_loader_without_shuffle_keeps_sample_order_and_labels() -> None:
     assert labels.dtype == torch.int64
 
 
-def test_shuffled_loader_order_is_a_permutation_fixed_by_the_seed() -> None:
-    data = numbered_data(50)
-    first = loader_order(data, shuffle=True, seed=1)
-    assert sorted(first) == list(range(50))
-    assert first != list(range(50))
-    assert loader_order(data, shuffle=True, seed=1) == first
-    assert loader_order(data, shuffle=True, seed=2) != first
-
-
-def test_loader_accepts_read_only_arrays_without_warning() -> None:
+def test_device_data_accepts_read_only_arrays_without_warning_and_copies_them() -> None:
     data = numbered_data(6)
     data.features.setflags(write=False)
     data.labels.setflags(write=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        batches = list(make_loader(data, 6, shuffle=False))
-    assert batches[0][0].shape == (6, 1)
+        on_device = DeviceData.from_labeled(data, CPU)
+    on_device.features[0, 0] = 99.0  # the cached arrays stay as they were
+    assert data.features[0, 0] == 0.0
+    assert on_device.input_shape == (1,)
+    assert len(on_device) == 6
 
 
 # --- evaluation --------------------------------------------------------------------------
@@ -214,12 +203,15 @@ def test_evaluate_matches_hand_computed_loss_and_accuracy() -> None:
     assert loss == pytest.approx(sum(expected_losses) / 4, rel=1e-6)
 
 
-def test_evaluate_accepts_a_loader_and_gives_the_same_result() -> None:
+def test_evaluate_accepts_batches_and_gives_the_same_result() -> None:
     data = LabeledData(np.array([[2, 0], [0, 1], [1, 3]], dtype=np.float32), np.array([0, 1, 1]), 2)
     model = identity_logreg()
     from_data = evaluate(model, data, CPU)
-    from_loader = evaluate(model, make_loader(data, 2, shuffle=False), CPU)
-    assert from_loader == pytest.approx(from_data)
+    batches = [
+        (torch.from_numpy(data.features[i : i + 2]), torch.from_numpy(data.labels[i : i + 2]))
+        for i in (0, 2)
+    ]
+    assert evaluate(model, batches, CPU) == pytest.approx(from_data)
     assert from_data[1] == pytest.approx(1.0)
 
 
