@@ -181,15 +181,21 @@ class CohortTrainResult:
     last_gradient: Stacked | None
 
 
-def _batch(
-    features: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Features ``(k, B, ...)``, labels ``(k, B)``, real-sample mask ``(k, B)`` and counts."""
-    valid = rows >= 0
+def _gather(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``values[rows]`` shaped ``(k, B, ...)``; padding (``-1``) reads row 0."""
     flat = rows.clamp(min=0).flatten()
-    batch_features = features.index_select(0, flat).view(*rows.shape, *features.shape[1:])
-    batch_labels = labels.index_select(0, flat).view(rows.shape)
-    return batch_features, batch_labels, valid, valid.sum(dim=1)
+    return values.index_select(0, flat).view(*rows.shape, *values.shape[1:])
+
+
+def _batch_mean(per_sample: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each client's mean of ``per_sample`` ``(k, B)`` over its real samples, and their count.
+
+    Padding is excluded with ``where`` rather than a product, so a non-finite value computed
+    on a padding row cannot reach the result.
+    """
+    valid = rows >= 0
+    counts = valid.sum(dim=1)
+    return torch.where(valid, per_sample, 0.0).sum(dim=1) / counts, counts
 
 
 def _live(parameters: Stacked, clients: int) -> Stacked:
@@ -266,16 +272,15 @@ def train_stacked(
     )
     loss_sums = torch.zeros(clients, dtype=torch.float64, device=device)
     for step, k in enumerate(plan.active):
-        batch_features, batch_labels, valid, counts = _batch(
-            features, labels, plan.indices[step, :k]
-        )
+        rows = plan.indices[step, :k]
+        batch_labels = _gather(labels, rows)
         live = _live(parameters, k)
         with torch.enable_grad():
-            logits = forward(live, batch_features)
+            logits = forward(live, _gather(features, rows))
             per_sample = nn.functional.cross_entropy(
                 logits.flatten(0, 1), batch_labels.flatten(), reduction="none"
-            ).view(valid.shape)
-            losses = (per_sample * valid).sum(dim=1) / counts
+            ).view(rows.shape)
+            losses, counts = _batch_mean(per_sample, rows)
             gradients = torch.autograd.grad(losses.sum(), list(live.values()))
         with torch.no_grad():
             loss_sums[:k] += losses.detach().double() * counts
@@ -326,16 +331,11 @@ def sensitivity_stacked(
     forward = _cohort_forward(model)
     for step, k in enumerate(plan.active):
         rows = plan.indices[step, :k]
-        batch_features, _, valid, counts = _batch(
-            features,
-            torch.zeros(features.shape[0], dtype=torch.int64, device=features.device),
-            rows,
-        )
         live = _live(parameters, k)
         with torch.enable_grad():
-            outputs = forward(live, batch_features)
+            outputs = forward(live, _gather(features, rows))
             per_sample = outputs.pow(2).flatten(start_dim=2).sum(dim=2)
-            losses = (per_sample * valid).sum(dim=1) / counts
+            losses, _ = _batch_mean(per_sample, rows)
             gradients = torch.autograd.grad(losses.sum(), list(live.values()))
         with torch.no_grad():
             for name, gradient in zip(parameters, gradients, strict=True):
