@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         phases["end of local training"] = max(sampler.peak, resident_bytes())
         return result
 
-    vectorized.train_stacked = timed_train_stacked  # type: ignore[assignment]
+    vectorized.train_stacked = timed_train_stacked
     sampler.start()
     replies = train_cohort(messages, contexts)
     phases["end of the round (replies built)"] = sampler.stop()
