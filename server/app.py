@@ -22,7 +22,8 @@ from flwr.supercore import log
 
 from ..strategies import ContractStrategy
 from ..strategies.diagnostics import ClientDiagnostics
-from ..tasks.evaluation import evaluate, resolve_device
+from ..tasks.datasets import LabeledData
+from ..tasks.evaluation import DeviceData, evaluate, resolve_device
 from ..tasks.federation import DataSpec, load_server_splits
 from ..tasks.models import build_model
 from ..tasks.protocol import ClientTask
@@ -86,7 +87,13 @@ class CentralEvaluation:
         recorder: RunRecorder,
         num_rounds: int,
     ) -> None:
-        self.model, self.test_set, self.device = model, test_set, device
+        # On the device once, not copied there every round.
+        self.test_set = (
+            DeviceData.from_labeled(test_set, device)
+            if isinstance(test_set, LabeledData)
+            else test_set
+        )
+        self.model, self.device = model, device
         self.strategy, self.recorder, self.num_rounds = strategy, recorder, num_rounds
         self.last_time = time.perf_counter()
 
