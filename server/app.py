@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from ..tasks.models import build_model
 from ..tasks.protocol import ClientTask
 from .checkpoint import RunCheckpoint, capture_rng, restore_rng
 from .config import RunConfig, parse_run_config
+from .inprocess import InProcessGrid
 from .recorder import RunRecorder
 from .rounds import RoundOutcome, run_rounds
 from .strategy_factory import ServerResources, build_strategy
@@ -223,6 +224,13 @@ def main(grid: Grid, context: Context) -> None:
     With ``resume-from = <run folder>`` the run continues in that folder from its checkpoint.
     """
     config = parse_run_config(context.run_config)  # stops the run before round 1 on bad input
+    if config.client_backend != "clientapp" and not isinstance(grid, InProcessGrid):
+        log(
+            WARNING,
+            "client-backend=%r takes effect in the in-process runtime only (ba-run --runtime "
+            "inprocess); this run trains with the ClientApp on every node",
+            config.client_backend,
+        )
     checkpoint = None
     if config.resume_from:  # read before anything is written: a refused resume changes nothing
         folder = Path(config.resume_from).expanduser().resolve()
