@@ -23,7 +23,8 @@ class Net(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
+        logits: torch.Tensor = self.layers(x)
+        return logits
 
 
 def train(

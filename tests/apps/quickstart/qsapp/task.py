@@ -27,7 +27,8 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.bn(self.conv(x)))
-        return self.fc(x.view(-1, 4 * 6 * 6))
+        logits: torch.Tensor = self.fc(x.view(-1, 4 * 6 * 6))
+        return logits
 
 
 class SyntheticImages(Dataset[dict[str, torch.Tensor]]):
