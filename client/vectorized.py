@@ -339,7 +339,8 @@ def sensitivity_stacked(
             gradients = torch.autograd.grad(losses.sum(), list(live.values()))
         with torch.no_grad():
             for name, gradient in zip(parameters, gradients, strict=True):
-                previous[name][:k].mul_(decay).add_(gradient.abs().float(), alpha=1.0 - decay)
+                # abs_ in place: the gradient is ours, no second copy of it
+                previous[name][:k].mul_(decay).add_(gradient.abs_().float(), alpha=1.0 - decay)
     return previous
 
 
@@ -467,13 +468,14 @@ def _sensitivity(
     decay = float(config.get(SENSITIVITY_DECAY_KEY, DEFAULT_DECAY))  # type: ignore[arg-type]
     dtype = str(config.get(SENSITIVITY_DTYPE_KEY, "float32"))
     template = {name: value[0] for name, value in parameters.items()}
-    rows = [_stored_sensitivity(context, template) for context in contexts]
     previous = {
-        name: torch.stack(
-            [row[name].float() if row is not None else torch.zeros(value.shape) for row in rows]
-        ).to(device=value.device, dtype=torch.float32)
-        for name, value in template.items()
+        name: torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+        for name, value in parameters.items()
     }
+    for row, context in enumerate(contexts):  # one node's stored average in memory at a time
+        stored = _stored_sensitivity(context, template)
+        for name, value in (stored or {}).items():
+            previous[name][row] = value
     average = sensitivity_stacked(model, parameters, features, plan, previous, decay)
     records = []
     for row, context in enumerate(contexts):
