@@ -232,6 +232,11 @@ class LocalDeployment:
     workdir: Path
     certificates: Certificates | None = None
     supernode_auth: bool = False
+    #: Keep the SuperLink's state in an SQLite file (as compose.yaml does) rather than in memory.
+    #: Flower waits 5 s for that file's lock (busy_timeout); on a loaded machine 10 SuperNodes
+    #: replying at once exceed it and their replies fail ("database is locked", see
+    #: docs/results/load.md).
+    file_state: bool = True
     supernodes: list[SuperNodeProcess] = field(default_factory=list)
     superlink: subprocess.Popen[bytes] | None = None
 
@@ -290,10 +295,10 @@ class LocalDeployment:
             "127.0.0.1",
             "--port",
             str(self.control_port),
-            "--database",
-            str(self.workdir / "superlink-state.db"),
             "--disable-runtime-dependency-installation",
         ]
+        if self.file_state:
+            command += ["--database", str(self.workdir / "superlink-state.db")]
         if self.supernode_auth:
             command.append("--enable-supernode-auth")
         self.superlink = self._popen(command, self.superlink_log)

@@ -73,8 +73,10 @@ SETTINGS: dict[str, Any] = {
 }
 #: How far below an honest run's final accuracy an attacked run may end. The attacked run
 #: loses the attacker's partition (a quarter of the data, IID) in every round it drops the
-#: reply; a poisoned one ends near chance (0.1), far outside this margin.
-ACCURACY_MARGIN = 0.1
+#: reply, and the short runs of three valid replies move by up to 0.09 from one round to the
+#: next (measured: Elastic 0.75 -> 0.67 in a round whose attacker reply was dropped); a poisoned
+#: run ends near chance (0.1), far below honest - 0.2 (honest runs here end at 0.76-0.93).
+ACCURACY_MARGIN = 0.2
 
 
 def attacker_node_config(kinds: list[str], extra_megabytes: int = 16) -> str:
@@ -158,8 +160,10 @@ def test_one_attacker_neither_crashes_nor_poisons_the_run(
 def test_a_hanging_node_costs_each_round_the_round_timeout_and_counts_as_dropped(
     deployment: LocalDeployment,
 ) -> None:
-    settings = {**SETTINGS, "strategy": "fedavg", "num-server-rounds": 2, "round-timeout": 20.0}
-    run_dir, _ = run_with_attacker(deployment, "hanging", settings, "hang-seconds=90")
+    # The honest nodes answer within 150 s even on a loaded 2-core machine (their ClientApp
+    # processes start, import torch and train); the hanging one would take 600 s.
+    settings = {**SETTINGS, "strategy": "fedavg", "num-server-rounds": 1, "round-timeout": 150.0}
+    run_dir, _ = run_with_attacker(deployment, "hanging", settings, "hang-seconds=600")
     rounds = read_metrics(run_dir)[1:]
     print("\n[hanging] round seconds:", [round(entry["round-seconds"], 1) for entry in rounds])
     for entry in rounds:
