@@ -271,6 +271,20 @@ def describe_rounds_to_target(curves: np.ndarray[Any, Any], target: float) -> st
     return f"{np.mean(reached):.1f} ({len(reached)}/{len(hits)})"
 
 
+def paired_rounds_to_target(
+    own: Mapping[int, Any], baseline: Mapping[int, Any], seeds: Sequence[int], target: float
+) -> str:
+    """Mean seed-paired difference in rounds to ``target`` (seeds where both got there)."""
+    pairs = [
+        (rounds_to_target(own[s], target), rounds_to_target(baseline[s], target)) for s in seeds
+    ]
+    reached = [(a, b) for a, b in pairs if a is not None and b is not None]
+    if not reached:
+        return f"rounds to {target:g} %: n/a"
+    difference = float(np.mean([a - b for a, b in reached]))
+    return f"rounds to {target:g} % {difference:+.1f} ({len(reached)} seeds)"
+
+
 def table(
     results: Sequence[dict[str, Any]], order: Sequence[str], target: float | None = None
 ) -> str:
@@ -310,6 +324,8 @@ def table(
                     f"{difference.mean():+.1f} vs {baseline_name} "
                     f"(better in {better}/{len(seeds)} seeds)"
                 )
+                if target is not None:
+                    delta += "; " + paired_rounds_to_target(own, baseline, seeds, target)
             rows.append(
                 f"| {dataset} | {variant} | {len(curves)} | {curves.shape[1] - 1} | "
                 f"{final.mean():.1f} ± {final.std():.1f} | {tail.mean():.1f} ± {tail.std():.1f} | "

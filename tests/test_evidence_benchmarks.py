@@ -7,6 +7,7 @@ import numpy as np
 from benchmarks.elastic_evidence import (
     baseline_of,
     describe_rounds_to_target,
+    paired_rounds_to_target,
     rounds_to_target,
     variants,
 )
@@ -60,3 +61,11 @@ def test_fedgma_cuts_are_seeded_subsets_and_tag_their_results() -> None:
     assert subsample(data, 1.0, 0, seed=1) is data
     assert sweep_tag("digits", "mlp", 1.0) == ""
     assert sweep_tag("mnist", "cnn", 0.1) == "mnist-cnn-frac0.1"
+
+
+def test_rounds_to_target_is_compared_seed_by_seed() -> None:
+    fast = {0: np.array([0.0, 96.0, 97.0]), 1: np.array([0.0, 90.0, 96.0])}
+    slow = {0: np.array([0.0, 90.0, 95.0]), 1: np.array([0.0, 90.0, 90.0])}
+    # seed 0: 1 - 2 = -1; seed 1: the baseline never gets there, so it is left out
+    assert paired_rounds_to_target(fast, slow, [0, 1], 95.0) == "rounds to 95 % -1.0 (1 seeds)"
+    assert paired_rounds_to_target(fast, slow, [1], 95.0) == "rounds to 95 %: n/a"
