@@ -28,7 +28,7 @@ from beyond_averaging.server.checkpoint import (
     atomic_torch_save,
     capture_rng,
 )
-from beyond_averaging.server.config import RunConfig
+from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.launch import run_config_argument
 from tests.deploy_helpers import REPO, read_metrics
 
@@ -129,6 +129,50 @@ def test_run_killed_mid_round_resumes_to_the_uninterrupted_final_model(
     assert summary["resumed-from-round"] == checkpoint_round
 
 
+@pytest.mark.simulation
+def test_simulation_run_stopped_mid_run_resumes_with_every_round_recorded_once(
+    tmp_path: Path,
+) -> None:
+    settings = {**BASE, "num-server-rounds": 4, "run-name": "sim", "output-dir": str(tmp_path)}
+    run_dir = tmp_path / "sim"
+    with (tmp_path / "first.log").open("wb") as log:
+        first = subprocess.Popen(
+            [str(BA_RUN), "-c", run_config_argument(settings)],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 400.0
+    while _rounds_recorded(run_dir) <= 2:  # rounds 0, 1 and 2 recorded
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the simulation never reached round 2"
+        time.sleep(0.2)
+    # Ctrl-C: the launcher stops the SuperLink and everything below it (Ray, the ServerApp).
+    first.send_signal(signal.SIGINT)
+    first.wait(timeout=120)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] != "completed"
+    checkpoint_round = torch.load(run_dir / CHECKPOINT_FILE, weights_only=True)["round"]
+    assert 2 <= checkpoint_round < 4
+
+    resumed = subprocess.run(
+        [str(BA_RUN), "--resume", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        start_new_session=True,
+    )
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    rounds = read_metrics(run_dir)
+    assert [entry["round"] for entry in rounds] == [0, 1, 2, 3, 4]
+    assert all(entry["replies-valid"] == 3 for entry in rounds[1:])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["resumed-from-round"] == checkpoint_round
+
+
 def _checkpoint(config: dict[str, Any], round_: int = 2) -> RunCheckpoint:
     return RunCheckpoint(
         round=round_,
@@ -143,7 +187,7 @@ def _checkpoint(config: dict[str, Any], round_: int = 2) -> RunCheckpoint:
 def test_resume_with_another_configuration_is_refused_naming_each_changed_key(
     tmp_path: Path,
 ) -> None:
-    config = RunConfig().to_run_config()
+    config = parse_run_config({}).to_run_config()
     _checkpoint(config).save(tmp_path)
     changed = {**config, "learning-rate": 0.1, "strategy": "elastic", "num-server-rounds": 40}
     with pytest.raises(CheckpointError) as error:
@@ -158,7 +202,7 @@ def test_resume_with_another_configuration_is_refused_naming_each_changed_key(
 def test_a_crash_while_writing_keeps_the_previous_checkpoint_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = RunConfig().to_run_config()
+    config = parse_run_config({}).to_run_config()
     _checkpoint(config, round_=4).save(tmp_path)
 
     def torn_save(obj: Any, stream: Any) -> None:
@@ -176,9 +220,9 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint_whole(
 def test_checkpoint_of_an_older_format_is_refused_with_the_reason(tmp_path: Path) -> None:
     atomic_torch_save({"w": torch.zeros(2)}, tmp_path / CHECKPOINT_FILE)  # weights only
     with pytest.raises(CheckpointError, match="stored only the model weights"):
-        RunCheckpoint.load(tmp_path, RunConfig().to_run_config())
+        RunCheckpoint.load(tmp_path, parse_run_config({}).to_run_config())
 
 
 def test_resume_without_a_checkpoint_names_the_folder(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"no checkpoint\.pt there"):
-        RunCheckpoint.load(tmp_path / "nowhere", RunConfig().to_run_config())
+        RunCheckpoint.load(tmp_path / "nowhere", parse_run_config({}).to_run_config())
