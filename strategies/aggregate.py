@@ -151,8 +151,10 @@ def normalise_weights(
 
 def _cast_like(value: npt.NDArray[Any], template: npt.NDArray[Any]) -> npt.NDArray[Any]:
     # Integer buffers (BatchNorm's num_batches_tracked) are averaged in float and rounded back.
+    # np.rint of a 0-d array gives a NumPy scalar; asarray keeps it an array that torch.from_numpy
+    # and Flower's Array both take.
     if np.issubdtype(template.dtype, np.integer):
-        rounded: npt.NDArray[Any] = np.rint(value).astype(template.dtype)
+        rounded: npt.NDArray[Any] = np.asarray(np.rint(value)).astype(template.dtype)
         return rounded
     return value.astype(template.dtype, copy=False)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Array
 
 from beyond_averaging.strategies import aggregate
@@ -78,6 +79,16 @@ def test_weighted_mean_can_keep_float64_for_float16_inputs() -> None:
     assert full["s"][0] == exact
     assert full["s"][1] == 4.5
     assert weighted_mean(clients, weights)["s"].dtype == np.float16  # default: input dtype
+
+
+def test_weighted_mean_keeps_a_0d_integer_buffer_a_0d_array_that_torch_reads() -> None:
+    # BatchNorm's num_batches_tracked: averaged in float, rounded back to int64, still an ndarray.
+    clients = [{"count": np.array(7, np.int64)}, {"count": np.array(10, np.int64)}]
+    mean = weighted_mean(clients, [0.5, 0.5])["count"]
+    assert isinstance(mean, np.ndarray)
+    assert mean.shape == ()
+    assert mean.dtype == np.int64
+    assert int(torch.from_numpy(mean)) == 8  # rint(8.5) rounds half to even
 
 
 def test_pseudo_gradient_matches_a_per_element_loop() -> None:
