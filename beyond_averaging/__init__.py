@@ -17,7 +17,6 @@ a Flower app bundle (FAB) and an installed wheel alike.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +26,8 @@ from typing import TYPE_CHECKING
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
 if not Path(__file__).with_name("strategies").is_dir() and (_SOURCE_ROOT / "strategies").is_dir():
     __path__.append(str(_SOURCE_ROOT))
+
+from .tasks.lazy_exports import lazy_exports  # noqa: E402 - in a FAB it needs the path above
 
 if TYPE_CHECKING:
     from .client.gradient import last_step_gradient
@@ -104,14 +105,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    module_name = _MODULE_OF_EXPORT.get(name)
-    if module_name is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name, __name__), name)
-    globals()[name] = value  # later look-ups skip this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _MODULE_OF_EXPORT)

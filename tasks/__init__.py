@@ -7,8 +7,9 @@ need) does not pull in torch, scikit-learn and Flower Datasets, which take secon
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from .datasets import (
@@ -68,14 +69,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    module_name = _MODULE_OF_EXPORT.get(name)
-    if module_name is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name, __name__), name)
-    globals()[name] = value  # later look-ups skip this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _MODULE_OF_EXPORT)
