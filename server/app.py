@@ -9,7 +9,7 @@ which ``resume-from`` continues the run. A run that cannot train ends ``failed``
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
@@ -180,10 +180,13 @@ class RunProgress:
         evaluation: CentralEvaluation,
         recorder: RunRecorder,
         idle_rounds: int = 0,
+        node_states: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.config, self.strategy = config, strategy
         self.evaluation, self.recorder = evaluation, recorder
         self.idle_rounds = idle_rounds
+        # The nodes' client-side state, where this process can read it (in-process runtime).
+        self.node_states = node_states
 
     def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
         """Write the run's state after ``server_round`` (see :mod:`server.checkpoint`)."""
@@ -194,6 +197,7 @@ class RunProgress:
             rng=capture_rng(),
             idle_rounds=self.idle_rounds,
             config=self.config.to_run_config(),
+            nodes={} if self.node_states is None else self.node_states(),
         ).save(self.recorder.directory)
 
     def __call__(self, arrays: ArrayRecord, outcome: RoundOutcome) -> None:
@@ -264,7 +268,14 @@ def main(grid: Grid, context: Context) -> None:
         evaluation = CentralEvaluation(
             model, test_set, device, strategy, recorder, config.num_server_rounds
         )
-        progress = RunProgress(config, strategy, evaluation, recorder)
+        in_process = grid if isinstance(grid, InProcessGrid) else None
+        progress = RunProgress(
+            config,
+            strategy,
+            evaluation,
+            recorder,
+            node_states=None if in_process is None else in_process.node_states,
+        )
         arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
         if checkpoint is None:
             evaluation(0, arrays)
@@ -275,6 +286,16 @@ def main(grid: Grid, context: Context) -> None:
             strategy.load_state_dict(checkpoint.strategy)
             restore_rng(checkpoint.rng)
             progress.idle_rounds = checkpoint.idle_rounds
+            if in_process is not None:
+                in_process.load_node_states(checkpoint.nodes)
+            elif checkpoint.nodes:
+                log(
+                    WARNING,
+                    "the checkpoint holds the client-side state of %d in-process nodes; this "
+                    "runtime's nodes keep their own, so their state restarts (e.g. Elastic's "
+                    "sensitivity moving average)",
+                    len(checkpoint.nodes),
+                )
         strategy.summary()
         task = client_task(config).to_config()
         arrays = run_rounds(

@@ -11,6 +11,9 @@
   sampling needs no state of its own: each round's cohort is drawn by a generator seeded with
   ``(seed, round)`` from the sorted connected node ids (``ContractStrategy._sample``);
 - ``idle-rounds``: the current streak of rounds that did not aggregate (``max-idle-rounds``);
+- ``nodes``: each node's ``context.state`` (client-side state, e.g. Elastic's sensitivity moving
+  average), where the ServerApp can see it: in the in-process runtime, whose Grid holds every
+  node's Context. A SuperNode's state lives in another process and is not saved (empty here);
 - ``config`` and ``config-hash``: the resolved run configuration, so that a resume with a
   different one is refused with the differing keys named.
 
@@ -26,12 +29,13 @@ import json
 import os
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 CHECKPOINT_FILE = "checkpoint.pt"
 FORMAT_VERSION = 1
@@ -85,6 +89,32 @@ def _from_storable(value: Any) -> Any:
     return value
 
 
+def record_dict_to_plain(records: RecordDict) -> dict[str, Any]:
+    """A node's ``context.state`` as plain data: arrays as NumPy, config and metric values as is."""
+    return {
+        "arrays": {
+            name: {key: array.numpy() for key, array in record.items()}
+            for name, record in records.array_records.items()
+        },
+        "configs": {name: dict(record) for name, record in records.config_records.items()},
+        "metrics": {name: dict(record) for name, record in records.metric_records.items()},
+    }
+
+
+def record_dict_from_plain(plain: Mapping[str, Any]) -> RecordDict:
+    """Inverse of :func:`record_dict_to_plain` (dtypes and values bit for bit)."""
+    records: dict[str, ArrayRecord | ConfigRecord | MetricRecord] = {}
+    for name, arrays in plain.get("arrays", {}).items():
+        records[name] = ArrayRecord(
+            {key: Array(np.asarray(value)) for key, value in arrays.items()}
+        )
+    for name, values in plain.get("configs", {}).items():
+        records[name] = ConfigRecord(dict(values))
+    for name, values in plain.get("metrics", {}).items():
+        records[name] = MetricRecord(dict(values))
+    return RecordDict(records)
+
+
 def capture_rng() -> dict[str, Any]:
     """The process's torch and Python random generator states."""
     version, python_state, gauss = random.getstate()
@@ -108,6 +138,8 @@ class RunCheckpoint:
     rng: dict[str, Any]
     idle_rounds: int
     config: dict[str, Any]
+    #: Node id (as text) -> :func:`record_dict_to_plain` of that node's ``context.state``.
+    nodes: dict[str, Any] = field(default_factory=dict)
 
     def save(self, directory: Path) -> Path:
         """Write ``directory/checkpoint.pt`` atomically (temporary file, fsync, rename)."""
@@ -118,6 +150,7 @@ class RunCheckpoint:
             "strategy": _to_storable(self.strategy),
             "rng": self.rng,
             "idle-rounds": self.idle_rounds,
+            "nodes": _to_storable(self.nodes),
             "config": dict(self.config),
             "config-hash": config_hash(self.config),
         }
@@ -161,6 +194,7 @@ class RunCheckpoint:
             rng=dict(payload["rng"]),
             idle_rounds=int(payload["idle-rounds"]),
             config=dict(payload["config"]),
+            nodes=_from_storable(payload.get("nodes", {})),
         )
 
 

@@ -43,6 +43,8 @@ from flwr.supercore.object_ref import load_app
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from .checkpoint import record_dict_from_plain, record_dict_to_plain
+
 #: Run-config key choosing who trains a round's cohort in this runtime.
 CLIENT_BACKEND_KEY = "client-backend"
 #: Backends: each message to the ClientApp, or a round's train messages to the cohort trainer.
@@ -127,6 +129,32 @@ class InProcessGrid(Grid):
     def run(self) -> Run:
         """The run this Grid serves."""
         return self._run
+
+    # --- client-side state, for checkpoints ------------------------------------------------
+    def node_states(self) -> dict[str, Any]:
+        """Every node's non-empty ``context.state`` as plain data, keyed by node id (as text)."""
+        return {
+            str(node): record_dict_to_plain(context.state)
+            for node, context in self.contexts.items()
+            if context.state
+        }
+
+    def load_node_states(self, states: Mapping[str, Any]) -> None:
+        """Give the nodes the ``context.state`` of :meth:`node_states` (a resumed run).
+
+        Raises
+        ------
+        ValueError
+            A node id that is not in this federation (the checkpoint is of another one).
+        """
+        for node, plain in states.items():
+            context = self.contexts.get(int(node))
+            if context is None:
+                raise ValueError(
+                    f"the checkpoint holds the state of node {node}, which is not in this "
+                    f"federation (nodes {FIRST_NODE_ID}..{FIRST_NODE_ID + len(self.contexts) - 1})"
+                )
+            context.state = record_dict_from_plain(plain)
 
     def create_message(
         self,

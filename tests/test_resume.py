@@ -4,8 +4,9 @@
 subprocess that is killed with SIGKILL once round 2 is recorded, wherever it then is in round 3;
 ``ba-run --resume <run folder>`` continues it in a new process. Its final model must equal, bit
 for bit, the final model of an uninterrupted run in a third process, for every strategy (the
-state that makes this hard: FedAdam's moments, Elastic's server momentum, FedLAW's kept
-BatchNorm statistics, and the torch generator the server draws from).
+state that makes this hard: FedAdam's moments, Elastic's server momentum and its clients'
+sensitivity moving average (each node's ``context.state``), FedLAW's kept BatchNorm statistics,
+and the torch generator the server draws from).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
+from beyond_averaging.client.app import app as client_app
 from beyond_averaging.server.checkpoint import (
     CHECKPOINT_FILE,
     CheckpointError,
@@ -29,6 +33,7 @@ from beyond_averaging.server.checkpoint import (
     capture_rng,
 )
 from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
 from beyond_averaging.server.launch import run_config_argument
 from tests.deploy_helpers import REPO, read_metrics
 
@@ -47,14 +52,9 @@ BASE: dict[str, Any] = {
 #: Every rule, each with the state it carries between rounds.
 STRATEGIES: dict[str, dict[str, Any]] = {
     "fedadam": {"strategy": "fedavg", "server-optimizer": "adam", "server-lr": 0.05},
-    # sensitivity-decay 0: the moving average of the sensitivity lives in each node's
-    # Context.state, which Flower keeps for one run only; a resumed run is a new Flower run, so
-    # with a decay > 0 its nodes restart that average (docs/reliability.md, Runs).
-    "elastic-momentum": {
-        "strategy": "elastic",
-        "server-optimizer": "momentum",
-        "sensitivity-decay": 0.0,
-    },
+    # The default sensitivity-decay 0.9: the clients' moving average lives in each node's
+    # Context.state, which the in-process checkpoint saves and the resume gives back.
+    "elastic-momentum": {"strategy": "elastic", "server-optimizer": "momentum"},
     "fedlaw": {"strategy": "fedlaw", "fedlaw-epochs": 5},
     "fedgma": {"strategy": "fedgma"},
 }
@@ -234,3 +234,33 @@ def test_checkpoint_of_an_older_format_is_refused_with_the_reason(tmp_path: Path
 def test_resume_without_a_checkpoint_names_the_folder(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"no checkpoint\.pt there"):
         RunCheckpoint.load(tmp_path / "nowhere", parse_run_config({}).to_run_config())
+
+
+def test_in_process_node_state_survives_a_checkpoint_bit_for_bit(tmp_path: Path) -> None:
+    grid = InProcessGrid(client_app, 3, parse_run_config({}).to_run_config())
+    average = np.array([[1e-8, 3.0], [np.pi, -0.0]], dtype=np.float32)
+    grid.contexts[FIRST_NODE_ID + 1].state = RecordDict(
+        {
+            "sensitivity-average": ArrayRecord({"fc.weight": Array(average)}),
+            "counters": MetricRecord({"rounds": 4, "loss": 0.25}),
+        }
+    )
+    config = parse_run_config({}).to_run_config()
+    checkpoint = _checkpoint(config)
+    checkpoint.nodes = grid.node_states()
+    checkpoint.save(tmp_path)
+
+    fresh = InProcessGrid(client_app, 3, config)
+    fresh.load_node_states(RunCheckpoint.load(tmp_path, config).nodes)
+    state = fresh.contexts[FIRST_NODE_ID + 1].state
+    restored = state.array_records["sensitivity-average"]["fc.weight"].numpy()
+    assert restored.dtype == np.float32
+    assert restored.tobytes() == average.tobytes()
+    assert dict(state.metric_records["counters"]) == {"rounds": 4, "loss": 0.25}
+    assert not fresh.contexts[FIRST_NODE_ID].state  # nodes without state stay empty
+
+
+def test_node_state_of_another_federation_is_refused_naming_the_node() -> None:
+    grid = InProcessGrid(client_app, 2, parse_run_config({}).to_run_config())
+    with pytest.raises(ValueError, match=f"node {FIRST_NODE_ID + 5}, which is not in"):
+        grid.load_node_states({str(FIRST_NODE_ID + 5): {"arrays": {}}})
