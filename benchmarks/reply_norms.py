@@ -13,8 +13,9 @@ round, these ratios are taken over the cohort:
   (reported with its minimum: the round where such a reply is hardest to single out).
 
 The norm filter is turned off in these runs (``update-norm-factor = 0``), so that no reply is
-dropped by the very bound being measured. Setting: digits, 10 clients, every client each round,
-the default mlp and local training, Dirichlet(0.1) and Dirichlet(0.5) label skew.
+dropped by the very bound being measured. Setting: digits, 10 clients, every client each round
+(``--fraction-train`` samples fewer: the weight shares of partial participation), the default mlp
+and local training, Dirichlet(0.1) and Dirichlet(0.5) label skew.
 
 Usage (from the repository root; about a minute per run on one core)::
 
@@ -145,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument(
+        "--fraction-train", type=float, default=1.0, help="share of the 10 clients sampled"
+    )
     args = parser.parse_args(argv)
     for name in args.strategies:
         for alpha in args.alphas:
@@ -156,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "partition": "dirichlet",
                     "dirichlet-alpha": alpha,
                     "num-clients": 10,
+                    "fraction-train": args.fraction_train,
                     "device": "cpu",
                     "seed": seed,
                     "num-server-rounds": args.rounds,
