@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.optim.sgd import sgd as sgd_update
 
 from ..tasks.evaluation import DeviceData
 
@@ -73,9 +74,8 @@ def train_local(
     model.to(device)
     model.train()
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=learning_rate, momentum=momentum, weight_decay=weight_decay
-    )
+    parameters = list(model.parameters())
+    momentum_buffers: list[torch.Tensor | None] = [None] * len(parameters)
     criterion = nn.CrossEntropyLoss()
     # One host-to-device copy of the whole plan instead of one per step.
     sizes = [int(batch.shape[0]) for batch in plan]
@@ -85,7 +85,8 @@ def train_local(
     last_gradient: dict[str, torch.Tensor] | None = None
     for step, positions in enumerate(steps):
         features, labels = data.features[positions], data.labels[positions]
-        optimizer.zero_grad(set_to_none=True)
+        for parameter in parameters:
+            parameter.grad = None
         loss = criterion(model(features), labels)
         objective = loss
         if anchor:
@@ -99,7 +100,7 @@ def train_local(
                 name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                 for name, p in model.named_parameters()
             }
-        optimizer.step()
+        _sgd_step(parameters, momentum_buffers, learning_rate, momentum, weight_decay)
         total_loss += loss.detach().double() * sizes[step]
     seen = sum(sizes)
     return TrainResult(
@@ -108,3 +109,40 @@ def train_local(
         steps=len(sizes),
         last_gradient=last_gradient,
     )
+
+
+def _sgd_step(
+    parameters: list[nn.Parameter],
+    momentum_buffers: list[torch.Tensor | None],
+    learning_rate: float,
+    momentum: float,
+    weight_decay: float,
+) -> None:
+    """One ``torch.optim.SGD(lr, momentum, weight_decay).step()``, through its own update function.
+
+    ``SGD.step`` calls this same ``torch.optim.sgd.sgd`` on the parameters that have a gradient
+    (with their momentum buffers), so the update is the optimizer's to the bit; but constructing
+    an optimizer imports ``torch._dynamo`` (with SymPy, about 800 modules and 70 MB), which
+    every ClientApp process of a deployment, started afresh per message, would pay.
+    """
+    live = [index for index, parameter in enumerate(parameters) if parameter.grad is not None]
+    params: list[torch.Tensor] = [parameters[index] for index in live]
+    grads = [parameter.grad for parameter in params if parameter.grad is not None]
+    # As SGD._init_group: momentum buffers are passed only when momentum is used.
+    buffers = [momentum_buffers[index] for index in live] if momentum != 0 else []
+    with torch.no_grad():
+        sgd_update(
+            params,
+            grads,
+            buffers,
+            has_sparse_grad=any(grad.is_sparse for grad in grads),
+            weight_decay=weight_decay,
+            momentum=momentum,
+            lr=learning_rate,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+        )
+    if momentum != 0:
+        for index, buffer in zip(live, buffers, strict=True):
+            momentum_buffers[index] = buffer
