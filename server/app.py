@@ -27,6 +27,7 @@ from ..tasks.evaluation import DeviceData, evaluate, resolve_device
 from ..tasks.federation import DataSpec, load_server_splits
 from ..tasks.models import build_model
 from ..tasks.protocol import ClientTask
+from .bounded_pull import bound_reply_bytes
 from .checkpoint import RunCheckpoint, capture_rng, restore_rng
 from .config import RunConfig, parse_run_config
 from .inprocess import InProcessGrid
@@ -269,6 +270,8 @@ def main(grid: Grid, context: Context) -> None:
             model, test_set, device, strategy, recorder, config.num_server_rounds
         )
         in_process = grid if isinstance(grid, InProcessGrid) else None
+        # Behind a SuperLink, replies over the strategy's byte limit are dropped while pulled.
+        grid = bound_reply_bytes(grid, lambda: strategy.reply_byte_limit)
         progress = RunProgress(
             config,
             strategy,

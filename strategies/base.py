@@ -69,6 +69,7 @@ from .metrics import (
 from .robust import RobustAggregation, check_robust
 from .validation import (
     RECORD_NORM_FACTOR_SCALE,
+    REPLY_OVERSIZED_ERROR_CODE,
     cap_weights,
     check_reply_size,
     check_reply_weight,
@@ -442,6 +443,8 @@ class ContractStrategy(Strategy):
         request are never read.
         """
         if message.has_error():
+            if message.error.code == REPLY_OVERSIZED_ERROR_CODE:  # dropped while it was pulled
+                raise ReplyRejected("oversized", str(message.error.reason)[:300])
             raise ReplyRejected("error-reply", f"error reply: {message.error.reason}"[:300])
         content = message.content
         check_reply_size(content, self.reply_byte_limit)

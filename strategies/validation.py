@@ -44,6 +44,9 @@ MAX_NUM_EXAMPLES = float(2**53)
 #: record at the model's size (a float64 reply of a float32 model is twice its size), plus slack.
 REPLY_BYTES_FACTOR = 4
 REPLY_BYTES_SLACK = 1 << 20
+#: Error code of the reply a bounded pull (``server/bounded_pull.py``) puts in place of a reply
+#: whose objects passed the byte limit while they were pulled (413: HTTP's "content too large").
+REPLY_OVERSIZED_ERROR_CODE = 413
 
 #: A global model is not committed when its L2 norm (floating tensors) exceeds
 #: ``MODEL_GROWTH_FACTOR * (||w|| + max_k ||theta_k - w||) + MODEL_GROWTH_MARGIN * sqrt(elements)``.

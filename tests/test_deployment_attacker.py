@@ -196,7 +196,7 @@ def test_unrequested_record_does_not_grow_the_serverapp_beyond_one_reply(
     for entry in read_metrics(run_dir)[1:]:
         assert entry["dropped-oversized"] == 1
     assert honest_peak > 0
-    # The SuperLink hands the whole reply to the ServerApp, which holds its bytes while it
-    # checks the size (and drops it unread): the peak grows by about two copies of one reply
-    # (measured: +529 MB for 256 MB), never by one per round or per node.
-    assert attacked_peak <= honest_peak + 3 * megabytes * 2**20
+    # The ServerApp stops pulling the reply once it passes the byte bound (server/bounded_pull.py:
+    # a few MB for this model, plus the two 5 MB chunks in flight), so its peak does not follow
+    # the record's size (before the bounded pull: +529 MB for 256 MB). 64 MB: room for RSS noise.
+    assert attacked_peak <= honest_peak + 64 * 2**20
