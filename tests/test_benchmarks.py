@@ -402,3 +402,23 @@ def test_one_real_grid_cell_with_diagnostics_runs_and_then_resumes(tmp_path: Pat
     assert np.isfinite(round_two["diag-euclidean-mean"])
     again = run_grid(spec, tmp_path, stream=io.StringIO(), defaults=DEFAULTS)
     assert again.skipped == ["digits-iid-mlp-fedavg-seed0"]
+
+
+@pytest.mark.parametrize(
+    "grid_file", sorted((Path(__file__).parents[1] / "benchmarks" / "grids").glob("*.toml"))
+)
+def test_every_committed_grid_file_gives_cells_the_app_accepts(
+    grid_file: Path, tmp_path: Path
+) -> None:
+    spec = load_grid_file(grid_file)
+    spec.validate()
+    grid.check_cells(spec, spec.cells(DEFAULTS), tmp_path)  # raises GridError naming the cell
+
+
+def test_the_fedlaw_table3_grid_is_the_papers_setting() -> None:
+    # Li et al. (ICML 2023), Fashion-MNIST: a 100-sample proxy set (10 per class), and the
+    # authors' clients train on 70 % of their partition (client_valid_ratio 0.3).
+    spec = load_grid_file(Path(__file__).parents[1] / "benchmarks/grids/fedlaw-table3.toml")
+    assert spec.common["proxy-per-class"] * 10 == 100
+    assert spec.common["client-holdout"] == 0.3
+    assert (spec.common["num-clients"], spec.common["num-server-rounds"]) == (20, 200)
