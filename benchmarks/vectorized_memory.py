@@ -4,15 +4,20 @@ Target (issue 11): a round of the Table 3 setting (Fashion-MNIST, the 784-200-20
 clients, E = 3, batch 128, momentum 0.9) holds at most 2 copies of the cohort's parameters beyond
 the data.
 
-How it is measured: the resident set size (``/proc/self/statm``), sampled every millisecond by a
-thread while :func:`client.vectorized.train_cohort` runs round 2. Round 1 runs first, so the
-cohort's data (concatenated on the device and kept across rounds) and torch's one-off allocations
-are in the baseline; the process runs with ``MALLOC_MMAP_THRESHOLD_`` set so that every large
-tensor is its own mapping, returned to the system when freed, and ``malloc_trim`` is called before
-the baseline is read: the resident size then follows the live tensors. The reported figure is
-(peak - baseline) / (clients x parameters x 4 bytes), which includes everything the round
-allocates: the received models, the stacked parameters, momentum, gradients, batches, activations
-and the reply records handed back.
+Two measures, each of one round after a first round (so the cohort's data, concatenated on the
+device and kept across rounds, and torch's one-off allocations are in the baseline):
+
+- **resident size** (round 2): ``/proc/self/statm`` sampled every millisecond by a thread while
+  :func:`client.vectorized.train_cohort` runs. The process runs with ``MALLOC_MMAP_THRESHOLD_``
+  set so that every large block is its own mapping, returned to the system when freed, and
+  ``malloc_trim`` is called before the baseline is read: the resident size then follows the live
+  blocks. It sees everything the round allocates, torch's tensors and the replies' NumPy bytes.
+- **torch's allocator** (round 3, under :mod:`torch.profiler` with ``profile_memory``): every CPU
+  tensor allocation and free with the allocator's running total, so the peak is exact, not
+  sampled; and the tensors alive at that peak, named by the operator that allocated them. It does
+  not see the replies (NumPy/Python bytes).
+
+Both are reported as (peak - baseline) / (clients x parameters x 4 bytes).
 
 Usage::
 
@@ -24,12 +29,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
@@ -46,6 +56,7 @@ SETTING: dict[str, Any] = {**TABLE3_SETTING, "dirichlet-alpha": 0.1, "seed": 8, 
 REQUESTS = {"fedavg": "", "elastic": "sensitivity", "fedgma": "gradient"}
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_Result = TypeVar("_Result")
 
 
 def resident_bytes() -> int:
@@ -71,6 +82,99 @@ class PeakSampler(threading.Thread):
         self._done.set()
         self.join()
         return max(self.peak, resident_bytes())
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One event of torch's CPU allocator: ``size`` bytes taken (> 0) or given back (< 0).
+
+    ``total`` is the allocator's running count of live bytes right after the event; ``operator``
+    names the innermost profiled operators that ran it, outer to inner, up to three ("" outside
+    any).
+    """
+
+    time: float
+    size: int
+    total: int
+    address: int
+    operator: str
+
+
+def torch_allocations(fn: Callable[[], _Result]) -> tuple[_Result, list[Allocation]]:
+    """Run ``fn`` under :mod:`torch.profiler` with ``profile_memory``; its CPU allocator events.
+
+    Read from the profiler's Chrome trace (its public output): ``[memory]`` instant events carry
+    the size, address and running total of live bytes; each is attributed to the innermost
+    operator span of its thread that contains it. Blocks allocated before ``fn`` and freed inside
+    it are not counted as freed, so the totals are an upper bound of what ``fn`` adds.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as profiler:
+        result = fn()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text(encoding="utf-8"))["traceEvents"]
+    spans: dict[Any, list[tuple[float, float, str]]] = {}
+    memory: list[dict[str, Any]] = []
+    for event in events:
+        if event.get("name") == "[memory]" and event["args"].get("Device Type") == 0:
+            memory.append(event)
+        elif event.get("ph") == "X" and event.get("cat") == "cpu_op":
+            start = float(event["ts"])
+            spans.setdefault(event["tid"], []).append((start, start + event["dur"], event["name"]))
+    for thread_spans in spans.values():
+        thread_spans.sort(key=lambda span: (span[0], -span[1]))  # outer span first
+    open_spans: dict[Any, list[tuple[float, float, str]]] = {tid: [] for tid in spans}
+    next_span = dict.fromkeys(spans, 0)
+    allocations = []
+    for event in sorted(memory, key=lambda event: float(event["ts"])):
+        at, tid = float(event["ts"]), event["tid"]
+        stack, thread_spans = open_spans.get(tid, []), spans.get(tid, [])
+        while next_span.get(tid, 0) < len(thread_spans) and thread_spans[next_span[tid]][0] <= at:
+            span = thread_spans[next_span[tid]]
+            while stack and stack[-1][1] < span[0]:  # spans nest: ended ones leave first
+                stack.pop()
+            stack.append(span)
+            next_span[tid] += 1
+        while stack and stack[-1][1] < at:
+            stack.pop()
+        args = event["args"]
+        allocations.append(
+            Allocation(
+                at,
+                int(args["Bytes"]),
+                int(args["Total Allocated"]),
+                int(args["Addr"]),
+                " > ".join(span[2] for span in stack[-3:]),
+            )
+        )
+    return result, allocations
+
+
+def peak_above_start(allocations: Sequence[Allocation]) -> int:
+    """Most live bytes above the count before the first event (0 when nothing was allocated)."""
+    if not allocations:
+        return 0
+    start = allocations[0].total - allocations[0].size
+    return max(0, max(event.total for event in allocations) - start)
+
+
+def alive_at_peak(allocations: Sequence[Allocation]) -> Counter[str]:
+    """Bytes of the blocks alive at the peak, by the operator that allocated them."""
+    if not allocations:
+        return Counter()
+    peak = max(range(len(allocations)), key=lambda index: allocations[index].total)
+    alive: dict[int, Allocation] = {}
+    for event in allocations[: peak + 1]:
+        if event.size > 0:
+            alive[event.address] = event
+        else:
+            alive.pop(event.address, None)
+    by_operator: Counter[str] = Counter()
+    for event in alive.values():
+        by_operator[event.operator or "(outside any operator)"] += event.size
+    return by_operator
 
 
 def instructions(server_round: int, requests: str) -> tuple[list[Message], list[Context], int]:
@@ -148,11 +252,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"strategy {args.strategy}: {len(messages)} clients x {parameters} parameters = "
         f"{cohort_bytes / 2**20:.1f} MiB per cohort copy (float32); replies held: {len(replies)}"
     )
+    print("resident size, round 2:")
     for phase, peak in phases.items():
         print(
             f"  peak up to the {phase}: {(peak - baseline) / 2**20:.1f} MiB above the "
             f"baseline = {(peak - baseline) / cohort_bytes:.2f} copies"
         )
+    vectorized.train_stacked = train_stacked
+    del replies
+    messages, _, _ = instructions(3, REQUESTS[args.strategy])
+    _, allocations = torch_allocations(lambda: train_cohort(messages, contexts))
+    peak = peak_above_start(allocations)
+    print(
+        f"torch's allocator, round 3: peak {peak / 2**20:.1f} MiB above the start = "
+        f"{peak / cohort_bytes:.2f} copies; alive at the peak, by allocating operator:"
+    )
+    for operator, size in alive_at_peak(allocations).most_common():
+        if size >= cohort_bytes // 1000:
+            print(f"  {size / cohort_bytes:5.2f} copies  {operator}")
     return 0
 
 

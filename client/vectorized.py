@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from logging import WARNING
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.supercore import log
 from torch import nn
 
@@ -64,7 +64,7 @@ from ..tasks.protocol import (
     ClientTask,
     requested_records,
 )
-from .app import SUPPORTED_RECORDS, cpu_state
+from .app import SUPPORTED_RECORDS
 from .sensitivity import DEFAULT_DECAY, STATE_KEY, mismatch, to_upload
 
 Stacked = dict[str, torch.Tensor]
@@ -116,13 +116,15 @@ class StepPlan:
     """Which samples every client uses at every local step.
 
     Clients are ordered by their number of steps, longest first, so the clients that still
-    train at step ``s`` are the first ``active[s]``.
+    train at step ``s`` are the first ``active[s]``. Only their rows are stored (step after
+    step), not a ``(steps, clients, batch)`` block: with unequal clients most of such a block
+    would be padding for clients that have finished.
 
     Attributes
     ----------
     indices : torch.Tensor
-        int64, ``(steps, clients, batch_size)``: row indices into the cohort's data; ``-1``
-        pads a partial batch and a client that has no step ``s``.
+        int32, ``(sum(active), batch_size)``: row indices into the cohort's data, the active
+        clients of step 0, then of step 1, ...; ``-1`` pads a partial batch.
     active : tuple of int
         Number of clients (a prefix) with a batch at each step.
     """
@@ -145,20 +147,33 @@ class StepPlan:
         Raises
         ------
         ValueError
-            Clients not ordered by step count, or a batch wider than ``batch_size``.
+            Clients not ordered by step count, a batch wider than ``batch_size``, or a row
+            index beyond int32.
         """
         counts = [len(steps) for steps in batches]
         if any(later > earlier for earlier, later in itertools.pairwise(counts)):
             raise ValueError(f"clients must be ordered by steps, longest first; got {counts}")
         num_steps = counts[0] if counts else 0
-        indices = torch.full((num_steps, len(batches), batch_size), -1, dtype=torch.int64)
-        for client, steps in enumerate(batches):
-            for step, rows in enumerate(steps):
+        active = tuple(sum(count > step for count in counts) for step in range(num_steps))
+        indices = torch.full((sum(active), batch_size), -1, dtype=torch.int32)
+        line = 0
+        for step, clients in enumerate(active):
+            for client in range(clients):
+                rows = batches[client][step]
                 if rows.numel() > batch_size:
                     raise ValueError(f"a batch of {rows.numel()} rows exceeds {batch_size}")
-                indices[step, client, : rows.numel()] = rows
-        active = tuple(sum(count > step for count in counts) for step in range(num_steps))
+                if rows.numel() and int(rows.max()) > torch.iinfo(torch.int32).max:
+                    raise ValueError(f"row {int(rows.max())} exceeds the int32 plan's range")
+                indices[line, : rows.numel()] = rows
+                line += 1
         return cls(indices, active)
+
+    def steps(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """Per step: the number of active clients ``k`` and their rows ``(k, batch_size)``."""
+        start = 0
+        for clients in self.active:
+            yield clients, self.indices[start : start + clients]
+            start += clients
 
     def to(self, device: torch.device) -> StepPlan:
         """The plan with its indices on ``device``."""
@@ -215,6 +230,27 @@ def _cohort_forward(model: nn.Module) -> Any:
     return torch.func.vmap(one_client)
 
 
+def _step_gradients(
+    forward: Any,
+    parameters: Stacked,
+    features: torch.Tensor,
+    rows: torch.Tensor,
+    per_sample_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One step's batch-mean losses ``(k,)``, real sample counts and parameter gradients.
+
+    ``per_sample_loss(outputs (k, B, ...), rows (k, B)) -> (k, B)``. The leaves, the outputs and
+    the graph die when this returns, so nothing of a step outlives its update but the gradients
+    the caller consumes.
+    """
+    live = _live(parameters, rows.shape[0])
+    with torch.enable_grad():
+        outputs = forward(live, _gather(features, rows))
+        losses, counts = _batch_mean(per_sample_loss(outputs, rows), rows)
+        gradients = list(torch.autograd.grad(losses.sum(), list(live.values())))
+    return losses.detach(), counts, gradients
+
+
 def train_stacked(
     model: nn.Module,
     parameters: Stacked,
@@ -261,31 +297,31 @@ def train_stacked(
     """
     if proximal_mu > 0 and anchor is None:
         raise ValueError("proximal_mu > 0 needs the received parameters as anchor")
-    clients = plan.indices.shape[1]
-    device = features.device
+    clients = next(iter(parameters.values())).shape[0]
     forward = _cohort_forward(model)
+
+    def cross_entropy(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        per_sample = nn.functional.cross_entropy(
+            logits.flatten(0, 1), _gather(labels, rows).flatten(), reduction="none"
+        )
+        return per_sample.view(rows.shape)
+
     buffers = {name: torch.zeros_like(p) for name, p in parameters.items()} if momentum else {}
     last_gradient = (
         {name: torch.zeros_like(p) for name, p in parameters.items()}
         if keep_last_gradient
         else None
     )
-    loss_sums = torch.zeros(clients, dtype=torch.float64, device=device)
-    for step, k in enumerate(plan.active):
-        rows = plan.indices[step, :k]
-        batch_labels = _gather(labels, rows)
-        live = _live(parameters, k)
-        with torch.enable_grad():
-            logits = forward(live, _gather(features, rows))
-            per_sample = nn.functional.cross_entropy(
-                logits.flatten(0, 1), batch_labels.flatten(), reduction="none"
-            ).view(rows.shape)
-            losses, counts = _batch_mean(per_sample, rows)
-            gradients = torch.autograd.grad(losses.sum(), list(live.values()))
+    loss_sums = torch.zeros(clients, dtype=torch.float64, device=features.device)
+    for k, rows in plan.steps():
+        losses, counts, gradients = _step_gradients(
+            forward, parameters, features, rows, cross_entropy
+        )
         with torch.no_grad():
-            loss_sums[:k] += losses.detach().double() * counts
-            for (name, value), gradient in zip(parameters.items(), gradients, strict=True):
-                weights = value[:k]
+            loss_sums[:k] += losses.double() * counts
+            # pop: each gradient is freed once its layer is updated, none outlives the step
+            for name, value in parameters.items():
+                gradient, weights = gradients.pop(0), value[:k]
                 if proximal_mu > 0:
                     assert anchor is not None
                     reference = anchor[name]
@@ -298,6 +334,7 @@ def train_stacked(
                 if momentum:
                     gradient = buffers[name][:k].mul_(momentum).add_(gradient)
                 weights.add_(gradient, alpha=-learning_rate)
+                del gradient
     return CohortTrainResult(loss_sums, last_gradient)
 
 
@@ -329,18 +366,18 @@ def sensitivity_stacked(
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"sensitivity decay = {decay}: allowed is [0, 1) (the paper uses 0.9)")
     forward = _cohort_forward(model)
-    for step, k in enumerate(plan.active):
-        rows = plan.indices[step, :k]
-        live = _live(parameters, k)
-        with torch.enable_grad():
-            outputs = forward(live, _gather(features, rows))
-            per_sample = outputs.pow(2).flatten(start_dim=2).sum(dim=2)
-            losses, _ = _batch_mean(per_sample, rows)
-            gradients = torch.autograd.grad(losses.sum(), list(live.values()))
+
+    def squared_norm(outputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return outputs.pow(2).flatten(start_dim=2).sum(dim=2)
+
+    for k, rows in plan.steps():
+        _, _, gradients = _step_gradients(forward, parameters, features, rows, squared_norm)
         with torch.no_grad():
-            for name, gradient in zip(parameters, gradients, strict=True):
+            for name in parameters:
                 # abs_ in place: the gradient is ours, no second copy of it
-                previous[name][:k].mul_(decay).add_(gradient.abs_().float(), alpha=1.0 - decay)
+                gradient = gradients.pop(0).abs_()
+                previous[name][:k].mul_(decay).add_(gradient.float(), alpha=1.0 - decay)
+                del gradient
     return previous
 
 
@@ -542,7 +579,7 @@ def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> li
     if reason:
         raise ValueError(reason)
     parameters = _stacked_received([messages[i] for i in order], model, device)
-    model.to(device)
+    model.to("meta")  # its own weights are never used: functional_call swaps in the stacked ones
     batches = [
         [
             rows + offset
@@ -590,14 +627,22 @@ def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> li
         keep_last_gradient=GRADIENT_RECORD in requested,
     )
     del anchor
-    names = list(model.state_dict())
     loss_sums = result.loss_sums.cpu().tolist()
+    # Each stacked layer is copied out to the clients' records and freed before the next, so the
+    # replies never sit beside a whole second stacked copy of the parameters.
+    arrays = _per_client_arrays(parameters, list(model.state_dict()))
+    gradients = (
+        None
+        if result.last_gradient is None
+        else _per_client_arrays(result.last_gradient, list(result.last_gradient))
+    )
+    del result
     replies: dict[int, Message] = {}
     for row, position in enumerate(order):
         size = data.sizes[row]
         content = RecordDict(
             {
-                ARRAYS_RECORD: cpu_state({name: parameters[name][row] for name in names}),
+                ARRAYS_RECORD: arrays[row],
                 METRICS_RECORD: MetricRecord(
                     {
                         NUM_EXAMPLES_KEY: size,
@@ -606,11 +651,26 @@ def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> li
                 ),
             }
         )
-        if result.last_gradient is not None:
-            content[GRADIENT_RECORD] = cpu_state(
-                {name: value[row] for name, value in result.last_gradient.items()}
-            )
+        if gradients is not None:
+            content[GRADIENT_RECORD] = gradients[row]
         if sensitivity is not None:
             content[SENSITIVITY_RECORD] = sensitivity[row]
         replies[position] = Message(content=content, reply_to=messages[position])
     return [replies[position] for position in range(len(messages))]
+
+
+def _per_client_arrays(stacked: Stacked, names: Sequence[str]) -> list[ArrayRecord]:
+    """One ArrayRecord per client row of ``stacked`` (keys in ``names`` order); empties it.
+
+    Each layer is converted for every client, then removed from ``stacked``: what the caller
+    holds no other reference to is freed layer by layer. The records are the ClientApp's
+    (:func:`client.app.cpu_state`: CPU copies, the same Array bytes).
+    """
+    clients = next(iter(stacked.values())).shape[0] if stacked else 0
+    layers: list[dict[str, Array]] = [{} for _ in range(clients)]
+    for name in names:
+        value = stacked.pop(name)
+        for row in range(clients):
+            layers[row][name] = Array(value[row].detach().cpu())
+        del value
+    return [ArrayRecord(layer) for layer in layers]

@@ -148,8 +148,14 @@ def test_step_plan_keeps_the_clients_with_steps_left_as_a_prefix() -> None:
     plan = StepPlan.from_batches(batches, BATCH)
     # 37 samples: 5 steps an epoch; 27: 4; 16: 2; 2: 1 (times 2 epochs).
     assert plan.active == (4, 4, 3, 3, 2, 2, 2, 2, 1, 1)
-    assert int((plan.indices[0, 3] >= 0).sum()) == 2  # the smallest client's one partial batch
-    assert int((plan.indices[4, 0] >= 0).sum()) == 5  # 37 = 4 x 8 + 5
+    steps = list(plan.steps())
+    assert [k for k, _ in steps] == list(plan.active)
+    assert [tuple(rows.shape) for _, rows in steps] == [(k, BATCH) for k in plan.active]
+    assert int((steps[0][1][3] >= 0).sum()) == 2  # the smallest client's one partial batch
+    assert int((steps[4][1][0] >= 0).sum()) == 5  # 37 = 4 x 8 + 5
+    # Only the active clients' rows are stored: no padding rows for finished clients.
+    assert plan.indices.shape == (sum(plan.active), BATCH)
+    assert torch.equal(steps[9][1][0][:5], batches[0][9])  # client 0's last (partial) batch
 
 
 def test_step_plan_refuses_clients_out_of_order() -> None:
