@@ -279,35 +279,15 @@ def test_evaluate_metrics_are_weighted_and_error_replies_skipped() -> None:
 
 
 # ----------------------------------------------------------------------------- FedAvgM / FedAdam
-def test_fedavgm_steps_exactly_as_flowers_fedavgm() -> None:
-    theirs = flower.FedAvgM(server_learning_rate=0.7, server_momentum=0.9)
-    ours = FedAvgM(server_learning_rate=0.7, server_momentum=0.9, min_train_replies=2)
+def _assert_steps_as_flower(ours: Any, theirs: Any, shifts: list[tuple[float, float]]) -> None:
+    """Three rounds of two clients (10 and 30 examples) shifted from the global model by
+    ``shifts``: our strategy's new global model equals Flower's every round."""
     arrays = ArrayRecord({key: Array(value) for key, value in GLOBAL.items()})
-    theirs.current_arrays = arrays  # Flower keeps its own copy of the global model from here on
-    for server_round, clients in enumerate([[1.0, 3.0], [-2.0, 4.0], [0.5, 0.0]], start=1):
+    for server_round, (a, b) in enumerate(shifts, start=1):
         list(ours.configure_train(server_round, arrays, ConfigRecord(), NodeGrid(2)))
-        replies = [
-            train_reply({k: v + value for k, v in GLOBAL.items()}, count, node_id=index + 1)
-            for index, (value, count) in enumerate(zip(clients, [10, 30], strict=True))
-        ]
-        new, _ = ours.aggregate_train(server_round, replies)
-        expected, _ = theirs.aggregate_train(server_round, replies)
-        assert new is not None
-        assert expected is not None
-        for key, value in expected.items():
-            np.testing.assert_allclose(new[key].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
-        arrays = new
-
-
-def test_fedadam_steps_exactly_as_flowers_fedadam() -> None:
-    options = {"eta": 0.05, "beta_1": 0.8, "beta_2": 0.95, "tau": 1e-2}
-    theirs = flower.FedAdam(**options)
-    ours = FedAdam(**options, min_train_replies=2)
-    arrays = ArrayRecord({key: Array(value) for key, value in GLOBAL.items()})
-    for server_round, (a, b) in enumerate([(1.0, 3.0), (-1.0, 2.0), (0.5, -4.0)], start=1):
-        list(ours.configure_train(server_round, arrays, ConfigRecord(), NodeGrid(2)))
-        theirs.current_arrays = {key: array.numpy() for key, array in arrays.items()}
-        current = theirs.current_arrays
+        # Flower's FedAvgM keeps an ArrayRecord of the global model, FedAdam a dict of arrays.
+        current = {key: array.numpy() for key, array in arrays.items()}
+        theirs.current_arrays = arrays if isinstance(theirs, flower.FedAvgM) else current
         replies = [
             train_reply({k: (v + a).astype(np.float32) for k, v in current.items()}, 10, node_id=1),
             train_reply({k: (v + b).astype(np.float32) for k, v in current.items()}, 30, node_id=2),
@@ -319,6 +299,23 @@ def test_fedadam_steps_exactly_as_flowers_fedadam() -> None:
         for key, value in expected.items():
             np.testing.assert_allclose(new[key].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
         arrays = new
+
+
+def test_fedavgm_steps_exactly_as_flowers_fedavgm() -> None:
+    _assert_steps_as_flower(
+        FedAvgM(server_learning_rate=0.7, server_momentum=0.9, min_train_replies=2),
+        flower.FedAvgM(server_learning_rate=0.7, server_momentum=0.9),
+        [(1.0, 3.0), (-2.0, 4.0), (0.5, 0.0)],
+    )
+
+
+def test_fedadam_steps_exactly_as_flowers_fedadam() -> None:
+    options = {"eta": 0.05, "beta_1": 0.8, "beta_2": 0.95, "tau": 1e-2}
+    _assert_steps_as_flower(
+        FedAdam(**options, min_train_replies=2),
+        flower.FedAdam(**options),
+        [(1.0, 3.0), (-1.0, 2.0), (0.5, -4.0)],
+    )
 
 
 def test_fedavg_with_adam_is_reddi_algorithm_2_without_bias_correction() -> None:
