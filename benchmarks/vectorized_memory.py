@@ -12,6 +12,8 @@ device and kept across rounds, and torch's one-off allocations are in the baseli
   set so that every large block is its own mapping, returned to the system when freed, and
   ``malloc_trim`` is called before the baseline is read: the resident size then follows the live
   blocks. It sees everything the round allocates, torch's tensors and the replies' NumPy bytes.
+  Also by phase: before each pass's local training (received models stacked, step plans,
+  Elastic's sensitivity pass), that local training, and after the last one (replies built).
 - **torch's allocator** (round 3, under :mod:`torch.profiler` with ``profile_memory``): every CPU
   tensor allocation and free with the allocator's running total, so the peak is exact, not
   sampled; and the tensors alive at that peak, named by the operator that allocated them. It does
@@ -23,6 +25,12 @@ Usage::
 
     .venv/bin/python -m benchmarks.vectorized_memory            # Table 3 setting, FedAvg
     .venv/bin/python -m benchmarks.vectorized_memory --strategy elastic
+    .venv/bin/python -m benchmarks.vectorized_memory --clients-per-pass 5   # 4 passes of 5
+
+``--clients-per-pass`` trains the cohort in passes of that many clients (longest first): each
+client's arithmetic is the same, memory holds one pass's training state, and the round takes more
+steps on fewer clients each. The round's seconds (wall and process CPU, round 2) are printed to
+show that trade; they are not a speed benchmark (``benchmarks/speed.py`` is).
 """
 
 from __future__ import annotations
@@ -66,22 +74,38 @@ def resident_bytes() -> int:
 
 
 class PeakSampler(threading.Thread):
-    """Samples the resident size every millisecond until stopped; keeps the largest."""
+    """Samples the resident size every millisecond until stopped; keeps the largest.
+
+    ``peak`` is the largest over the whole run; :meth:`mark` closes a phase and returns the
+    largest since the previous mark.
+    """
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peak = resident_bytes()
+        self.peak = self._phase_peak = resident_bytes()
         self._done = threading.Event()
 
     def run(self) -> None:
         while not self._done.is_set():
-            self.peak = max(self.peak, resident_bytes())
+            self._sample()
             time.sleep(0.001)
+
+    def _sample(self) -> int:
+        now = resident_bytes()
+        self.peak, self._phase_peak = max(self.peak, now), max(self._phase_peak, now)
+        return now
+
+    def mark(self) -> int:
+        """The largest resident size since the previous mark (or the start); starts a phase."""
+        now = self._sample()
+        phase_peak, self._phase_peak = self._phase_peak, now
+        return phase_peak
 
     def stop(self) -> int:
         self._done.set()
         self.join()
-        return max(self.peak, resident_bytes())
+        self._sample()
+        return self.peak
 
 
 @dataclass(frozen=True)
@@ -221,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", choices=list(REQUESTS), default="fedavg")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clients-per-pass", type=int, default=None)
     args = parser.parse_args(argv)
     if _MMAP_ENV not in os.environ:  # re-run with every large allocation its own mapping
         os.environ[_MMAP_ENV] = "65536"
@@ -229,7 +254,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     torch.set_num_threads(args.threads)
     messages, contexts, parameters = instructions(1, REQUESTS[args.strategy])
-    train_cohort(messages, contexts)  # round 1: data, caches, torch's one-off allocations
+
+    def train_round(messages: list[Message]) -> list[Message]:
+        return train_cohort(messages, contexts, clients_per_pass=args.clients_per_pass)
+
+    train_round(messages)  # round 1: data, caches, torch's one-off allocations
     messages, _, _ = instructions(2, REQUESTS[args.strategy])
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     baseline = resident_bytes()
@@ -238,30 +267,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_stacked = vectorized.train_stacked
 
     def timed_train_stacked(*args: Any, **kwargs: Any) -> Any:
-        phases["start of local training"] = sampler.peak
+        number = sum(phase.startswith("local training") for phase in phases) + 1
+        phases[f"before local training (pass {number})"] = sampler.mark()
         result = train_stacked(*args, **kwargs)
-        phases["end of local training"] = max(sampler.peak, resident_bytes())
+        phases[f"local training (pass {number})"] = sampler.mark()
         return result
 
     vectorized.train_stacked = timed_train_stacked
     sampler.start()
-    replies = train_cohort(messages, contexts)
-    phases["end of the round (replies built)"] = sampler.stop()
+    wall, cpu = time.perf_counter(), time.process_time()
+    replies = train_round(messages)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    phases["after the last local training (replies built and held)"] = sampler.mark()
+    round_peak = sampler.stop()
     cohort_bytes = len(messages) * parameters * 4
     print(
         f"strategy {args.strategy}: {len(messages)} clients x {parameters} parameters = "
         f"{cohort_bytes / 2**20:.1f} MiB per cohort copy (float32); replies held: {len(replies)}"
     )
-    print("resident size, round 2:")
+    width = args.clients_per_pass or len(messages)
+    print(
+        f"passes of {width} clients; round 2 took {wall:.1f} s wall, {cpu:.1f} s process CPU "
+        f"({args.threads} torch thread(s))"
+    )
+    print(
+        f"resident size, round 2: peak {(round_peak - baseline) / 2**20:.1f} MiB above the "
+        f"baseline = {(round_peak - baseline) / cohort_bytes:.2f} copies; by phase:"
+    )
     for phase, peak in phases.items():
         print(
-            f"  peak up to the {phase}: {(peak - baseline) / 2**20:.1f} MiB above the "
+            f"  {phase}: {(peak - baseline) / 2**20:.1f} MiB above the "
             f"baseline = {(peak - baseline) / cohort_bytes:.2f} copies"
         )
     vectorized.train_stacked = train_stacked
     del replies
     messages, _, _ = instructions(3, REQUESTS[args.strategy])
-    _, allocations = torch_allocations(lambda: train_cohort(messages, contexts))
+    _, allocations = torch_allocations(lambda: train_round(messages))
     peak = peak_above_start(allocations)
     print(
         f"torch's allocator, round 3: peak {peak / 2**20:.1f} MiB above the start = "

@@ -25,6 +25,12 @@ What makes it the same arithmetic as the ClientApp's sequential loop
   Elastic's ``sensitivity`` is :mod:`client.sensitivity`'s math over the first epoch's batches on
   the received model, with the moving average kept in each node's ``Context.state``.
 
+Memory (``benchmarks/vectorized_memory.py`` accounts for it): besides the cohort's data, a pass
+holds its clients' stacked parameters, SGD's momentum buffer (when momentum is on) and one step's
+gradients, each freed once its layer is updated, plus one step's batch and activations. The
+replies are copied out layer by layer, each stacked layer freed once copied. ``clients_per_pass``
+trains the cohort in passes of fewer clients, so only one pass's training state is alive.
+
 Refused (a :class:`ValueError` naming the model and the fix, before any training): models with
 BatchNorm or other buffers (their running statistics would have to be tracked per client) and
 models with dropout (per-client random streams cannot reproduce the sequential loop's draws).
@@ -471,17 +477,20 @@ def _stacked_received(
     """The received models' parameters, stacked ``(clients, ...)`` on ``device``.
 
     Each is loaded into ``model`` first, which checks its keys and shapes as the ClientApp's
-    ``load_state_dict`` does.
+    ``load_state_dict`` does; ``model`` is left on the meta device (no storage): its own weights
+    are never used, :func:`torch.func.functional_call` swaps in the stacked ones.
     """
+    model.to("meta")
     parameters = {
         name: torch.empty((len(messages), *p.shape), dtype=p.dtype, device=device)
         for name, p in model.named_parameters()
     }
     for row, message in enumerate(messages):  # one received model in memory at a time
         received: ArrayRecord = message.content[ARRAYS_RECORD]  # type: ignore[assignment]
-        model.load_state_dict(received.to_torch_state_dict())
+        model.load_state_dict(received.to_torch_state_dict(), assign=True)
         for name, p in model.named_parameters():
-            parameters[name][row] = p.detach()
+            parameters[name][row] = p.detach()  # cast to the model's dtype, as load_state_dict
+    model.to("meta")
     return parameters
 
 
@@ -522,7 +531,12 @@ def _sensitivity(
     return records
 
 
-def train_cohort(messages: Sequence[Message], contexts: Sequence[Context]) -> list[Message]:
+def train_cohort(
+    messages: Sequence[Message],
+    contexts: Sequence[Context],
+    *,
+    clients_per_pass: int | None = None,
+) -> list[Message]:
     """Train every client of ``messages`` together; one reply per message, in order.
 
     The in-process runtime calls this with a round's delivered TRAIN messages and each
@@ -530,28 +544,56 @@ def train_cohort(messages: Sequence[Message], contexts: Sequence[Context]) -> li
     ``arrays`` (trained model), ``metrics`` (``num-examples``, ``train-loss``) and the requested
     ``gradient`` / ``sensitivity`` records.
 
+    Parameters
+    ----------
+    messages, contexts : sequence
+        The TRAIN messages and each destination node's Context, in the same order.
+    clients_per_pass : int, optional
+        Train at most this many clients at once (longest first), one batched pass after another;
+        None: the whole cohort in one pass. Each client's arithmetic is the same either way; a
+        pass holds the training state (parameters, momentum, gradients) of its clients only, so
+        smaller passes trade speed (more steps, each on fewer clients) for memory.
+
     Raises
     ------
     ValueError
         A requested record this backend cannot produce, a refused model (:func:`refusal`),
-        or an empty partition.
+        an empty partition, or ``clients_per_pass < 1``.
     """
     if len(messages) != len(contexts):
         raise ValueError(f"{len(messages)} messages but {len(contexts)} contexts")
+    if clients_per_pass is not None and clients_per_pass < 1:
+        raise ValueError(f"clients_per_pass = {clients_per_pass}: use None or at least 1")
     groups: dict[str, list[int]] = {}
     for position, message in enumerate(messages):
         groups.setdefault(_group_key(message), []).append(position)
     replies: dict[int, Message] = {}
     for positions in groups.values():
         group_replies = _train_group(
-            [messages[i] for i in positions], [contexts[i] for i in positions]
+            [messages[i] for i in positions], [contexts[i] for i in positions], clients_per_pass
         )
         replies.update(zip(positions, group_replies, strict=True))
     return [replies[position] for position in range(len(messages))]
 
 
-def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> list[Message]:
-    """Clients that received the same config: one batched program."""
+@dataclass(frozen=True, eq=False)
+class _Round:
+    """What every pass of one config group shares."""
+
+    config: ConfigRecord
+    task: ClientTask
+    requested: frozenset[str]
+    server_round: int
+    device: torch.device
+    data: _CohortData
+    partition_ids: tuple[int, ...]  # by data row (longest first)
+    model: nn.Module
+
+
+def _train_group(
+    messages: Sequence[Message], contexts: Sequence[Context], clients_per_pass: int | None
+) -> list[Message]:
+    """Clients that received the same config: batched passes of ``clients_per_pass`` clients."""
     config = _config(messages[0])
     requested = requested_records(config)
     unsupported = sorted(requested - SUPPORTED_RECORDS)
@@ -561,7 +603,6 @@ def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> li
             f"produce (it supports {sorted(SUPPORTED_RECORDS)})"
         )
     task = ClientTask.from_config(config)
-    server_round = int(config.get(SERVER_ROUND_KEY, 1))  # type: ignore[arg-type]
     device = resolve_device(task.device)  # type: ignore[arg-type]
     partitions = [_partition(context) for context in contexts]
     num_partitions = {count for _, count in partitions}
@@ -569,7 +610,6 @@ def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> li
         raise ValueError(f"nodes disagree on num-partitions: {sorted(num_partitions)}")
     spec = DataSpec.from_task(task, num_partitions.pop())
     data = _cohort_data(spec, [pid for pid, _ in partitions], device)
-    order = data.order
     model = build_model(
         task.model,  # type: ignore[arg-type]
         tuple(int(size) for size in data.features.shape[1:]),
@@ -578,38 +618,57 @@ def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> li
     reason = refusal(model, task.model)
     if reason:
         raise ValueError(reason)
-    parameters = _stacked_received([messages[i] for i in order], model, device)
-    model.to("meta")  # its own weights are never used: functional_call swaps in the stacked ones
+    shared = _Round(
+        config,
+        task,
+        requested,
+        int(config.get(SERVER_ROUND_KEY, 1)),  # type: ignore[arg-type]
+        device,
+        data,
+        tuple(partitions[i][0] for i in data.order),
+        model,
+    )
+    width = clients_per_pass or len(messages)
+    replies: dict[int, Message] = {}
+    for start in range(0, len(messages), width):
+        rows = range(start, min(start + width, len(messages)))
+        positions = [data.order[row] for row in rows]
+        pass_replies = _train_pass(
+            shared, rows, [messages[i] for i in positions], [contexts[i] for i in positions]
+        )
+        replies.update(zip(positions, pass_replies, strict=True))
+    return [replies[position] for position in range(len(messages))]
+
+
+def _train_pass(
+    shared: _Round, rows: range, messages: Sequence[Message], contexts: Sequence[Context]
+) -> list[Message]:
+    """The clients at data rows ``rows`` (a run of the longest-first order) in one program."""
+    task, data, model, device = shared.task, shared.data, shared.model, shared.device
+    parameters = _stacked_received(messages, model, device)
     batches = [
         [
-            rows + offset
-            for rows in shuffled_batches(
-                size,
+            indices + data.offsets[row]
+            for indices in shuffled_batches(
+                data.sizes[row],
                 task.batch_size,
                 task.local_epochs,
-                shuffle_seed(task.seed, server_round, pid),
+                shuffle_seed(task.seed, shared.server_round, shared.partition_ids[row]),
             )
         ]
-        for pid, offset, size in zip(
-            (partitions[i][0] for i in order), data.offsets, data.sizes, strict=True
-        )
+        for row in rows
     ]
     plan = StepPlan.from_batches(batches, task.batch_size).to(device)
-    epoch_steps = [math.ceil(size / task.batch_size) for size in data.sizes]
+    epoch_steps = [math.ceil(data.sizes[row] / task.batch_size) for row in rows]
     first_epoch = StepPlan.from_batches(
         [steps[:count] for steps, count in zip(batches, epoch_steps, strict=True)],
         task.batch_size,
     )
     del batches  # the plans hold the same indices
     sensitivity: list[ArrayRecord] | None = None
-    if SENSITIVITY_RECORD in requested:  # on the received models, before training
+    if SENSITIVITY_RECORD in shared.requested:  # on the received models, before training
         sensitivity = _sensitivity(
-            model,
-            parameters,
-            data.features,
-            first_epoch.to(device),
-            config,
-            [contexts[i] for i in order],
+            model, parameters, data.features, first_epoch.to(device), shared.config, contexts
         )
     del first_epoch
     anchor = _anchor(parameters) if task.proximal_mu > 0 else None
@@ -619,14 +678,14 @@ def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> li
         data.features,
         data.labels,
         plan,
-        learning_rate=task.round_learning_rate(server_round),
+        learning_rate=task.round_learning_rate(shared.server_round),
         momentum=task.momentum,
         weight_decay=task.weight_decay,
         proximal_mu=task.proximal_mu,
         anchor=anchor,
-        keep_last_gradient=GRADIENT_RECORD in requested,
+        keep_last_gradient=GRADIENT_RECORD in shared.requested,
     )
-    del anchor
+    del anchor, plan
     loss_sums = result.loss_sums.cpu().tolist()
     # Each stacked layer is copied out to the clients' records and freed before the next, so the
     # replies never sit beside a whole second stacked copy of the parameters.
@@ -637,26 +696,26 @@ def _train_group(messages: Sequence[Message], contexts: Sequence[Context]) -> li
         else _per_client_arrays(result.last_gradient, list(result.last_gradient))
     )
     del result
-    replies: dict[int, Message] = {}
-    for row, position in enumerate(order):
+    replies = []
+    for index, (row, message) in enumerate(zip(rows, messages, strict=True)):
         size = data.sizes[row]
         content = RecordDict(
             {
-                ARRAYS_RECORD: arrays[row],
+                ARRAYS_RECORD: arrays[index],
                 METRICS_RECORD: MetricRecord(
                     {
                         NUM_EXAMPLES_KEY: size,
-                        TRAIN_LOSS_KEY: loss_sums[row] / (size * task.local_epochs),
+                        TRAIN_LOSS_KEY: loss_sums[index] / (size * task.local_epochs),
                     }
                 ),
             }
         )
         if gradients is not None:
-            content[GRADIENT_RECORD] = gradients[row]
+            content[GRADIENT_RECORD] = gradients[index]
         if sensitivity is not None:
-            content[SENSITIVITY_RECORD] = sensitivity[row]
-        replies[position] = Message(content=content, reply_to=messages[position])
-    return [replies[position] for position in range(len(messages))]
+            content[SENSITIVITY_RECORD] = sensitivity[index]
+        replies.append(Message(content=content, reply_to=message))
+    return replies
 
 
 def _per_client_arrays(stacked: Stacked, names: Sequence[str]) -> list[ArrayRecord]:

@@ -251,7 +251,10 @@ def train_instructions(server_round: int, model: nn.Module, **extra: Any) -> lis
     return messages
 
 
-def test_cohort_replies_match_the_clientapp_record_for_record_over_two_rounds() -> None:
+@pytest.mark.parametrize("clients_per_pass", [None, 3, 1], ids=["one-pass", "3+1", "1-each"])
+def test_cohort_replies_match_the_clientapp_record_for_record_over_two_rounds(
+    clients_per_pass: int | None,
+) -> None:
     model = build_model("mlp", (1, 8, 8), 10, seed=0)
     sequential = [node_context(node) for node in range(1, COHORT.num_clients + 1)]
     vectorized = [node_context(node) for node in range(1, COHORT.num_clients + 1)]
@@ -260,7 +263,7 @@ def test_cohort_replies_match_the_clientapp_record_for_record_over_two_rounds() 
             server_round, model, **{"request-records": "gradient,sensitivity"}
         )
         expected = [client_app(m, c) for m, c in zip(messages, sequential, strict=True)]
-        replies = train_cohort(messages, vectorized)
+        replies = train_cohort(messages, vectorized, clients_per_pass=clients_per_pass)
         for want, got, message in zip(expected, replies, messages, strict=True):
             assert got.metadata.reply_to_message_id == message.metadata.message_id
             assert set(got.content.keys()) == set(want.content.keys())
@@ -295,6 +298,13 @@ def test_float16_sensitivity_upload_is_sent_as_the_clientapp_sends_it() -> None:
     for context in contexts:  # the moving average itself stays float32
         record = context.state["elastic-sensitivity"]
         assert all(array.dtype == "float32" for array in record.values())  # type: ignore[union-attr]
+
+
+def test_a_pass_width_below_one_is_refused_with_the_value() -> None:
+    model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    contexts = [node_context(node) for node in range(1, COHORT.num_clients + 1)]
+    with pytest.raises(ValueError, match="clients_per_pass = 0"):
+        train_cohort(train_instructions(1, model), contexts, clients_per_pass=0)
 
 
 def test_a_record_the_backend_cannot_produce_is_refused_by_name() -> None:
