@@ -27,10 +27,11 @@ Usage::
     .venv/bin/python -m benchmarks.vectorized_memory --strategy elastic
     .venv/bin/python -m benchmarks.vectorized_memory --clients-per-pass 5   # 4 passes of 5
 
-``--clients-per-pass`` trains the cohort in passes of that many clients (longest first): each
-client's arithmetic is the same, memory holds one pass's training state, and the round takes more
-steps on fewer clients each. The round's seconds (wall and process CPU, round 2) are printed to
-show that trade; they are not a speed benchmark (``benchmarks/speed.py`` is).
+``--clients-per-pass`` (the run option ``vectorized-clients-per-pass``) trains the cohort in
+passes of that many clients (longest first): each client's arithmetic is the same, memory holds
+one pass's training state, and the round takes more steps on fewer clients each. The round's
+seconds (wall and process CPU, round 2) are printed to show that trade; they are not a speed
+benchmark (``benchmarks/speed.py`` is).
 """
 
 from __future__ import annotations
@@ -201,7 +202,9 @@ def alive_at_peak(allocations: Sequence[Allocation]) -> Counter[str]:
     return by_operator
 
 
-def instructions(server_round: int, requests: str) -> tuple[list[Message], list[Context], int]:
+def instructions(
+    server_round: int, requests: str, clients_per_pass: int = 0
+) -> tuple[list[Message], list[Context], int]:
     """The round's train messages and node contexts; and the model's parameter count."""
     config = parse_run_config(SETTING)
     model = build_model(config.model, (1, 28, 28), 10, seed=config.seed)
@@ -234,7 +237,7 @@ def instructions(server_round: int, requests: str) -> tuple[list[Message], list[
                 node_id=node,
                 node_config={"partition-id": node - 1, "num-partitions": config.num_clients},
                 state=RecordDict(),
-                run_config={},
+                run_config={"vectorized-clients-per-pass": clients_per_pass},
             )
         )
     return messages, contexts, sum(p.numel() for p in model.parameters())
@@ -245,7 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", choices=list(REQUESTS), default="fedavg")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--clients-per-pass", type=int, default=None)
+    parser.add_argument(
+        "--clients-per-pass", type=int, default=0, help="run option vectorized-clients-per-pass"
+    )
     args = parser.parse_args(argv)
     if _MMAP_ENV not in os.environ:  # re-run with every large allocation its own mapping
         os.environ[_MMAP_ENV] = "65536"
@@ -253,10 +258,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.executable, [sys.executable, "-m", "benchmarks.vectorized_memory", *sys.argv[1:]]
         )
     torch.set_num_threads(args.threads)
-    messages, contexts, parameters = instructions(1, REQUESTS[args.strategy])
+    messages, contexts, parameters = instructions(1, REQUESTS[args.strategy], args.clients_per_pass)
 
     def train_round(messages: list[Message]) -> list[Message]:
-        return train_cohort(messages, contexts, clients_per_pass=args.clients_per_pass)
+        return train_cohort(messages, contexts)
 
     train_round(messages)  # round 1: data, caches, torch's one-off allocations
     messages, _, _ = instructions(2, REQUESTS[args.strategy])

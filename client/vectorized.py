@@ -28,8 +28,9 @@ What makes it the same arithmetic as the ClientApp's sequential loop
 Memory (``benchmarks/vectorized_memory.py`` accounts for it): besides the cohort's data, a pass
 holds its clients' stacked parameters, SGD's momentum buffer (when momentum is on) and one step's
 gradients, each freed once its layer is updated, plus one step's batch and activations. The
-replies are copied out layer by layer, each stacked layer freed once copied. ``clients_per_pass``
-trains the cohort in passes of fewer clients, so only one pass's training state is alive.
+replies are copied out layer by layer, each stacked layer freed once copied. The run option
+``vectorized-clients-per-pass`` trains the cohort in passes of fewer clients, so only one pass's
+training state is alive.
 
 Refused (a :class:`ValueError` naming the model and the fix, before any training): models with
 BatchNorm or other buffers (their running statistics would have to be tracked per client) and
@@ -75,6 +76,9 @@ from .sensitivity import DEFAULT_DECAY, STATE_KEY, mismatch, to_upload
 
 Stacked = dict[str, torch.Tensor]
 """Per-client tensors stacked on a leading client axis, keyed like ``named_parameters``."""
+
+CLIENTS_PER_PASS_KEY = "vectorized-clients-per-pass"
+"""Run option: clients trained at once (0: the whole cohort); see :func:`train_cohort`."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -531,12 +535,7 @@ def _sensitivity(
     return records
 
 
-def train_cohort(
-    messages: Sequence[Message],
-    contexts: Sequence[Context],
-    *,
-    clients_per_pass: int | None = None,
-) -> list[Message]:
+def train_cohort(messages: Sequence[Message], contexts: Sequence[Context]) -> list[Message]:
     """Train every client of ``messages`` together; one reply per message, in order.
 
     The in-process runtime calls this with a round's delivered TRAIN messages and each
@@ -544,26 +543,21 @@ def train_cohort(
     ``arrays`` (trained model), ``metrics`` (``num-examples``, ``train-loss``) and the requested
     ``gradient`` / ``sensitivity`` records.
 
-    Parameters
-    ----------
-    messages, contexts : sequence
-        The TRAIN messages and each destination node's Context, in the same order.
-    clients_per_pass : int, optional
-        Train at most this many clients at once (longest first), one batched pass after another;
-        None: the whole cohort in one pass. Each client's arithmetic is the same either way; a
-        pass holds the training state (parameters, momentum, gradients) of its clients only, so
-        smaller passes trade speed (more steps, each on fewer clients) for memory.
+    The run option ``vectorized-clients-per-pass`` (in the nodes' ``run_config``; 0 or absent:
+    the whole cohort) trains at most that many clients at once, longest first, one batched pass
+    after another. Each client's arithmetic is the same either way; a pass holds the training
+    state (parameters, momentum, gradients) of its own clients only, so narrower passes trade
+    steps (each on fewer clients) for memory.
 
     Raises
     ------
     ValueError
         A requested record this backend cannot produce, a refused model (:func:`refusal`),
-        an empty partition, or ``clients_per_pass < 1``.
+        an empty partition, or a negative ``vectorized-clients-per-pass``.
     """
     if len(messages) != len(contexts):
         raise ValueError(f"{len(messages)} messages but {len(contexts)} contexts")
-    if clients_per_pass is not None and clients_per_pass < 1:
-        raise ValueError(f"clients_per_pass = {clients_per_pass}: use None or at least 1")
+    clients_per_pass = _clients_per_pass(contexts)
     groups: dict[str, list[int]] = {}
     for position, message in enumerate(messages):
         groups.setdefault(_group_key(message), []).append(position)
@@ -574,6 +568,21 @@ def train_cohort(
         )
         replies.update(zip(positions, group_replies, strict=True))
     return [replies[position] for position in range(len(messages))]
+
+
+def _clients_per_pass(contexts: Sequence[Context]) -> int:
+    """The run's ``vectorized-clients-per-pass`` (0: the whole cohort in one pass)."""
+    raw = contexts[0].run_config.get(CLIENTS_PER_PASS_KEY, 0) if contexts else 0
+    try:
+        width = int(raw)
+    except (TypeError, ValueError):
+        width = -1
+    if width < 0:
+        raise ValueError(
+            f"{CLIENTS_PER_PASS_KEY} = {raw!r}: use 0 (the whole cohort in one pass) or a "
+            "positive number of clients"
+        )
+    return width
 
 
 @dataclass(frozen=True, eq=False)
@@ -591,7 +600,7 @@ class _Round:
 
 
 def _train_group(
-    messages: Sequence[Message], contexts: Sequence[Context], clients_per_pass: int | None
+    messages: Sequence[Message], contexts: Sequence[Context], clients_per_pass: int
 ) -> list[Message]:
     """Clients that received the same config: batched passes of ``clients_per_pass`` clients."""
     config = _config(messages[0])

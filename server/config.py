@@ -86,6 +86,9 @@ class RunConfig(BaseModel):
         "clientapp",
         description="in-process runtime: one ClientApp call per node, or the cohort vectorized",
     )
+    vectorized_clients_per_pass: int = Field(
+        0, ge=0, description="vectorized backend: clients trained at once; 0 = the whole cohort"
+    )
     local_epochs: int = Field(2, ge=1)
     batch_size: int = Field(32, ge=1)
     learning_rate: float = Field(0.05, gt=0.0)

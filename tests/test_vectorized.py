@@ -251,19 +251,20 @@ def train_instructions(server_round: int, model: nn.Module, **extra: Any) -> lis
     return messages
 
 
-@pytest.mark.parametrize("clients_per_pass", [None, 3, 1], ids=["one-pass", "3+1", "1-each"])
+@pytest.mark.parametrize("clients_per_pass", [0, 3, 1], ids=["one-pass", "3+1", "1-each"])
 def test_cohort_replies_match_the_clientapp_record_for_record_over_two_rounds(
-    clients_per_pass: int | None,
+    clients_per_pass: int,
 ) -> None:
     model = build_model("mlp", (1, 8, 8), 10, seed=0)
     sequential = [node_context(node) for node in range(1, COHORT.num_clients + 1)]
-    vectorized = [node_context(node) for node in range(1, COHORT.num_clients + 1)]
+    in_passes = COHORT.model_copy(update={"vectorized_clients_per_pass": clients_per_pass})
+    vectorized = [node_context(node, in_passes) for node in range(1, COHORT.num_clients + 1)]
     for server_round in (1, 2):  # round 2 continues the sensitivity average in Context.state
         messages = train_instructions(
             server_round, model, **{"request-records": "gradient,sensitivity"}
         )
         expected = [client_app(m, c) for m, c in zip(messages, sequential, strict=True)]
-        replies = train_cohort(messages, vectorized, clients_per_pass=clients_per_pass)
+        replies = train_cohort(messages, vectorized)
         for want, got, message in zip(expected, replies, messages, strict=True):
             assert got.metadata.reply_to_message_id == message.metadata.message_id
             assert set(got.content.keys()) == set(want.content.keys())
@@ -300,11 +301,13 @@ def test_float16_sensitivity_upload_is_sent_as_the_clientapp_sends_it() -> None:
         assert all(array.dtype == "float32" for array in record.values())  # type: ignore[union-attr]
 
 
-def test_a_pass_width_below_one_is_refused_with_the_value() -> None:
+def test_a_negative_pass_width_is_refused_with_the_value_and_the_fix() -> None:
     model = build_model("mlp", (1, 8, 8), 10, seed=0)
     contexts = [node_context(node) for node in range(1, COHORT.num_clients + 1)]
-    with pytest.raises(ValueError, match="clients_per_pass = 0"):
-        train_cohort(train_instructions(1, model), contexts, clients_per_pass=0)
+    for context in contexts:
+        context.run_config["vectorized-clients-per-pass"] = -2
+    with pytest.raises(ValueError, match=r"vectorized-clients-per-pass = -2: use 0 .* or a pos"):
+        train_cohort(train_instructions(1, model), contexts)
 
 
 def test_a_record_the_backend_cannot_produce_is_refused_by_name() -> None:
