@@ -1,6 +1,6 @@
 """How many SuperNodes one SuperLink holds on this machine, for the default model.
 
-For each federation size N (default 5, 10, 20, 50) the benchmark starts a SuperLink and N
+For each federation size N (default 5, 10, 20, 30, 50) the benchmark starts a SuperLink and N
 SuperNodes as local processes on loopback (``tests/deploy_helpers.LocalDeployment``: the same
 processes as a deployment, plain gRPC), waits until all N are online, runs the app's default
 configuration (digits, the MLP, every node trains each round) for a few rounds with
@@ -9,9 +9,15 @@ configuration (digits, the MLP, every node trains each round) for a few rounds w
 - seconds until all N nodes were online, and each round's wall time (``round-seconds`` of the
   run's metrics: send, train on every node, receive, aggregate, evaluate);
 - resident memory: the SuperLink, the ServerApp (peak, ``VmHWM``), and per node the SuperNode
-  process with the ClientApp processes it starts (the peak of their sum over the run, divided
-  by N);
-- the run's status and, for a size that fails, the first error.
+  process with the processes it starts (the peak of their sum over the run, divided by N), also
+  split into the SuperNode, Flower's SuperExec and the ClientApp processes;
+- the 1-minute load average during the run (min / mean / max): the cores are shared;
+- the run's status and, for a size that fails, the first error and the SuperLink's errors.
+
+The SuperLink keeps its state in memory, as compose.yaml does; ``--state file`` gives it an
+SQLite file (``--database``), which is what broke first (docs/deployment.md, "Load"). The
+partition cache (``$BA_PARTITION_CACHE``, a scratch folder here) is filled before each run
+unless ``--cold-cache``.
 
 Before each size it checks ``MemAvailable`` against the per-node memory of the previous size
 and skips sizes that would not fit (with the reason), because the machine is shared. Every
@@ -19,10 +25,11 @@ process is stopped by PID (each in its own process group), never by name.
 
 Usage::
 
-    nice -n 10 .venv/bin/python -m benchmarks.load                      # 5 10 20 50, 2 rounds
+    nice -n 10 .venv/bin/python -m benchmarks.load                   # 5 10 20 30 50, 2 rounds
     nice -n 10 .venv/bin/python -m benchmarks.load --sizes 5 10 --rounds 3 --publish
 
-``--publish`` writes ``docs/results/load.md`` (the table) besides the JSON in
+``--publish`` writes the table to ``docs/results/load.md`` (``load-file.md`` with
+``--state file``, ``-cold`` added with ``--cold-cache``) besides the JSON in
 ``benchmarks/results/load/``.
 """
 
@@ -32,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import tempfile
 import threading
@@ -40,7 +48,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from beyond_averaging.server.app import client_task
+from beyond_averaging.server.config import RunConfig
 from beyond_averaging.server.launch import LaunchError
+from beyond_averaging.tasks.federation import DataSpec, load_client_partition
+from beyond_averaging.tasks.partition_cache import CACHE_ENV
 from tests.deploy_helpers import (
     REPO,
     LocalDeployment,
@@ -74,45 +86,68 @@ def available_bytes() -> int:
     return 0
 
 
-def process_table() -> tuple[dict[int, list[int]], dict[int, int]]:
-    """Children of every process and every process's RSS in bytes, from one ``ps`` call."""
+def process_table() -> tuple[dict[int, list[int]], dict[int, int], dict[int, str]]:
+    """Children, RSS in bytes and command line of every process, from one ``ps`` call."""
     listing = subprocess.run(
-        ["ps", "-eo", "pid=,ppid=,rss="], capture_output=True, text=True, check=False
+        ["ps", "-eo", "pid=,ppid=,rss=,args="], capture_output=True, text=True, check=False
     ).stdout
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
+    commands: dict[int, str] = {}
     for line in listing.splitlines():
-        pid, parent, kilobytes = (int(field) for field in line.split())
+        fields = line.split(maxsplit=3)
+        pid, parent, kilobytes = (int(field) for field in fields[:3])
         children.setdefault(parent, []).append(pid)
         rss[pid] = kilobytes * 1024
-    return children, rss
+        commands[pid] = fields[3] if len(fields) > 3 else ""
+    return children, rss, commands
 
 
-def tree_rss(pid: int, children: dict[int, list[int]], rss: dict[int, int]) -> int:
-    """Summed RSS of a process and everything below it."""
-    total, frontier = 0, [pid]
+def descendants(pid: int, children: dict[int, list[int]]) -> list[int]:
+    """Every process below ``pid``."""
+    found, frontier = [], list(children.get(pid, []))
     while frontier:
-        total += sum(rss.get(p, 0) for p in frontier)
+        found += frontier
         frontier = [child for p in frontier for child in children.get(p, [])]
-    return total
+    return found
+
+
+#: The parts of a node's memory: the SuperNode process, the ClientApp processes it starts
+#: (one per message, ``flwr-clientapp``) and the helpers between them (Flower's SuperExec).
+NODE_PARTS = ("supernode", "clientapp", "superexec")
 
 
 class NodeMemory:
-    """The peak over time of the summed RSS of every SuperNode and its ClientApp processes."""
+    """Peaks over time of the summed RSS of every node's processes, by part and in all.
+
+    Also samples the 1-minute load average, since the CPU cores are shared with other jobs.
+    """
 
     def __init__(self, deployment: LocalDeployment, interval: float = 1.0) -> None:
         self.deployment, self.interval = deployment, interval
         self.peak_total = 0
+        self.peak_part = dict.fromkeys(NODE_PARTS, 0)
+        self.peak_clientapps = 0
+        self.load: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            children, rss = process_table()
-            total = sum(
-                tree_rss(node.process.pid, children, rss) for node in self.deployment.supernodes
-            )
-            self.peak_total = max(self.peak_total, total)
+            children, rss, commands = process_table()
+            part = dict.fromkeys(NODE_PARTS, 0)
+            clientapps = 0
+            for node in self.deployment.supernodes:
+                part["supernode"] += rss.get(node.process.pid, 0)
+                for pid in descendants(node.process.pid, children):
+                    command = commands.get(pid, "")
+                    is_clientapp = "flwr-clientapp" in command
+                    clientapps += is_clientapp and "<defunct>" not in command  # not yet reaped
+                    part["clientapp" if is_clientapp else "superexec"] += rss.get(pid, 0)
+            self.peak_total = max(self.peak_total, sum(part.values()))
+            self.peak_part = {name: max(self.peak_part[name], part[name]) for name in NODE_PARTS}
+            self.peak_clientapps = max(self.peak_clientapps, clientapps)
+            self.load.append(os.getloadavg()[0])
             self._stop.wait(self.interval)
 
     def __enter__(self) -> NodeMemory:
@@ -124,12 +159,29 @@ class NodeMemory:
         self._thread.join()
 
 
-def measure(size: int, rounds: int, workdir: Path, timeout: float) -> dict[str, Any]:
+def warm_partition_cache(size: int) -> None:
+    """Partition the default federation of ``size`` nodes once, into the partition cache.
+
+    Every node's first ClientApp process would otherwise partition itself with Flower Datasets
+    (importing Hugging Face ``datasets``, pandas and pyarrow: ~180 MB more in that process);
+    later processes read the cache. A warm cache measures the steady state of a deployment.
+    """
+    task = client_task(RunConfig())
+    load_client_partition(DataSpec.from_task(task, size), 0)
+
+
+def measure(
+    size: int, rounds: int, workdir: Path, timeout: float, file_state: bool
+) -> dict[str, Any]:
     """One federation of ``size`` SuperNodes: start, run ``rounds`` rounds, stop."""
-    row: dict[str, Any] = {"supernodes": size, "rounds": rounds}
-    # In-memory SuperLink state: with its SQLite file, 7 of 10 replies failed here with
-    # "database is locked" (Flower's 5 s busy_timeout on a loaded machine); see docs/results.
-    deployment = LocalDeployment(REPO, workdir / f"n{size}", file_state=False)
+    row: dict[str, Any] = {
+        "supernodes": size,
+        "rounds": rounds,
+        "superlink-state": "file" if file_state else "memory",
+    }
+    # In-memory SuperLink state by default: with its SQLite file, 7 of 10 replies failed here
+    # with "database is locked" on a loaded machine; see docs/deployment.md (Load).
+    deployment = LocalDeployment(REPO, workdir / f"n{size}", file_state=file_state)
     started = time.monotonic()
     try:
         deployment.start()
@@ -150,60 +202,104 @@ def measure(size: int, rounds: int, workdir: Path, timeout: float) -> dict[str, 
         assert deployment.superlink is not None
         with NodeMemory(deployment) as nodes, PeakMemory(deployment.serverapp_pids) as server:
             run_started = time.monotonic()
-            run_dir = deployment.run(settings, timeout=timeout)
-            row["run-seconds"] = round(time.monotonic() - run_started, 1)
-            row["superlink-peak-rss-mb"] = round(peak_rss_bytes(deployment.superlink.pid) / MIB, 1)
+            try:
+                run_dir = deployment.run(settings, timeout=timeout)
+            finally:
+                row["run-seconds"] = round(time.monotonic() - run_started, 1)
+                row["superlink-peak-rss-mb"] = round(
+                    peak_rss_bytes(deployment.superlink.pid) / MIB, 1
+                )
         metrics = read_metrics(run_dir)
         row["round-seconds"] = [round(float(m["round-seconds"]), 1) for m in metrics[1:]]
         row["replies-valid"] = [m.get("replies-valid") for m in metrics[1:]]
         row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
         row["serverapp-peak-rss-mb"] = round(server.peak / MIB, 1)
         row["node-peak-rss-mb-per-node"] = round(nodes.peak_total / size / MIB, 1)
+        for part in NODE_PARTS:
+            row[f"{part}-peak-rss-mb-per-node"] = round(nodes.peak_part[part] / size / MIB, 1)
+        row["clientapp-processes-at-once"] = nodes.peak_clientapps
+        row["load-average"] = [
+            round(min(nodes.load), 1),
+            round(sum(nodes.load) / len(nodes.load), 1),
+            round(max(nodes.load), 1),
+        ]
         row["status"] = "completed"
     except (LaunchError, OSError, AssertionError) as error:
         row["status"] = "failed"
         row["error"] = f"{type(error).__name__}: {error}"[:2000]
     finally:
         deployment.close()
+        if deployment.superlink_log.is_file():
+            row.update(superlink_errors(deployment.superlink_log.read_text(errors="replace")))
     return row
+
+
+def superlink_errors(log: str) -> dict[str, Any]:
+    """How often the SuperLink logged "database is locked", and on which calls."""
+    locked = [line for line in log.splitlines() if "database is locked" in line]
+    calls = sorted(set(re.findall(r"\[(/[\w./-]+)\]\[UnexpectedError", "\n".join(locked))))
+    return {"superlink-database-locked": len(locked), "superlink-locked-calls": calls}
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The published table."""
+    cache = (
+        "empty at the start (every node's first ClientApp process partitions the data itself)"
+        if meta["cold-cache"]
+        else "filled before the run (the steady state: a node's first message after a fresh "
+        "install also partitions, about 180 MB more in that one process)"
+    )
     lines = [
         "# SuperNodes per SuperLink: load on this machine",
         "",
         f"Measured {meta['date']} with `{meta['command']}` on {meta['machine']}: "
-        f"{meta['cpus']} CPU cores and {meta['memory-gib']} GiB shared with other jobs (several "
-        "agents ran tests and benchmarks on the same machine meanwhile, so times are upper "
+        f"{meta['cpus']} CPU cores and {meta['memory-gib']} GiB shared with other jobs (the "
+        "load average column says how busy the cores were during the run; times are upper "
         "bounds). Default configuration (digits, MLP, 2 local epochs, every node trains every "
-        "round), plain gRPC on loopback, one SuperLink; each SuperNode starts its ClientApp in "
-        "a process of its own (Flower's default isolation).",
+        f"round), plain gRPC on loopback, one SuperLink with its state in "
+        f"{meta['superlink-state']}; each SuperNode starts a ClientApp process per message "
+        f"(Flower's default isolation). Partition cache: {cache}.",
         "",
-        "| SuperNodes | online after (s) | round seconds | ServerApp peak RSS (MB) | SuperLink "
-        "peak RSS (MB) | per node: idle / peak RSS (MB) | valid replies | status |",
-        "|---|---|---|---|---|---|---|---|",
+        "| SuperNodes | online after (s) | round seconds | load average min / mean / max | "
+        "ServerApp peak RSS (MB) | SuperLink peak RSS (MB) | per node peak RSS (MB): all = "
+        "SuperNode + SuperExec + ClientApp | valid replies | status |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["status"] == "skipped":
-            lines.append(f"| {row['supernodes']} | - | - | - | - | - | - | skipped: {row['why']} |")
-            continue
-        if row["status"] == "failed":
             lines.append(
-                f"| {row['supernodes']} | {row.get('seconds-to-online', '-')} | - | - | - | - | - "
-                f"| failed: {row['error'][:200]} |"
+                f"| {row['supernodes']} | - | - | - | - | - | - | - | skipped: {row['why']} |"
             )
             continue
+        locked = ""
+        if row.get("superlink-database-locked"):
+            locked = (
+                f'; the SuperLink logged "database is locked" {row["superlink-database-locked"]}'
+                f" times, on {', '.join(row['superlink-locked-calls']) or 'internal writes'}"
+            )
+        if row["status"] == "failed":
+            first_line = row["error"].splitlines()[0][:300].replace("|", "/")
+            lines.append(
+                f"| {row['supernodes']} | {row.get('seconds-to-online', '-')} | - | - | - | - | - "
+                f"| - | failed: {first_line}{locked} |"
+            )
+            continue
+        load = " / ".join(map(str, row["load-average"]))
+        parts = (
+            f"{row['node-peak-rss-mb-per-node']} = {row['supernode-peak-rss-mb-per-node']} + "
+            f"{row['superexec-peak-rss-mb-per-node']} + {row['clientapp-peak-rss-mb-per-node']}"
+        )
         lines.append(
             f"| {row['supernodes']} | {row['seconds-to-online']} | "
-            f"{', '.join(map(str, row['round-seconds']))} | {row['serverapp-peak-rss-mb']} | "
-            f"{row['superlink-peak-rss-mb']} | {row['supernode-idle-rss-mb']} / "
-            f"{row['node-peak-rss-mb-per-node']} | {row['replies-valid']} | completed |"
+            f"{', '.join(map(str, row['round-seconds']))} | {load} | "
+            f"{row['serverapp-peak-rss-mb']} | {row['superlink-peak-rss-mb']} | {parts} | "
+            f"{row['replies-valid']} | completed{locked} |"
         )
     lines += [
         "",
-        "Per node: the SuperNode process alone when idle, and the peak over the run of the sum "
-        "of every SuperNode with its ClientApp processes, divided by the number of nodes.",
+        "Per node: the peak over the run of the summed RSS of every SuperNode with its "
+        "processes, divided by the number of nodes; the parts are the peaks of each part's sum "
+        "(they need not peak at the same moment, so they may add up to more than the whole).",
         "",
     ]
     return "\n".join(lines)
@@ -212,11 +308,22 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def main() -> None:
     """Measure each size in turn; print and save the rows."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[5, 10, 20, 50])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[5, 10, 20, 30, 50])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument(
         "--reserve-gib", type=float, default=4.0, help="memory left to others on a shared machine"
+    )
+    parser.add_argument(
+        "--state",
+        choices=("memory", "file"),
+        default="memory",
+        help="the SuperLink's state: in memory (default) or in an SQLite file (--database)",
+    )
+    parser.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="start with an empty partition cache instead of filling it before each run",
     )
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
@@ -224,6 +331,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     per_node = 0.0
     with tempfile.TemporaryDirectory(prefix="ba-load-") as scratch:
+        # A cache of this benchmark's own, inherited by every process it starts.
+        os.environ[CACHE_ENV] = str(Path(scratch) / "partitions")
         for size in sorted(args.sizes):
             spare = available_bytes() - args.reserve_gib * 2**30
             if per_node and size * per_node > spare:
@@ -234,23 +343,32 @@ def main() -> None:
                 rows.append({"supernodes": size, "status": "skipped", "why": why})
                 print(json.dumps(rows[-1]), flush=True)
                 continue
-            row = measure(size, args.rounds, Path(scratch), args.timeout)
+            if not args.cold_cache:
+                warm_partition_cache(size)
+            row = measure(size, args.rounds, Path(scratch), args.timeout, args.state == "file")
             rows.append(row)
             print(json.dumps(row), flush=True)
             if row["status"] == "completed":
                 per_node = row["node-peak-rss-mb-per-node"] * MIB
+    options = f"--sizes {' '.join(map(str, args.sizes))} --rounds {args.rounds}"
+    options += " --state file" if args.state == "file" else ""
+    options += " --cold-cache" if args.cold_cache else ""
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "nice -n 10 .venv/bin/python -m benchmarks.load "
-        + " ".join(f"--sizes {' '.join(map(str, args.sizes))} --rounds {args.rounds}".split()),
+        "command": f"nice -n 10 .venv/bin/python -m benchmarks.load {options}",
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "memory-gib": round(int(Path("/proc/meminfo").read_text().split()[1]) * 1024 / 2**30, 1),
+        "superlink-state": "an SQLite file" if args.state == "file" else "memory",
+        "cold-cache": args.cold_cache,
     }
-    (RESULTS / "load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
+    name += "-cold" if args.cold_cache else ""
+    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     if args.publish:
-        PUBLISHED.parent.mkdir(parents=True, exist_ok=True)
-        PUBLISHED.write_text(markdown(rows, meta), encoding="utf-8")
+        published = PUBLISHED.with_name(f"{name}.md")
+        published.parent.mkdir(parents=True, exist_ok=True)
+        published.write_text(markdown(rows, meta), encoding="utf-8")
     print(markdown(rows, meta))
 
 
