@@ -429,14 +429,17 @@ def test_three_rounds_give_the_same_global_model_with_either_backend(name: str) 
     assert gap <= 1e-4
 
 
+@pytest.mark.parametrize("clients_per_pass", [0, 2], ids=["one-pass", "passes-of-2"])
 def test_inprocess_runtime_with_client_backend_vectorized_ends_at_the_clientapp_model(
-    tmp_path: Path,
+    tmp_path: Path, clients_per_pass: int
 ) -> None:
-    """Through the real ServerApp and the in-process Grid's hook: the run option alone switches
-    the backend, and the nodes' Contexts carry Elastic's average from round to round."""
+    """Through the real ServerApp and the in-process Grid's hook: the run options alone switch
+    the backend (and its pass width), and the nodes' Contexts carry Elastic's average from round
+    to round."""
     settings = {**BASE, "strategy": "elastic", "num-server-rounds": 2, "output-dir": str(tmp_path)}
     run_inprocess(REPO, {**settings, "run-name": "clientapp"})
-    run_inprocess(REPO, {**settings, "run-name": "vectorized", "client-backend": "vectorized"})
+    vectorized = {"client-backend": "vectorized", "vectorized-clients-per-pass": clients_per_pass}
+    run_inprocess(REPO, {**settings, "run-name": "vectorized", **vectorized})
     expected = torch.load(tmp_path / "clientapp" / "final_model.pt")
     got = torch.load(tmp_path / "vectorized" / "final_model.pt")
     assert list(got) == list(expected)
