@@ -1,0 +1,67 @@
+"""The load benchmark's bookkeeping: process trees, SuperLink lock errors, the published table."""
+
+from __future__ import annotations
+
+from benchmarks.load import descendants, markdown, superlink_errors
+
+META = {
+    "date": "2026-11-23 15:00 UTC",
+    "command": "nice -n 10 .venv/bin/python -m benchmarks.load --sizes 10 20 --state file",
+    "machine": "Linux",
+    "cpus": 2,
+    "memory-gib": 23.5,
+    "superlink-state": "an SQLite file",
+    "cold-cache": False,
+}
+
+
+def test_descendants_are_every_process_below_not_beside() -> None:
+    # 1 -> 2 -> {3, 4}; 4 -> 5; 6 is a sibling of 1 under 0.
+    children = {0: [1, 6], 1: [2], 2: [3, 4], 4: [5]}
+    assert sorted(descendants(1, children)) == [2, 3, 4, 5]
+    assert descendants(3, children) == []
+
+
+def test_superlink_lock_errors_are_counted_with_the_calls_that_hit_them() -> None:
+    log = "\n".join(
+        [
+            "ERROR :     [/flwr.proto.Fleet/PushMessages][UnexpectedError:OperationalError] "
+            "(sqlite3.OperationalError) database is locked",
+            "ERROR :     Failed to store object ab12: (sqlite3.OperationalError) "
+            "database is locked",
+            "ERROR :     [/v1/runtime/pull-messages][UnexpectedError:OperationalError] "
+            "(sqlite3.OperationalError) database is locked",
+            "ERROR :     [/flwr.proto.Fleet/PushMessages][UnexpectedError:OperationalError] "
+            "(sqlite3.OperationalError) database is locked",
+            "ERROR :     [/flwr.proto.Fleet/PushObject][ApiError:2007] Run is finished.",
+            "INFO :      all good",
+        ]
+    )
+    assert superlink_errors(log) == {
+        "superlink-database-locked": 4,
+        "superlink-locked-calls": ["/flwr.proto.Fleet/PushMessages", "/v1/runtime/pull-messages"],
+    }
+    assert superlink_errors("INFO : fine\n") == {
+        "superlink-database-locked": 0,
+        "superlink-locked-calls": [],
+    }
+
+
+def test_a_failed_size_stays_one_table_row_and_names_the_lock_errors() -> None:
+    rows = [
+        {
+            "supernodes": 20,
+            "status": "failed",
+            "seconds-to-online": 36.5,
+            "error": "LaunchError: run did not complete | status failed\nTraceback line two",
+            "superlink-database-locked": 2,
+            "superlink-locked-calls": ["/flwr.proto.Fleet/PullObject"],
+        },
+        {"supernodes": 50, "status": "skipped", "why": "needs about 28.8 GiB"},
+    ]
+    table = [line for line in markdown(rows, META).splitlines() if line.startswith("| 20 ")]
+    assert len(table) == 1
+    row = table[0]
+    assert "Traceback line two" not in row
+    assert row.count("|") == 10  # 9 columns: the error's own "|" must not open a tenth
+    assert '"database is locked" 2 times, on /flwr.proto.Fleet/PullObject' in row
