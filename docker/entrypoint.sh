@@ -3,8 +3,9 @@
 # project's deployment, configured by environment variables (compose.yaml sets them).
 #
 #   superlink             flower-superlink: Fleet API on 0.0.0.0:9092 (gRPC), Control/Runtime API
-#                         on 0.0.0.0:9093, state in /app/state/superlink.db, ServerApps started
-#                         as subprocesses (isolation "subprocess")
+#                         on 0.0.0.0:9093, state in memory (or in the SQLite file
+#                         BA_SUPERLINK_DATABASE when set, e.g. /app/state/superlink.db),
+#                         ServerApps started as subprocesses (isolation "subprocess")
 #   supernode             flower-supernode for partition BA_PARTITION_ID of BA_NUM_PARTITIONS,
 #                         connecting to BA_SUPERLINK (default superlink:9092); ClientApps run as
 #                         subprocesses
@@ -37,12 +38,17 @@ case "$role" in
   superlink)
     auth=""
     [ "${BA_SUPERNODE_AUTH:-0}" = "1" ] && auth="--enable-supernode-auth"
-    # shellcheck disable=SC2046  # word splitting of the flag lists is intended
-    exec flower-superlink $(tls_server) $auth \
+    # State in memory unless BA_SUPERLINK_DATABASE names a file: Flower 1.39's SQLite state
+    # queues every write of every SuperNode on one file lock and gives up after 5 s
+    # ("database is locked"): replies were lost with 10 SuperNodes and runs failed with 20 on a
+    # loaded host (docs/deployment.md, "Load"). A restarted SuperLink then forgets runs and nodes.
+    database=""
+    [ -n "${BA_SUPERLINK_DATABASE:-}" ] && database="--database ${BA_SUPERLINK_DATABASE}"
+    # shellcheck disable=SC2046,SC2086  # word splitting of the flag lists is intended
+    exec flower-superlink $(tls_server) $auth $database \
       --isolation subprocess \
       --fleet-api-address 0.0.0.0:9092 \
       --host 0.0.0.0 --port 9093 \
-      --database /app/state/superlink.db \
       --health-server-address 127.0.0.1:9098 \
       --disable-runtime-dependency-installation \
       "$@"

@@ -232,10 +232,10 @@ class LocalDeployment:
     workdir: Path
     certificates: Certificates | None = None
     supernode_auth: bool = False
-    #: Keep the SuperLink's state in an SQLite file (as compose.yaml does) rather than in memory.
-    #: Flower waits 5 s for that file's lock (busy_timeout); on a loaded machine 10 SuperNodes
-    #: replying at once exceed it and their replies fail ("database is locked", see
-    #: docs/results/load.md).
+    #: Keep the SuperLink's state in an SQLite file (as compose.tls.yaml does; compose.yaml keeps
+    #: it in memory) rather than in memory. Flower waits 5 s for that file's lock
+    #: (busy_timeout); on a loaded machine 10 to 20 SuperNodes replying at once exceed it and
+    #: their replies fail ("database is locked", see docs/deployment.md, "Load").
     file_state: bool = True
     supernodes: list[SuperNodeProcess] = field(default_factory=list)
     superlink: subprocess.Popen[bytes] | None = None

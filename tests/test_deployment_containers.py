@@ -6,6 +6,8 @@ One image build (docker/Dockerfile, from the wheelhouse when present) serves eve
   this build through ``flwr run`` from the host; the compose health checks pass;
 - on the same stack a SuperNode is stopped (``docker compose stop``) while a run is under way, and
   the run completes with the two others;
+- the SuperLink is restarted: its state was in memory, so every SuperNode comes back under a new
+  node id (their restart policy) and the next run trains on all three;
 - the TLS + SuperNode-authentication overlay (compose.tls.yaml, certificates from
   docker/make-certs.sh, keys registered by its one-shot registrar) runs 2 rounds, and a SuperNode
   container with a key that was never registered is refused.
@@ -283,6 +285,25 @@ def test_run_completes_when_a_supernode_stops_mid_run(
     # The stopped node's round-1 reply is missing or an error; round 2 samples the two left.
     assert metrics[1]["replies-valid"] == 2, metrics[1]
     assert metrics[2]["replies-received"] == 2, metrics[2]
+
+
+def test_superlink_restart_forgets_its_nodes_which_register_again_and_train(
+    insecure_stack: Deployment, staged_app: Path
+) -> None:
+    # compose.yaml keeps the SuperLink's state in memory (Flower's SQLite file lost replies under
+    # load, docs/deployment.md "Load"): a restart forgets every node, each SuperNode exits on
+    # "Invalid node ID" and its restart policy brings it back with a new registration.
+    insecure_stack.wait_ready()
+    before = set(insecure_stack.online_node_ids())
+    started = time.monotonic()
+    insecure_stack.stack("restart", "superlink", timeout=180.0)
+    insecure_stack.wait_ready(timeout=600.0)
+    timed("SuperLink restarted, 3 SuperNodes online again", started)
+    after = set(insecure_stack.online_node_ids())
+    assert len(after) == NUM_SUPERNODES
+    assert not after & before, "node ids survived the restart: the state was not in memory"
+    run_dir = insecure_stack.run(staged_app, "fedavg", "after-superlink-restart")
+    assert_every_round_aggregated(read_metrics(run_dir), NUM_SUPERNODES)
 
 
 @pytest.fixture(scope="module")
