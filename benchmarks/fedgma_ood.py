@@ -385,7 +385,10 @@ def write_report(
     figure.tight_layout()
     figure.savefig(DOCS_DIR / f"{stem}.png", dpi=110)
     cpu = sum(r["cpu_seconds"] for r in results)
-    settings_line = ", ".join(f"{k} = {v}" for k, v in first.items())
+    # What the sweep chose (seeds, tasks, splits, server steps) differs between the invocations
+    # that filled the folder; the table's rows and seed counts say what ran.
+    per_invocation = {"seeds", "server_lrs", "soft_server_lrs", "tasks", "splits", "skip_existing"}
+    settings_line = ", ".join(f"{k} = {v}" for k, v in first.items() if k not in per_invocation)
     text = "\n".join(
         [
             "# FedGMA vs FedAvg on colored digits: out-of-distribution accuracy",
