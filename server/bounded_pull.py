@@ -165,15 +165,18 @@ def _pull_bounded(grid: Grid, message_ids: list[str], bound: int) -> list[Messag
                 proto.metadata.src_node_id,
                 too_large,
             )
-        except ObjectPullError as unavailable:  # as Flower: an error reply, the round goes on
+        except ObjectPullError as unavailable:  # as Flower: an error reply, not confirmed
             error = Error(
                 code=ErrorCode.MESSAGE_UNAVAILABLE,
                 reason=f"Reply message objects are unavailable. {unavailable}",
             )
-        # Received either way: the SuperLink may free the reply's objects.
-        client.ConfirmMessageReceived(
-            ConfirmMessageReceivedRequest(node=node, run_id=run_id, message_object_id=message_id)
-        )
+        if error is None or error.code == REPLY_OVERSIZED_ERROR_CODE:
+            # Received (an oversized one too): the SuperLink may free the reply's objects.
+            client.ConfirmMessageReceived(
+                ConfirmMessageReceivedRequest(
+                    node=node, run_id=run_id, message_object_id=message_id
+                )
+            )
         if error is not None:
             metadata = Metadata(
                 run_id=run_id,
