@@ -54,7 +54,52 @@ def pull_bound(limit: int) -> int:
     return limit + limit // 4 + WIRE_SLACK_BYTES
 
 
-class ByteBoundedGrid(Grid):
+class DelegatingGrid(Grid):
+    """A Grid that forwards every call to ``inner``; subclasses replace the calls they change."""
+
+    def __init__(self, inner: Grid) -> None:
+        self.inner = inner
+
+    def set_run(self, run: Run) -> None:
+        """As ``inner``."""
+        self.inner.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        """As ``inner``."""
+        return self.inner.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """As ``inner``."""
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """As ``inner``."""
+        return self.inner.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """As ``inner``."""
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """As ``inner``."""
+        return self.inner.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """As ``inner``."""
+        return self.inner.send_and_receive(messages, timeout=timeout)
+
+
+class ByteBoundedGrid(DelegatingGrid):
     """Flower's ``HttpGrid``, with each reply's pull stopped at a byte bound.
 
     Parameters
@@ -67,37 +112,8 @@ class ByteBoundedGrid(Grid):
     """
 
     def __init__(self, inner: Grid, byte_limit: Callable[[], int]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.byte_limit = byte_limit
-
-    # --- delegated to Flower -------------------------------------------------------------
-    def set_run(self, run: Run) -> None:
-        """As Flower's Grid."""
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        """As Flower's Grid."""
-        return self.inner.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        """As Flower's Grid."""
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """As Flower's Grid."""
-        return self.inner.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """As Flower's Grid."""
-        return self.inner.push_messages(messages)
 
     # --- the bounded pull ------------------------------------------------------------------
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:

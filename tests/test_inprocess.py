@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +14,12 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.config import get_fused_config_from_dir
-from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from beyond_averaging.client.app import app as client_app
 from beyond_averaging.server.app import client_task
 from beyond_averaging.server.app import main as server_main
+from beyond_averaging.server.bounded_pull import DelegatingGrid
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
 from beyond_averaging.server.launch import main as ba_run
@@ -194,44 +193,6 @@ def test_vectorized_backend_gets_the_rounds_train_messages_at_once() -> None:
     assert reply.has_error()  # echo_app registers no evaluate function
 
 
-class ForwardingGrid(Grid):
-    """A Grid of another kind (as the simulation's is) that forwards to an InProcessGrid."""
-
-    def __init__(self, inner: InProcessGrid) -> None:
-        self.inner = inner
-
-    def set_run(self, run: Run) -> None:
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self.inner.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.inner.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self.inner.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self.inner.pull_messages(message_ids)
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        return self.inner.send_and_receive(messages, timeout=timeout)
-
-
 def test_vectorized_backend_outside_the_inprocess_runtime_is_named_in_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -248,7 +209,7 @@ def test_vectorized_backend_outside_the_inprocess_runtime_is_named_in_a_warning(
         },
     )
     # The forwarded Grid trains with the ClientApp: the option cannot take effect there.
-    grid = ForwardingGrid(InProcessGrid(client_app, 3, {}))
+    grid = DelegatingGrid(InProcessGrid(client_app, 3, {}))  # a Grid of another kind
     context = Context(
         run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=run_config
     )
