@@ -317,6 +317,7 @@ class ContractStrategy(Strategy):
         self.max_reply_bytes = max_reply_bytes
         self.reply_byte_limit = max_reply_bytes
         self._largest_update = 0.0
+        self._update_norm_ratio: float | None = None
 
     # ------------------------------------------------------------------ what subclasses provide
     @abstractmethod
@@ -515,6 +516,12 @@ class ContractStrategy(Strategy):
                         ),
                     )
         updates = update_norms(self.global_arrays, [r.arrays for r, _ in accepted])
+        # What the filter compares, logged every round (filter on or off): how close honest
+        # clients come to the factor is read from any run's metrics.jsonl.
+        median_update = float(np.median(updates)) if accepted else 0.0
+        self._update_norm_ratio = (
+            float(updates.max()) / median_update if median_update > 0.0 else None
+        )
         if self.update_norm_factor > 0.0 and accepted:
             norms = {
                 "update": updates,
@@ -621,6 +628,8 @@ class ContractStrategy(Strategy):
             "replies-dropped": sum(dropped.values()),
             **{f"dropped-{reason}": count for reason, count in sorted(dropped.items())},
         }
+        if self._update_norm_ratio is not None:
+            metrics["update-norm-ratio"] = self._update_norm_ratio
         client_metrics = self._client_metrics(
             server_round, valid_contents, self.train_metrics_aggr_fn
         )

@@ -154,6 +154,19 @@ def test_an_update_far_above_the_round_median_norm_is_dropped() -> None:
     np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 1.0), rtol=1e-6)
 
 
+def test_every_round_logs_its_largest_update_norm_over_the_median_filter_on_or_off() -> None:
+    # Updates from the zero model: ||client(v) - 0|| = |v| sqrt(9) on the 9 floating entries
+    # (the int64 count is not a floating tensor), so the ratio is max |v| / median |v|.
+    values = [1.0, 2.0, 4.0, 40.0]
+    expected = 40.0 / float(np.median(values))  # 40 / 3
+    for factor in (0.0, 100.0):
+        strategy = with_global(FedAvg(min_train_replies=1, update_norm_factor=factor))
+        replies = [train_reply(client(v), 10, node_id=i) for i, v in enumerate(values)]
+        strategy.aggregate_train(1, replies)
+        assert strategy.aggregation_metrics[1]["update-norm-ratio"] == pytest.approx(expected)
+        assert "dropped-norm-outlier" not in strategy.aggregation_metrics[1]
+
+
 def test_a_huge_gradient_record_is_dropped_by_fedgma() -> None:
     strategy = with_global(FedGMA(min_train_replies=1, threshold=0.0, server_lr=1.0))
     floats = {k: np.ones_like(v) for k, v in GLOBAL.items() if k != "count"}
