@@ -1,11 +1,12 @@
-"""FedLAW's Table 3, FashionMNIST MLP column (FedAvg vs FedLAW at alpha = 100 and 0.1), reproduced.
+"""FedLAW's Table 3, FashionMNIST columns (FedAvg, FedLAW, FedLAW (SWA); MLP and LeNet), reproduced.
 
 The paper's setting (Li et al., ICML 2023, section 6.2 and appendix D): 20 clients, all taking part
 every round, Dirichlet(alpha) label skew, E = 3 local epochs of SGD (lr 0.08 x 0.99 per round,
 momentum 0.9, weight decay 5e-4), the 784-200-200-10 MLP, a 100-sample class-balanced proxy set
 drawn from the test set (10 per class) and removed from it, accuracy = mean test accuracy of the
 last 10 rounds, 200 rounds, seeds 8, 9, 10. The client batch size is the authors' code default,
-128 (the paper does not state it).
+128 (the paper does not state it). ``--models lenet5`` runs the LeNet column (same setting),
+``--strategies fedlaw-swa`` the FedLAW (SWA) row (``fedlaw-swa = true``).
 
 Every run is this project's app, in one process: ``server.inprocess.run_inprocess`` runs the real
 ServerApp (``server.app``: the same ``metrics.jsonl`` as ``ba-run`` writes, with the strategy's
@@ -32,6 +33,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import shlex
@@ -56,12 +58,27 @@ RESULTS = REPO / "benchmarks" / "results" / "fedlaw"
 PUBLISH = REPO / "docs" / "results"
 LAST_ROUNDS = 10  # the paper's metric: mean test accuracy of the last 10 rounds
 
-#: Paper, Table 3, FashionMNIST, MLP: (alpha, strategy) -> top-1 test accuracy (%).
+#: Paper, Table 3, FashionMNIST: (model, alpha, method) -> top-1 test accuracy (%).
 PAPER_TABLE3 = {
-    (100.0, "fedavg"): 89.29,
-    (100.0, "fedlaw"): 88.51,
-    (0.1, "fedavg"): 85.11,
-    (0.1, "fedlaw"): 86.30,
+    ("mlp", 100.0, "fedavg"): 89.29,
+    ("mlp", 100.0, "fedlaw"): 88.51,
+    ("mlp", 100.0, "fedlaw-swa"): 88.27,
+    ("mlp", 0.1, "fedavg"): 85.11,
+    ("mlp", 0.1, "fedlaw"): 86.30,
+    ("mlp", 0.1, "fedlaw-swa"): 86.89,
+    ("lenet5", 100.0, "fedavg"): 90.54,
+    ("lenet5", 100.0, "fedlaw"): 90.66,
+    ("lenet5", 100.0, "fedlaw-swa"): 90.51,
+    ("lenet5", 0.1, "fedavg"): 88.08,
+    ("lenet5", 0.1, "fedlaw"): 88.26,
+    ("lenet5", 0.1, "fedlaw-swa"): 88.18,
+}
+
+#: The rows of the table as run-config overrides.
+METHODS: dict[str, dict[str, Any]] = {
+    "fedavg": {"strategy": "fedavg"},
+    "fedlaw": {"strategy": "fedlaw"},
+    "fedlaw-swa": {"strategy": "fedlaw", "fedlaw-swa": True},
 }
 
 #: The Table 3 setting as run-config overrides (everything else: the RunConfig defaults).
@@ -87,14 +104,16 @@ TABLE3_SETTING: dict[str, Any] = {
 
 
 def summarise_run(
-    run_dir: Path, alpha: float, strategy: str, seed: int, wall: float
+    run_dir: Path, alpha: float, strategy: str, seed: int, wall: float, model: str = "mlp"
 ) -> dict[str, Any]:
     """The figures of one run from its metrics.jsonl."""
     lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     rounds = [json.loads(line) for line in lines if line.strip()]
     trained = [entry for entry in rounds if entry["round"] > 0]
     accuracy = [100.0 * entry["test-accuracy"] for entry in rounds]
+    ratios = [e["update-norm-ratio"] for e in trained if "update-norm-ratio" in e]
     return {
+        "model": model,
         "alpha": alpha,
         "strategy": strategy,
         "seed": seed,
@@ -107,6 +126,9 @@ def summarise_run(
             np.mean([e["aggregation-seconds"] for e in trained if "aggregation-seconds" in e])
         ),
         "rounds-not-aggregated": sum(1 for e in trained if e.get("aggregated") == 0),
+        # Largest honest update norm / round median: what update-norm-factor would compare.
+        "update-norm-ratio-per-round": ratios,
+        "update-norm-ratio-max": max(ratios) if ratios else None,
         "round-seconds-mean": float(np.mean([e["round-seconds"] for e in trained])),
         "wall-seconds": wall,
         "run-dir": str(run_dir.relative_to(REPO)) if run_dir.is_relative_to(REPO) else str(run_dir),
@@ -133,38 +155,22 @@ def hardware() -> str:
 def write_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> None:
     """The markdown table (paper vs ours) and the figure."""
     args.publish.mkdir(parents=True, exist_ok=True)
-    rows = []
-    fedavg_seconds: dict[float, float] = {}
-    groups: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
     for result in results:
-        groups.setdefault((result["alpha"], result["strategy"]), []).append(result)
-    for (alpha, strategy), runs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
-        last = np.array([run["last-10-accuracy"] for run in runs])
-        seconds = float(np.mean([run["aggregation-seconds-mean"] for run in runs]))
-        if strategy == "fedavg":
-            fedavg_seconds[alpha] = seconds
-        spread = f" ± {last.std(ddof=1):.2f}" if last.size > 1 else ""
-        gammas = [g for run in runs for g in run["gamma-per-round"] if g is not None]
-        gamma = f"{np.mean(gammas):.3f} ({min(gammas):.3f}-{max(gammas):.3f})" if gammas else "-"
-        rows.append(
-            (
-                alpha,
-                strategy,
-                PAPER_TABLE3.get((alpha, strategy)),
-                last.mean(),
-                spread,
-                runs,
-                seconds,
-                gamma,
-            )
-        )
+        # Results written before the model column existed are the MLP's.
+        key = (result.get("model", "mlp"), result["alpha"], result["strategy"])
+        groups.setdefault(key, []).append(result)
+    order = {name: index for index, name in enumerate(METHODS)}
+    keys = sorted(groups, key=lambda k: (k[0] != "mlp", k[0], -k[1], order.get(k[2], 99)))
+    seeds = sorted({r["seed"] for r in results})
     lines = [
-        "# FedLAW Table 3, FashionMNIST MLP: paper vs this project",
+        "# FedLAW Table 3, FashionMNIST: paper vs this project",
         "",
-        "Accuracy = mean test accuracy (%) of the last 10 rounds. Paper: 200 rounds, seeds 8, 9, "
-        f"10. Ours: **{args.rounds} rounds**, seed(s) {', '.join(map(str, args.seeds))}, clients "
-        f"training on {100 * (1 - args.client_holdout):g} % of their partition (the authors: 70 "
-        f"%), client backend `{args.client_backend}`."
+        "Accuracy = mean test accuracy (%) of the last 10 rounds (± standard deviation over "
+        "seeds). Paper: 200 rounds, seeds 8, 9, 10. Ours: "
+        f"**{args.rounds} rounds**, seed(s) {', '.join(map(str, seeds))}, clients training on "
+        f"{100 * (1 - args.client_holdout):g} % of their partition (the authors: 70 %), client "
+        f"backend `{args.client_backend}`."
         + (
             " With fewer rounds than the paper our absolute numbers sit below a converged run; "
             "the FedAvg-FedLAW difference at equal rounds is the comparable quantity."
@@ -172,29 +178,41 @@ def write_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) ->
             else ""
         ),
         "",
-        "| alpha | method | paper (200 rounds) | ours | seeds | server s/round "
-        "(aggregation-seconds) | gamma mean (min-max) |",
-        "|---|---|---|---|---|---|---|",
+        "| model | alpha | method | paper (200 rounds) | ours | seeds | server s/round "
+        "(aggregation-seconds) | gamma mean (min-max) | largest update-norm-ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for alpha, strategy, paper, mean, spread, runs, seconds, gamma in rows:
+    for model, alpha, strategy in keys:
+        runs = groups[(model, alpha, strategy)]
+        last = np.array([run["last-10-accuracy"] for run in runs])
+        spread = f" ± {last.std(ddof=1):.2f}" if last.size > 1 else ""
+        seconds = float(np.mean([run["aggregation-seconds-mean"] for run in runs]))
+        gammas = [g for run in runs for g in run["gamma-per-round"] if g is not None]
+        gamma = f"{np.mean(gammas):.3f} ({min(gammas):.3f}-{max(gammas):.3f})" if gammas else "-"
+        ratios = [r["update-norm-ratio-max"] for r in runs if r.get("update-norm-ratio-max")]
+        ratio = f"{max(ratios):.1f} ({len(ratios)} of {len(runs)} runs)" if ratios else "-"
+        paper = PAPER_TABLE3.get((model, alpha, strategy))
         paper_text = f"{paper:.2f}" if paper is not None else "-"
         lines.append(
-            f"| {alpha:g} | {strategy} | {paper_text} | {mean:.2f}{spread} | {len(runs)} | "
-            f"{seconds:.3f} | {gamma} |"
+            f"| {model} | {alpha:g} | {strategy} | {paper_text} | {last.mean():.2f}{spread} | "
+            f"{len(runs)} | {seconds:.3f} | {gamma} | {ratio} |"
         )
-    lines += [
-        "",
-        "Server time FedLAW adds per round (FedLAW minus FedAvg aggregation-seconds):",
-        "",
-    ]
-    for alpha, strategy, *_, seconds, _gamma in rows:
-        if strategy != "fedavg" and alpha in fedavg_seconds:
-            lines.append(f"- alpha = {alpha:g}: {seconds - fedavg_seconds[alpha]:.3f} s")
+    lines += ["", "Seed by seed (last-10 accuracy, %):", ""]
+    for model, alpha, strategy in keys:
+        runs = sorted(groups[(model, alpha, strategy)], key=lambda r: r["seed"])
+        lines.append(
+            f"- {model}, alpha {alpha:g}, {strategy}: "
+            + ", ".join(f"seed {r['seed']} {r['last-10-accuracy']:.2f}" for r in runs)
+        )
     command = " ".join(
         shlex.quote(part)
         for part in [".venv/bin/python", "-m", "benchmarks.fedlaw_table3", *sys.argv[1:]]
     )
     lines += [
+        "",
+        "`update-norm-ratio`: the round's largest client update norm over its median, which the "
+        "default norm filter compares with `update-norm-factor` (off in these runs; "
+        "docs/reliability.md).",
         "",
         f"Command: `{command}`",
         "",
@@ -203,7 +221,7 @@ def write_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) ->
         f"Wall time of the runs: {sum(r['wall-seconds'] for r in results) / 60:.1f} min in all, "
         f"CPU time {sum(r.get('cpu-seconds', 0.0) for r in results) / 60:.1f} min ("
         + ", ".join(
-            f"{r['strategy']} alpha={r['alpha']:g} seed {r['seed']}: "
+            f"{r['strategy']} {r.get('model', 'mlp')} alpha={r['alpha']:g} seed {r['seed']}: "
             f"{r['wall-seconds'] / 60:.1f} min"
             for r in results
         )
@@ -214,23 +232,24 @@ def write_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) ->
     ]
     (args.publish / "fedlaw_table3.md").write_text("\n".join(lines), encoding="utf-8")
 
-    alphas = sorted({r["alpha"] for r in results}, reverse=True)
-    figure, axes = plt.subplots(2, len(alphas), figsize=(5.5 * len(alphas), 7), squeeze=False)
-    for column, alpha in enumerate(alphas):
-        for strategy, colour in (("fedavg", "tab:blue"), ("fedlaw", "tab:red")):
-            runs = groups.get((alpha, strategy), [])
+    panels = sorted({(k[0], k[1]) for k in keys}, key=lambda p: (p[0] != "mlp", p[0], -p[1]))
+    colours = {"fedavg": "tab:blue", "fedlaw": "tab:red", "fedlaw-swa": "tab:orange"}
+    figure, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 7), squeeze=False)
+    for column, (model, alpha) in enumerate(panels):
+        for strategy, colour in colours.items():
+            runs = groups.get((model, alpha, strategy), [])
             if not runs:
                 continue
             curves = np.array([run["accuracy-per-round"] for run in runs])
             axes[0][column].plot(curves.mean(0), color=colour, label=strategy)
-            paper = PAPER_TABLE3.get((alpha, strategy))
+            paper = PAPER_TABLE3.get((model, alpha, strategy))
             if paper is not None:
                 axes[0][column].axhline(paper, color=colour, linestyle=":", linewidth=1)
-            if strategy == "fedlaw":
+            if strategy != "fedavg":
                 gamma_curves = np.array([run["gamma-per-round"] for run in runs], dtype=float)
                 rounds = range(1, gamma_curves.shape[1] + 1)
-                axes[1][column].plot(rounds, gamma_curves.mean(0), color=colour)
-        axes[0][column].set_title(f"FashionMNIST MLP, alpha = {alpha:g} (dotted: paper)")
+                axes[1][column].plot(rounds, gamma_curves.mean(0), color=colour, label=strategy)
+        axes[0][column].set_title(f"FashionMNIST {model}, alpha = {alpha:g} (dotted: paper)")
         axes[0][column].set_xlabel("round")
         axes[0][column].set_ylabel("test accuracy (%)")
         axes[0][column].set_ylim(60, 92)
@@ -248,7 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=200, help="paper: 200")
     parser.add_argument("--seeds", type=int, nargs="+", default=[8, 9, 10], help="paper: 8 9 10")
     parser.add_argument("--alphas", type=float, nargs="+", default=[100.0, 0.1])
-    parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedlaw"])
+    parser.add_argument(
+        "--strategies", nargs="+", default=["fedavg", "fedlaw"], choices=list(METHODS)
+    )
+    parser.add_argument("--models", nargs="+", default=["mlp"], choices=["mlp", "lenet5"])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
@@ -269,44 +291,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     args.results.mkdir(parents=True, exist_ok=True)
     results = []
-    for alpha in args.alphas:
-        for seed in args.seeds:
-            for strategy in args.strategies:
-                name = f"table3-{strategy}-alpha{alpha:g}-seed{seed}-rounds{args.rounds}"
-                if args.client_holdout:
-                    name += f"-holdout{args.client_holdout:g}"
-                result_path = args.results / f"{name}.json"
-                if result_path.is_file():
-                    results.append(json.loads(result_path.read_text(encoding="utf-8")))
-                    print(f"{name}: done before, reusing {result_path}", flush=True)
-                    continue
-                settings = {
-                    **TABLE3_SETTING,
-                    "strategy": strategy,
-                    "dirichlet-alpha": alpha,
-                    "seed": seed,
-                    "num-server-rounds": args.rounds,
-                    "device": args.device,
-                    "run-name": name,
-                    "output-dir": str(args.results / "runs"),
-                    "client-holdout": args.client_holdout,
-                }
-                if args.client_backend != "clientapp":  # the key exists from B2's option on
-                    settings["client-backend"] = args.client_backend
-                run_started, cpu_started = time.perf_counter(), time.process_time()
-                run_inprocess(REPO, settings)
-                run_dir = args.results / "runs" / name
-                result = summarise_run(
-                    run_dir, alpha, strategy, seed, time.perf_counter() - run_started
-                )
-                result["cpu-seconds"] = time.process_time() - cpu_started
-                result_path.write_text(json.dumps(result, indent=2), encoding="utf-8")
-                results.append(result)
-                print(
-                    f"{name}: last-10 accuracy {result['last-10-accuracy']:.2f}%, "
-                    f"{result['wall-seconds'] / 60:.1f} min",
-                    flush=True,
-                )
+    runs = itertools.product(args.models, args.alphas, args.seeds, args.strategies)
+    for model, alpha, seed, strategy in runs:
+        name = f"table3-{strategy}-alpha{alpha:g}-seed{seed}-rounds{args.rounds}"
+        if args.client_holdout:
+            name += f"-holdout{args.client_holdout:g}"
+        if model != "mlp":  # the MLP runs keep the names they had before LeNet
+            name += f"-{model}"
+        result_path = args.results / f"{name}.json"
+        if result_path.is_file():
+            results.append(json.loads(result_path.read_text(encoding="utf-8")))
+            print(f"{name}: done before, reusing {result_path}", flush=True)
+            continue
+        settings = {
+            **TABLE3_SETTING,
+            **METHODS[strategy],
+            "model": model,
+            "dirichlet-alpha": alpha,
+            "seed": seed,
+            "num-server-rounds": args.rounds,
+            "device": args.device,
+            "run-name": name,
+            "output-dir": str(args.results / "runs"),
+            "client-holdout": args.client_holdout,
+        }
+        if args.client_backend != "clientapp":  # the key exists from B2's option on
+            settings["client-backend"] = args.client_backend
+        run_started, cpu_started = time.perf_counter(), time.process_time()
+        run_inprocess(REPO, settings)
+        run_dir = args.results / "runs" / name
+        result = summarise_run(
+            run_dir, alpha, strategy, seed, time.perf_counter() - run_started, model
+        )
+        result["cpu-seconds"] = time.process_time() - cpu_started
+        result_path.write_text(json.dumps(result, indent=2), encoding="utf-8")
+        results.append(result)
+        print(
+            f"{name}: last-10 accuracy {result['last-10-accuracy']:.2f}%, "
+            f"{result['wall-seconds'] / 60:.1f} min",
+            flush=True,
+        )
     write_report(results, args)
     print(f"report: {args.publish / 'fedlaw_table3.md'}", flush=True)
     return 0

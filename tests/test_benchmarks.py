@@ -6,6 +6,7 @@ summary.json); one test marked ``simulation`` runs a real one-cell grid.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import math
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import benchmarks.grid as grid
+from benchmarks.fedlaw_table3 import METHODS, PAPER_TABLE3, TABLE3_SETTING, write_report
 from benchmarks.grid import (
     Cell,
     GridError,
@@ -33,6 +35,7 @@ from benchmarks.grid import (
     summarise,
 )
 from benchmarks.plots import critical_point, plot_diagnostics, read_run_metrics
+from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.launch import LaunchError, parse_overrides
 
 DEFAULTS = {"model": "mlp"}
@@ -422,3 +425,50 @@ def test_the_fedlaw_table3_grid_is_the_papers_setting() -> None:
     assert spec.common["proxy-per-class"] * 10 == 100
     assert spec.common["client-holdout"] == 0.3
     assert (spec.common["num-clients"], spec.common["num-server-rounds"]) == (20, 200)
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5"])
+@pytest.mark.parametrize("method", ["fedavg", "fedlaw", "fedlaw-swa"])
+def test_every_table3_row_and_column_is_a_configuration_the_app_accepts(
+    model: str, method: str
+) -> None:
+    config = parse_run_config({**TABLE3_SETTING, **METHODS[method], "model": model})
+    assert config.model == model
+    assert config.fedlaw_swa == (method == "fedlaw-swa")
+    # Every cell of the Fashion-MNIST half of the paper's Table 3 has its number.
+    assert {(model, 100.0, method), (model, 0.1, method)} <= PAPER_TABLE3.keys()
+
+
+def test_the_table3_report_sets_each_run_beside_the_papers_number(tmp_path: Path) -> None:
+    def run(model: str | None, method: str, seed: int, accuracy: float) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "alpha": 0.1,
+            "strategy": method,
+            "seed": seed,
+            "last-10-accuracy": accuracy,
+            "accuracy-per-round": [10.0, accuracy],
+            "gamma-per-round": [None if method == "fedavg" else 1.0],
+            "aggregation-seconds-mean": 0.5,
+            "wall-seconds": 60.0,
+        }
+        if model is not None:  # results written before the model column have none
+            result["model"] = model
+            result["update-norm-ratio-max"] = 4.0 + seed
+        return result
+
+    results = [
+        run(None, "fedavg", 8, 85.0),
+        run("mlp", "fedavg", 9, 87.0),
+        run("lenet5", "fedlaw-swa", 8, 88.5),
+    ]
+    args = argparse.Namespace(
+        rounds=200, client_holdout=0.3, client_backend="vectorized", publish=tmp_path
+    )
+    write_report(results, args)
+    table = (tmp_path / "fedlaw_table3.md").read_text(encoding="utf-8")
+    # Old and new MLP results pool into one row: mean 86, sample std sqrt(2); ratio logged once.
+    assert "| mlp | 0.1 | fedavg | 85.11 | 86.00 ± 1.41 | 2 | 0.500 | - | 13.0 (1 of 2 runs) |" in (
+        table
+    )
+    assert "| lenet5 | 0.1 | fedlaw-swa | 88.18 | 88.50 | 1 |" in table
+    assert (tmp_path / "fedlaw_table3.png").read_bytes().startswith(PNG_MAGIC)
