@@ -28,6 +28,7 @@ Usage::
 
     .venv/bin/python -m benchmarks.fedlaw_table3 --rounds 20 --seeds 8
     .venv/bin/python -m benchmarks.fedlaw_table3 --rounds 200 --seeds 8 9 10   # the paper's
+    .venv/bin/python -m benchmarks.fedlaw_table3 --rounds 200 --seeds 8 9 10 --report-only
 """
 
 from __future__ import annotations
@@ -285,6 +286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="share of each client's partition not trained on (the authors' code: 0.3)",
     )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: write the report from the runs of these arguments already done",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--publish", type=Path, default=PUBLISH)
     args = parser.parse_args(argv)
@@ -302,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if result_path.is_file():
             results.append(json.loads(result_path.read_text(encoding="utf-8")))
             print(f"{name}: done before, reusing {result_path}", flush=True)
+            continue
+        if args.report_only:
+            print(f"{name}: not run yet, left out of the report (--report-only)", flush=True)
             continue
         settings = {
             **TABLE3_SETTING,
@@ -331,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{result['wall-seconds'] / 60:.1f} min",
             flush=True,
         )
+    if not results:
+        print(f"no run of these arguments is in {args.results}: no report", flush=True)
+        return 1
     write_report(results, args)
     print(f"report: {args.publish / 'fedlaw_table3.md'}", flush=True)
     return 0

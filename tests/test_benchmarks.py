@@ -20,6 +20,7 @@ import pytest
 
 import benchmarks.grid as grid
 from benchmarks.fedlaw_table3 import METHODS, PAPER_TABLE3, TABLE3_SETTING, write_report
+from benchmarks.fedlaw_table3 import main as table3_main
 from benchmarks.grid import (
     Cell,
     GridError,
@@ -472,3 +473,26 @@ def test_the_table3_report_sets_each_run_beside_the_papers_number(tmp_path: Path
     )
     assert "| lenet5 | 0.1 | fedlaw-swa | 88.18 | 88.50 | 1 |" in table
     assert (tmp_path / "fedlaw_table3.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_table3_report_only_runs_nothing_and_reports_the_runs_done(tmp_path: Path) -> None:
+    done = {
+        "model": "mlp",
+        "alpha": 0.1,
+        "strategy": "fedlaw",
+        "seed": 8,
+        "last-10-accuracy": 86.3,
+        "accuracy-per-round": [10.0, 86.3],
+        "gamma-per-round": [1.0],
+        "aggregation-seconds-mean": 0.7,
+        "wall-seconds": 600.0,
+    }
+    results, publish = tmp_path / "results", tmp_path / "publish"
+    results.mkdir()
+    (results / "table3-fedlaw-alpha0.1-seed8-rounds200.json").write_text(json.dumps(done))
+    common = ["--report-only", "--results", str(results), "--publish", str(publish)]
+    # Seed 9 is not done: without --report-only this call would start a 200-round run.
+    assert table3_main([*common, "--seeds", "8", "9", "--alphas", "0.1"]) == 0
+    table = (publish / "fedlaw_table3.md").read_text(encoding="utf-8")
+    assert "| mlp | 0.1 | fedlaw | 86.30 | 86.30 | 1 |" in table
+    assert table3_main([*common, "--seeds", "10"]) == 1  # nothing done: no report
