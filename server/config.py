@@ -8,7 +8,7 @@ turns every problem into one :class:`ConfigError` that names the key, the value 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -131,10 +131,8 @@ class RunConfig(BaseModel):
     max_client_weight: float = Field(
         1.0, gt=0.0, le=1.0, description="largest weight share of one reply; 1: no cap"
     )
-    update_norm_factor: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field(
-        "auto",
-        description="drop updates above this x the round's median norm; 0: off; "
-        "auto: the rule's own (10; FedLAW 1000)",
+    update_norm_factor: float = Field(
+        10.0, ge=0.0, description="drop updates above this x the round's median norm; 0: off"
     )
     robust_aggregation: Literal["none", "trimmed-mean", "median"] = "none"
     trim_fraction: float = Field(0.1, ge=0.0, lt=0.5, description="trimmed-mean cut per end")
@@ -169,9 +167,7 @@ class RunConfig(BaseModel):
 
 
 def _describe(error: Mapping[str, Any]) -> str:
-    # The configuration is flat: a longer location names a member of a union type (e.g.
-    # 'constrained-float' of update-norm-factor), which the user never wrote.
-    location = ".".join(_kebab(str(part)) for part in error.get("loc", ())[:1])
+    location = ".".join(_kebab(str(part)) for part in error.get("loc", ()))
     value = error.get("input")
     message = str(error.get("msg", "invalid"))
     if error.get("type") == "extra_forbidden":
@@ -193,16 +189,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(dict(run_config))
     except ValidationError as err:
-        # One line per key: a union's members each report their own failure.
-        by_key: dict[str, str] = {}
-        for error in err.errors():
-            key = str(error.get("loc", ("",))[0]) if error.get("loc") else ""
-            line = _describe(error)
-            if key and key in by_key and error.get("type") != "extra_forbidden":
-                by_key[key] += "; or " + str(error.get("msg", "invalid"))
-            else:
-                by_key[key or line] = line
-        problems = list(by_key.values())
+        problems = [_describe(e) for e in err.errors()]
         hint = ""
         if any(e.get("type") == "extra_forbidden" for e in err.errors()):
             known = ", ".join(sorted(f.alias or n for n, f in RunConfig.model_fields.items()))

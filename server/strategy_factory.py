@@ -44,10 +44,7 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "min_available_nodes": config.min_train_replies,
         "seed": config.seed,
         "max_client_weight": config.max_client_weight,
-        # "auto": None, the rule's own default (strategies.base.ContractStrategy).
-        "update_norm_factor": (
-            None if config.update_norm_factor == "auto" else config.update_norm_factor
-        ),
+        "update_norm_factor": config.update_norm_factor,
         "robust_aggregation": config.robust_aggregation,
         "trim_fraction": config.trim_fraction,
         "max_reply_bytes": config.max_reply_bytes,

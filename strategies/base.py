@@ -83,10 +83,8 @@ from .validation import (
 )
 from .validation import ReplyRejected as ReplyRejected  # re-exported: rules raise it too
 
-#: Default of ``update_norm_factor`` (a rule may set its own, :attr:`ContractStrategy.
-#: default_update_norm_factor`): above every max/median ratio of honest replies measured on
-#: digits, Dirichlet(0.1) and (0.5), and on FedAvg at FedLAW's Table 3 setting
-#: (docs/reliability.md, ``benchmarks/reply_norms.py``, ``benchmarks/fedlaw_table3.py``).
+#: Default of ``update_norm_factor``: above every max/median ratio of honest replies measured on
+#: digits, Dirichlet(0.1) and (0.5) (docs/reliability.md, ``benchmarks/reply_norms.py``).
 DEFAULT_UPDATE_NORM_FACTOR = 10.0
 
 
@@ -135,7 +133,7 @@ class StrategyOptions(TypedDict, total=False):
     min_train_replies: int | None
     seed: int
     max_client_weight: float
-    update_norm_factor: float | None
+    update_norm_factor: float
     robust_aggregation: RobustAggregation
     trim_fraction: float
     max_reply_bytes: int
@@ -184,12 +182,11 @@ class ContractStrategy(Strategy):
     max_client_weight : float
         Largest weight share one reply may get, in (0, 1]; the excess goes to the others in
         proportion to their weights (:func:`strategies.validation.cap_weights`). 1 is no cap.
-    update_norm_factor : float or None
+    update_norm_factor : float
         A reply whose update norm ||theta_k - w|| exceeds this factor times the round's median
         is dropped (``norm-outlier``), and one whose required record's norm exceeds
         ``RECORD_NORM_FACTOR_SCALE`` times the factor times that record's median
-        (``norm-outlier-<record>``); 0 turns both off. None (default): the rule's own
-        :attr:`default_update_norm_factor` (10; FedLAW 1000).
+        (``norm-outlier-<record>``); 0 turns both off.
     robust_aggregation : {"none", "trimmed-mean", "median"}
         Coordinate-wise robust mean instead of the weighted mean, for rules that compose with it
         (``robust_composes``; FedAvg and its server optimizers).
@@ -202,10 +199,6 @@ class ContractStrategy(Strategy):
 
     #: Whether ``robust_aggregation`` may replace this rule's weighted mean.
     robust_composes: ClassVar[bool] = False
-    #: ``update_norm_factor`` when none is given: the rule's own, because how far honest
-    #: updates spread depends on the rule (FedLAW's learned shrink lets one honest client's
-    #: update reach 90x the median, docs/reliability.md).
-    default_update_norm_factor: ClassVar[float] = DEFAULT_UPDATE_NORM_FACTOR
 
     #: Extra ArrayRecords every reply must carry, with the hint shown when they are missing.
     required_records: ClassVar[Mapping[str, str]] = {}
@@ -229,14 +222,14 @@ class ContractStrategy(Strategy):
         min_train_replies: int | None = None,
         seed: int = 0,
         max_client_weight: float = 1.0,
-        update_norm_factor: float | None = None,
+        update_norm_factor: float = DEFAULT_UPDATE_NORM_FACTOR,
         robust_aggregation: RobustAggregation = "none",
         trim_fraction: float = 0.1,
         max_reply_bytes: int = 0,
     ) -> None:
         self._set_reply_bounds(
             max_client_weight,
-            self.default_update_norm_factor if update_norm_factor is None else update_norm_factor,
+            update_norm_factor,
             robust_aggregation,
             trim_fraction,
             max_reply_bytes,

@@ -69,7 +69,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from logging import INFO, WARNING
-from typing import Any, ClassVar, Literal, Unpack, get_args
+from typing import Any, Literal, Unpack, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -730,13 +730,6 @@ class FedLAW(ContractStrategy):
     ProxySetError
         The proxy set is empty, lacks a class or is smaller than one batch.
     """
-
-    #: The norm filter's default for FedLAW: at the paper's Table 3 setting (Dirichlet 0.1) an
-    #: honest client's update reached 90x the round's median, where FedAvg's stayed under 6
-    #: (FedLAW's learned shrink factor moves the model the clients start from); 1000 keeps an
-    #: order of magnitude above that and still drops scaled or overflowing replies
-    #: (docs/reliability.md). The learned weights themselves down-weight a poor model.
-    default_update_norm_factor: ClassVar[float] = 1000.0
 
     def __init__(
         self,
