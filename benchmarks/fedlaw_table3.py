@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from beyond_averaging.server.inprocess import run_inprocess
+from beyond_averaging.server.launch import parse_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "fedlaw"
@@ -159,10 +160,15 @@ def write_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) ->
     groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
     for result in results:
         # Results written before the model column existed are the MLP's.
-        key = (result.get("model", "mlp"), result["alpha"], result["strategy"])
+        # A run with --set options is its own row: the method named with them.
+        extra = ", ".join(f"{k}={v}" for k, v in result.get("overrides", {}).items())
+        method = f"{result['strategy']} ({extra})" if extra else result["strategy"]
+        key = (result.get("model", "mlp"), result["alpha"], method)
         groups.setdefault(key, []).append(result)
     order = {name: index for index, name in enumerate(METHODS)}
-    keys = sorted(groups, key=lambda k: (k[0] != "mlp", k[0], -k[1], order.get(k[2], 99)))
+    keys = sorted(
+        groups, key=lambda k: (k[0] != "mlp", k[0], -k[1], order.get(k[2], len(order)), k[2])
+    )
     seeds = sorted({r["seed"] for r in results})
     lines = [
         "# FedLAW Table 3, FashionMNIST: paper vs this project",
@@ -237,16 +243,15 @@ def write_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) ->
     colours = {"fedavg": "tab:blue", "fedlaw": "tab:red", "fedlaw-swa": "tab:orange"}
     figure, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 7), squeeze=False)
     for column, (model, alpha) in enumerate(panels):
-        for strategy, colour in colours.items():
-            runs = groups.get((model, alpha, strategy), [])
-            if not runs:
-                continue
+        for _, _, strategy in (k for k in keys if k[:2] == (model, alpha)):
+            runs = groups[(model, alpha, strategy)]
+            colour = colours.get(strategy)  # None: matplotlib's next colour (a --set row)
             curves = np.array([run["accuracy-per-round"] for run in runs])
             axes[0][column].plot(curves.mean(0), color=colour, label=strategy)
             paper = PAPER_TABLE3.get((model, alpha, strategy))
             if paper is not None:
                 axes[0][column].axhline(paper, color=colour, linestyle=":", linewidth=1)
-            if strategy != "fedavg":
+            if not strategy.startswith("fedavg"):
                 gamma_curves = np.array([run["gamma-per-round"] for run in runs], dtype=float)
                 rounds = range(1, gamma_curves.shape[1] + 1)
                 axes[1][column].plot(rounds, gamma_curves.mean(0), color=colour, label=strategy)
@@ -287,6 +292,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="share of each client's partition not trained on (the authors' code: 0.3)",
     )
     parser.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run options over the Table 3 setting (e.g. update-norm-factor=10); each run's "
+        "name ends with them",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="run nothing: write the report from the runs of these arguments already done",
@@ -294,6 +308,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--publish", type=Path, default=PUBLISH)
     args = parser.parse_args(argv)
+    overrides = parse_overrides(args.overrides)
+    suffix = "".join(
+        f"-{key}{value:g}" if isinstance(value, float) else f"-{key}{value}"
+        for key, value in overrides.items()
+    )
     torch.set_num_threads(args.threads)
     args.results.mkdir(parents=True, exist_ok=True)
     results = []
@@ -304,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name += f"-holdout{args.client_holdout:g}"
         if model != "mlp":  # the MLP runs keep the names they had before LeNet
             name += f"-{model}"
+        name += suffix
         result_path = args.results / f"{name}.json"
         if result_path.is_file():
             results.append(json.loads(result_path.read_text(encoding="utf-8")))
@@ -323,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "run-name": name,
             "output-dir": str(args.results / "runs"),
             "client-holdout": args.client_holdout,
+            **overrides,
         }
         if args.client_backend != "clientapp":  # the key exists from B2's option on
             settings["client-backend"] = args.client_backend
@@ -333,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_dir, alpha, strategy, seed, time.perf_counter() - run_started, model
         )
         result["cpu-seconds"] = time.process_time() - cpu_started
+        result["overrides"] = overrides
         result_path.write_text(json.dumps(result, indent=2), encoding="utf-8")
         results.append(result)
         print(

@@ -496,3 +496,31 @@ def test_table3_report_only_runs_nothing_and_reports_the_runs_done(tmp_path: Pat
     table = (publish / "fedlaw_table3.md").read_text(encoding="utf-8")
     assert "| mlp | 0.1 | fedlaw | 86.30 | 86.30 | 1 |" in table
     assert table3_main([*common, "--seeds", "10"]) == 1  # nothing done: no report
+
+
+def test_table3_runs_with_set_options_are_named_and_reported_apart(tmp_path: Path) -> None:
+    base = {
+        "model": "mlp",
+        "alpha": 0.1,
+        "strategy": "fedlaw",
+        "seed": 9,
+        "accuracy-per-round": [10.0, 85.0],
+        "gamma-per-round": [1.0],
+        "aggregation-seconds-mean": 0.7,
+        "wall-seconds": 600.0,
+    }
+    results, publish = tmp_path / "results", tmp_path / "publish"
+    results.mkdir()
+    plain = {**base, "last-10-accuracy": 84.95}
+    filtered = {**base, "last-10-accuracy": 85.5, "overrides": {"update-norm-factor": 10.0}}
+    (results / "table3-fedlaw-alpha0.1-seed9-rounds200.json").write_text(json.dumps(plain))
+    name = "table3-fedlaw-alpha0.1-seed9-rounds200-update-norm-factor10.json"
+    (results / name).write_text(json.dumps(filtered))
+    common = ["--report-only", "--results", str(results), "--publish", str(publish)]
+    common += ["--seeds", "9", "--alphas", "0.1", "--strategies", "fedlaw"]
+    assert table3_main(common) == 0
+    assert table3_main([*common, "--set", "update-norm-factor=10.0"]) == 0
+    table = (publish / "fedlaw_table3.md").read_text(encoding="utf-8")
+    # The second call's report holds the filtered run only, as its own method.
+    assert "| mlp | 0.1 | fedlaw (update-norm-factor=10.0) | - | 85.50 | 1 |" in table
+    assert "| mlp | 0.1 | fedlaw | " not in table
