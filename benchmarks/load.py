@@ -27,6 +27,7 @@ Usage::
 
     nice -n 10 .venv/bin/python -m benchmarks.load                   # 5 10 20 30 50, 2 rounds
     nice -n 10 .venv/bin/python -m benchmarks.load --sizes 5 10 --rounds 3 --publish
+    nice -n 10 .venv/bin/python -m benchmarks.load --sizes 30 --merge --publish  # add a size
 
 ``--publish`` writes the table to ``docs/results/load.md`` (``load-file.md`` with
 ``--state file``, ``-cold`` added with ``--cold-cache``) besides the JSON in
@@ -241,6 +242,43 @@ def superlink_errors(log: str) -> dict[str, Any]:
     return {"superlink-database-locked": len(locked), "superlink-locked-calls": calls}
 
 
+def measured_by(meta: dict[str, Any]) -> str:
+    """When and with which command the rows were measured (several runs after ``--merge``)."""
+    runs = meta.get("runs") or [{"date": meta["date"], "command": meta["command"]}]
+    return "; ".join(
+        f"{run['date']} with `{run['command']}`"
+        + (f" ({', '.join(map(str, run['sizes']))} nodes)" if len(runs) > 1 else "")
+        for run in runs
+    )
+
+
+def merge_previous(
+    rows: list[dict[str, Any]], meta: dict[str, Any], previous: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """This run's rows with the previous saved run's rows of the sizes not measured now."""
+    measured = {row["supernodes"] for row in rows}
+    kept = [
+        row
+        for row in previous["rows"]
+        if row["supernodes"] not in measured and row["status"] != "skipped"
+    ]
+    earlier = previous["meta"].get("runs") or [
+        {
+            "date": previous["meta"]["date"],
+            "command": previous["meta"]["command"],
+            "sizes": [row["supernodes"] for row in previous["rows"] if row["status"] != "skipped"],
+        }
+    ]
+    runs = []
+    for run in earlier:  # an earlier run keeps the sizes no later run measured again
+        sizes = [size for size in run["sizes"] if size not in measured]
+        if sizes:
+            runs.append({**run, "sizes": sizes})
+    runs.append({"date": meta["date"], "command": meta["command"], "sizes": sorted(measured)})
+    merged = sorted(kept + rows, key=lambda row: int(row["supernodes"]))
+    return merged, {**meta, "runs": runs}
+
+
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The published table."""
     cache = (
@@ -252,7 +290,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "# SuperNodes per SuperLink: load on this machine",
         "",
-        f"Measured {meta['date']} with `{meta['command']}` on {meta['machine']}: "
+        f"Measured {measured_by(meta)} on {meta['machine']}: "
         f"{meta['cpus']} CPU cores and {meta['memory-gib']} GiB shared with other jobs (the "
         "load average column says how busy the cores were during the run; times are upper "
         "bounds). Default configuration (digits, MLP, 2 local epochs, every node trains every "
@@ -325,11 +363,30 @@ def main() -> None:
         action="store_true",
         help="start with an empty partition cache instead of filling it before each run",
     )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the last saved rows of the sizes not measured now (and take their memory "
+        "per node to check whether the first size fits)",
+    )
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
+    name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
+    name += "-cold" if args.cold_cache else ""
+    previous_path = RESULTS / f"{name}.json"
+    previous = (
+        json.loads(previous_path.read_text(encoding="utf-8"))
+        if args.merge and previous_path.is_file()
+        else None
+    )
     rows: list[dict[str, Any]] = []
     per_node = 0.0
+    if previous is not None:  # the largest completed size's memory per node
+        completed = [row for row in previous["rows"] if row["status"] == "completed"]
+        if completed:
+            largest = max(completed, key=lambda row: int(row["supernodes"]))
+            per_node = largest["node-peak-rss-mb-per-node"] * MIB
     with tempfile.TemporaryDirectory(prefix="ba-load-") as scratch:
         # A cache of this benchmark's own, inherited by every process it starts.
         os.environ[CACHE_ENV] = str(Path(scratch) / "partitions")
@@ -362,8 +419,8 @@ def main() -> None:
         "superlink-state": "an SQLite file" if args.state == "file" else "memory",
         "cold-cache": args.cold_cache,
     }
-    name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
-    name += "-cold" if args.cold_cache else ""
+    if previous is not None:
+        rows, meta = merge_previous(rows, meta, previous)
     (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     if args.publish:
         published = PUBLISHED.with_name(f"{name}.md")

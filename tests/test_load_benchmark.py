@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.load import descendants, markdown, superlink_errors
+from benchmarks.load import descendants, markdown, merge_previous, superlink_errors
 
 META = {
     "date": "2026-11-23 15:00 UTC",
@@ -65,3 +65,43 @@ def test_a_failed_size_stays_one_table_row_and_names_the_lock_errors() -> None:
     assert "Traceback line two" not in row
     assert row.count("|") == 10  # 9 columns: the error's own "|" must not open a tenth
     assert '"database is locked" 2 times, on /flwr.proto.Fleet/PullObject' in row
+
+
+def completed_row(size: int) -> dict[str, object]:
+    return {
+        "supernodes": size,
+        "status": "completed",
+        "seconds-to-online": 10.0,
+        "round-seconds": [20.0],
+        "load-average": [1.0, 2.0, 3.0],
+        "serverapp-peak-rss-mb": 330.0,
+        "superlink-peak-rss-mb": 150.0,
+        "node-peak-rss-mb-per-node": 590.0,
+        "supernode-peak-rss-mb-per-node": 141.0,
+        "superexec-peak-rss-mb-per-node": 122.0,
+        "clientapp-peak-rss-mb-per-node": 327.0,
+        "replies-valid": [size],
+    }
+
+
+def test_merging_keeps_earlier_sizes_and_names_the_command_that_measured_each() -> None:
+    earlier = {
+        "meta": META,
+        "rows": [
+            completed_row(10),
+            completed_row(20),
+            {"supernodes": 30, "status": "skipped", "why": "needs about 17 GiB"},
+        ],
+    }
+    now_meta = {**META, "date": "2026-11-24 09:00 UTC", "command": "load --sizes 20 30 --merge"}
+    rows, meta = merge_previous([completed_row(20), completed_row(30)], now_meta, earlier)
+    # 10 from the earlier run; 20 and 30 from this one (the earlier 20 and skipped 30 replaced).
+    assert [row["supernodes"] for row in rows] == [10, 20, 30]
+    assert all(row["status"] == "completed" for row in rows)
+    assert [run["sizes"] for run in meta["runs"]] == [[10], [20, 30]]
+    text = markdown(rows, meta)
+    assert f"{META['date']} with `{META['command']}` (10 nodes)" in text
+    assert "2026-11-24 09:00 UTC with `load --sizes 20 30 --merge` (20, 30 nodes)" in text
+    # Merging again keeps the run list and drops a run none of whose sizes remain.
+    rows, meta = merge_previous([completed_row(10)], now_meta, {"meta": meta, "rows": rows})
+    assert [run["sizes"] for run in meta["runs"]] == [[20, 30], [10]]
