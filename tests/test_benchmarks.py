@@ -440,23 +440,26 @@ def test_every_table3_row_and_column_is_a_configuration_the_app_accepts(
     assert {(model, 100.0, method), (model, 0.1, method)} <= PAPER_TABLE3.keys()
 
 
-def test_the_table3_report_sets_each_run_beside_the_papers_number(tmp_path: Path) -> None:
-    def run(model: str | None, method: str, seed: int, accuracy: float) -> dict[str, Any]:
-        result: dict[str, Any] = {
-            "alpha": 0.1,
-            "strategy": method,
-            "seed": seed,
-            "last-10-accuracy": accuracy,
-            "accuracy-per-round": [10.0, accuracy],
-            "gamma-per-round": [None if method == "fedavg" else 1.0],
-            "aggregation-seconds-mean": 0.5,
-            "wall-seconds": 60.0,
-        }
-        if model is not None:  # results written before the model column have none
-            result["model"] = model
-            result["update-norm-ratio-max"] = 4.0 + seed
-        return result
+def table3_result(model: str | None, method: str, seed: int, accuracy: float) -> dict[str, Any]:
+    """A run's summary as benchmarks/fedlaw_table3.py saves it (alpha 0.1)."""
+    result: dict[str, Any] = {
+        "alpha": 0.1,
+        "strategy": method,
+        "seed": seed,
+        "last-10-accuracy": accuracy,
+        "accuracy-per-round": [10.0, accuracy],
+        "gamma-per-round": [None if method == "fedavg" else 1.0],
+        "aggregation-seconds-mean": 0.5,
+        "wall-seconds": 60.0,
+    }
+    if model is not None:  # results written before the model column have none
+        result["model"] = model
+        result["update-norm-ratio-max"] = 4.0 + seed
+    return result
 
+
+def test_the_table3_report_sets_each_run_beside_the_papers_number(tmp_path: Path) -> None:
+    run = table3_result
     results = [
         run(None, "fedavg", 8, 85.0),
         run("mlp", "fedavg", 9, 87.0),
@@ -476,17 +479,7 @@ def test_the_table3_report_sets_each_run_beside_the_papers_number(tmp_path: Path
 
 
 def test_table3_report_only_runs_nothing_and_reports_the_runs_done(tmp_path: Path) -> None:
-    done = {
-        "model": "mlp",
-        "alpha": 0.1,
-        "strategy": "fedlaw",
-        "seed": 8,
-        "last-10-accuracy": 86.3,
-        "accuracy-per-round": [10.0, 86.3],
-        "gamma-per-round": [1.0],
-        "aggregation-seconds-mean": 0.7,
-        "wall-seconds": 600.0,
-    }
+    done = table3_result("mlp", "fedlaw", 8, 86.3)
     results, publish = tmp_path / "results", tmp_path / "publish"
     results.mkdir()
     (results / "table3-fedlaw-alpha0.1-seed8-rounds200.json").write_text(json.dumps(done))
@@ -499,16 +492,7 @@ def test_table3_report_only_runs_nothing_and_reports_the_runs_done(tmp_path: Pat
 
 
 def test_table3_runs_with_set_options_are_named_and_reported_apart(tmp_path: Path) -> None:
-    base = {
-        "model": "mlp",
-        "alpha": 0.1,
-        "strategy": "fedlaw",
-        "seed": 9,
-        "accuracy-per-round": [10.0, 85.0],
-        "gamma-per-round": [1.0],
-        "aggregation-seconds-mean": 0.7,
-        "wall-seconds": 600.0,
-    }
+    base = table3_result("mlp", "fedlaw", 9, 85.0)
     results, publish = tmp_path / "results", tmp_path / "publish"
     results.mkdir()
     plain = {**base, "last-10-accuracy": 84.95}
