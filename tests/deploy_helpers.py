@@ -27,6 +27,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.launch import (
+    LAUNCH_MARKER,
     LaunchError,
     descendants,
     flower_environment,
@@ -245,6 +247,9 @@ class LocalDeployment:
             raise ValueError("supernode_auth=True needs certificates: the SuperLink requires TLS")
         self.flwr_home = self.workdir / "flwr-home"
         self.env = flower_environment(self.flwr_home)
+        # Inherited by everything this deployment starts: close() finds a ServerApp or ClientApp
+        # that was re-parented away from the SuperLink's or a SuperNode's tree.
+        self.env[LAUNCH_MARKER] = f"deploy-{uuid.uuid4().hex}"
         self.control_port = free_port()
         self.fleet_port = free_port()
         self.superlink_log = self.workdir / "superlink.log"
@@ -467,7 +472,7 @@ class LocalDeployment:
         for node in self.supernodes:
             stop_process_tree(node.process)
         if self.superlink is not None:
-            stop_process_tree(self.superlink)
+            stop_process_tree(self.superlink, marker=self.env[LAUNCH_MARKER])
         shutil.rmtree(self.flwr_home / "apps", ignore_errors=True)
 
     def __enter__(self) -> LocalDeployment:

@@ -6,13 +6,17 @@ test_deployment_containers.py; these run in seconds and need no Flower processes
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import threading
+import time
 import tomllib
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +26,7 @@ import pytest
 from tests.deploy_helpers import (
     REPO,
     FleetTap,
+    LocalDeployment,
     make_certificates,
     online_nodes_from_listing,
     stage_app,
@@ -228,3 +233,34 @@ def test_online_nodes_are_read_from_the_cli_listing() -> None:
     )
     assert online_nodes_from_listing(listing) == [11, 14]
     assert online_nodes_from_listing("Error: connection refused") == []
+
+
+def test_closing_a_deployment_stops_what_it_started_even_when_re_parented(
+    tmp_path: Path,
+) -> None:
+    # The SuperLink's stand-in starts a process in a session of its own and exits, as a
+    # ServerApp whose parent died would be: only the deployment's marker can still find it.
+    deployment = LocalDeployment(REPO, tmp_path)
+    pid_file = tmp_path / "orphan.pid"
+    starter = (
+        "import subprocess, sys; "
+        "p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))"
+    )
+    deployment.superlink = subprocess.Popen([sys.executable, "-c", starter], env=deployment.env)
+    deployment.superlink.wait(timeout=30)
+    orphan = int(pid_file.read_text())
+    os.kill(orphan, 0)  # running, outside the stand-in's (ended) tree
+    deployment.close()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(orphan, 0)
+        except ProcessLookupError:
+            return
+        # A killed child of no waiting parent is a zombie until init reaps it.
+        with contextlib.suppress(FileNotFoundError):
+            if Path(f"/proc/{orphan}/stat").read_text().split()[2] == "Z":
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"process {orphan} started by the deployment survived close()")
