@@ -212,9 +212,11 @@ def write_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) ->
             f"- {model}, alpha {alpha:g}, {strategy}: "
             + ", ".join(f"seed {r['seed']} {r['last-10-accuracy']:.2f}" for r in runs)
         )
+    # The command that runs what the table shows: a --report-only call names the runs it read.
+    arguments = [part for part in sys.argv[1:] if part != "--report-only"]
     command = " ".join(
         shlex.quote(part)
-        for part in [".venv/bin/python", "-m", "benchmarks.fedlaw_table3", *sys.argv[1:]]
+        for part in [".venv/bin/python", "-m", "benchmarks.fedlaw_table3", *arguments]
     )
     lines += [
         "",
