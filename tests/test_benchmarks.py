@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import benchmarks.grid as grid
-from benchmarks.fedlaw_table3 import METHODS, PAPER_TABLE3, TABLE3_SETTING, write_report
+from benchmarks.fedlaw_table3 import METHODS, PAPER_TABLE3, TABLE3_SETTING, claim_run, write_report
 from benchmarks.fedlaw_table3 import main as table3_main
 from benchmarks.grid import (
     Cell,
@@ -508,3 +508,19 @@ def test_table3_runs_with_set_options_are_named_and_reported_apart(tmp_path: Pat
     # The second call's report holds the filtered run only, as its own method.
     assert "| mlp | 0.1 | fedlaw (update-norm-factor=10.0) | - | 85.50 | 1 |" in table
     assert "| mlp | 0.1 | fedlaw | " not in table
+
+
+def test_a_table3_run_another_process_holds_is_left_to_it(tmp_path: Path) -> None:
+    # Two processes in one run folder would interleave their metrics.jsonl lines.
+    results = tmp_path / "results"
+    held = claim_run(results / "table3-fedavg-alpha0.1-seed8-rounds1.lock")
+    assert held is not None
+    with held:
+        assert claim_run(results / "table3-fedavg-alpha0.1-seed8-rounds1.lock") is None
+        arguments = ["--rounds", "1", "--seeds", "8", "--alphas", "0.1", "--strategies", "fedavg"]
+        code = table3_main([*arguments, "--results", str(results), "--publish", str(tmp_path)])
+        assert code == 1  # nothing run, nothing to report
+        assert not (results / "runs").exists()
+    released = claim_run(results / "table3-fedavg-alpha0.1-seed8-rounds1.lock")
+    assert released is not None  # the holder's exit (here: closing) frees the run
+    released.close()
