@@ -99,7 +99,7 @@ TABLE3_SETTING: dict[str, Any] = {
     "weight-decay": 5e-4,
     "proxy-per-class": 10,  # FedAvg too: every method is tested on the same remaining test set
     # The norm filter off, so that the paper's algorithm runs unchanged: at this setting a
-    # client's local training diverges in a few rounds (updates 17-227x the median), the default
+    # client's local training diverges in a few rounds (updates up to 227x the median), the default
     # filter drops such a reply, and with every client required the round would keep the model
     # (docs/reliability.md; ``--set update-norm-factor=10.0 min-train-replies=2`` runs it on).
     "update-norm-factor": 0.0,
