@@ -126,7 +126,7 @@ def claim_run(lock_path: Path) -> IO[bytes] | None:
 
 
 def summarise_run(
-    run_dir: Path, alpha: float, strategy: str, seed: int, wall: float, model: str = "mlp"
+    run_dir: Path, alpha: float, strategy: str, seed: int, wall: float, model: str
 ) -> dict[str, Any]:
     """The figures of one run from its metrics.jsonl."""
     lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()

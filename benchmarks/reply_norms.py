@@ -45,6 +45,7 @@ from beyond_averaging.server.app import client_task, data_spec  # noqa: E402
 from beyond_averaging.server.config import RunConfig, parse_run_config  # noqa: E402
 from beyond_averaging.server.inprocess import InProcessGrid  # noqa: E402
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy  # noqa: E402
+from beyond_averaging.strategies.validation import max_over_median  # noqa: E402
 from beyond_averaging.tasks.federation import load_server_splits  # noqa: E402
 from beyond_averaging.tasks.models import build_model  # noqa: E402
 
@@ -61,8 +62,8 @@ def _norm(arrays: dict[str, np.ndarray[Any, Any]], keys: Sequence[str]) -> float
 
 
 def _ratio(values: Sequence[float]) -> float:
-    median = float(np.median(values))
-    return float(max(values) / median) if median > 0 else float("nan")
+    ratio = max_over_median(values)  # the ratio the strategies log and filter on
+    return float("nan") if ratio is None else ratio
 
 
 def round_figures(

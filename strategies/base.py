@@ -76,6 +76,7 @@ from .validation import (
     common_key_set,
     decode_record,
     default_reply_byte_limit,
+    max_over_median,
     model_rejection,
     norm_outliers,
     record_norms,
@@ -518,10 +519,7 @@ class ContractStrategy(Strategy):
         updates = update_norms(self.global_arrays, [r.arrays for r, _ in accepted])
         # What the filter compares, logged every round (filter on or off): how close honest
         # clients come to the factor is read from any run's metrics.jsonl.
-        median_update = float(np.median(updates)) if accepted else 0.0
-        self._update_norm_ratio = (
-            float(updates.max()) / median_update if median_update > 0.0 else None
-        )
+        self._update_norm_ratio = max_over_median(updates)
         if self.update_norm_factor > 0.0 and accepted:
             norms = {
                 "update": updates,

@@ -320,6 +320,16 @@ def record_norms(records: Sequence[Mapping[str, npt.NDArray[Any]]]) -> npt.NDArr
     )
 
 
+def max_over_median(norms: npt.NDArray[np.float64] | Sequence[float]) -> float | None:
+    """The largest norm over the median: what :func:`norm_outliers` compares with its factor.
+
+    None without norms or with a median of 0 (no ratio to speak of).
+    """
+    values = np.asarray(norms, dtype=np.float64)
+    median = float(np.median(values)) if values.size else 0.0
+    return float(values.max()) / median if median > 0.0 else None
+
+
 def norm_outliers(norms: npt.NDArray[np.float64], factor: float) -> npt.NDArray[np.bool_]:
     """True where a norm exceeds ``factor`` x the median of ``norms`` (factor 0: none is).
 

@@ -19,6 +19,7 @@ from beyond_averaging.strategies.server_optimizer import ServerOptimizer
 from beyond_averaging.strategies.validation import (
     REPLY_VALUE_LIMIT,
     cap_weights,
+    max_over_median,
     model_rejection,
     norm_outliers,
     record_norms,
@@ -87,6 +88,13 @@ def test_norm_outliers_are_those_above_factor_times_the_median() -> None:
     np.testing.assert_array_equal(norm_outliers(norms, 2.0), [False, False, False, True, True])
     assert not norm_outliers(norms, 0.0).any()  # 0 turns it off
     assert not norm_outliers(np.array([0.0, 0.0, 5.0]), 3.0).any()  # median 0: nothing to compare
+
+
+def test_max_over_median_is_the_ratio_the_norm_filter_compares() -> None:
+    norms = [1.0, 2.0, 3.0, 6.1, 100.0]
+    assert max_over_median(norms) == pytest.approx(100.0 / statistics.median(norms))
+    assert max_over_median([0.0, 0.0, 5.0]) is None  # median 0: no ratio
+    assert max_over_median([]) is None
 
 
 def test_update_and_record_norms_are_the_l2_norms_over_floating_tensors() -> None:
