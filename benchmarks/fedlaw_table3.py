@@ -21,14 +21,17 @@ Outputs:
 - ``benchmarks/results/fedlaw/runs/<run>/``: each run's ``metrics.jsonl`` and ``summary.json``;
 - ``benchmarks/results/fedlaw/<run>.json``: accuracy per round, gamma per round, the last-10
   accuracy, mean server aggregation seconds, wall time (a run whose JSON exists is not redone);
-- ``--publish`` (default ``docs/results``): ``fedlaw_table3.md`` (paper vs ours, hardware, command,
-  wall time, server seconds per round) and ``fedlaw_table3.png`` (accuracy and gamma per round).
+- the report, beside the runs in ``--results`` unless ``--publish [DIR]`` (``docs/results`` when
+  no DIR is named) puts it there: ``fedlaw_table3.md`` (paper vs ours, hardware, command, wall
+  time, server seconds per round) and ``fedlaw_table3.png`` (accuracy and gamma per round). A
+  trial run thus never overwrites the published table.
 
 Usage::
 
     .venv/bin/python -m benchmarks.fedlaw_table3 --rounds 20 --seeds 8
     .venv/bin/python -m benchmarks.fedlaw_table3 --rounds 200 --seeds 8 9 10   # the paper's
-    .venv/bin/python -m benchmarks.fedlaw_table3 --rounds 200 --seeds 8 9 10 --report-only
+    .venv/bin/python -m benchmarks.fedlaw_table3 --rounds 200 --seeds 8 9 10 --report-only \
+        --publish   # its table into docs/results
 """
 
 from __future__ import annotations
@@ -328,8 +331,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run nothing: write the report from the runs of these arguments already done",
     )
     parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--publish", type=Path, default=PUBLISH)
+    parser.add_argument(
+        "--publish",
+        type=Path,
+        nargs="?",
+        const=PUBLISH,
+        default=None,
+        help="write the report to this folder (docs/results when none is named) instead of "
+        "beside the runs in --results",
+    )
     args = parser.parse_args(argv)
+    if args.publish is None:
+        args.publish = args.results
     overrides = parse_overrides(args.overrides)
     suffix = "".join(
         f"-{key}{value:g}" if isinstance(value, float) else f"-{key}{value}"

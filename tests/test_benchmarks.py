@@ -491,6 +491,27 @@ def test_table3_report_only_runs_nothing_and_reports_the_runs_done(tmp_path: Pat
     assert table3_main([*common, "--seeds", "10"]) == 1  # nothing done: no report
 
 
+def test_table3_writes_its_report_beside_the_runs_unless_told_to_publish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A trial run must not overwrite the table published in docs/results.
+    import benchmarks.fedlaw_table3 as table3
+
+    published = tmp_path / "docs-results"
+    monkeypatch.setattr(table3, "PUBLISH", published)
+    results = tmp_path / "results"
+    results.mkdir()
+    done = table3_result("mlp", "fedavg", 8, 85.0)
+    (results / "table3-fedavg-alpha0.1-seed8-rounds200.json").write_text(json.dumps(done))
+    common = ["--report-only", "--results", str(results), "--seeds", "8", "--alphas", "0.1"]
+    assert table3_main([*common, "--strategies", "fedavg"]) == 0
+    assert (results / "fedlaw_table3.md").is_file()
+    assert not published.exists()
+    assert table3_main([*common, "--strategies", "fedavg", "--publish"]) == 0
+    table = (published / "fedlaw_table3.md").read_text(encoding="utf-8")
+    assert "| mlp | 0.1 | fedavg | 85.11 | 85.00 | 1 |" in table
+
+
 def test_table3_runs_with_set_options_are_named_and_reported_apart(tmp_path: Path) -> None:
     base = table3_result("mlp", "fedlaw", 9, 85.0)
     results, publish = tmp_path / "results", tmp_path / "publish"
