@@ -26,7 +26,7 @@ Both read the centralised test accuracy after every round from the run's metrics
 One JSON per run goes to
 ``benchmarks/results/elastic/`` (git-ignored; existing ones are reused, so an interrupted sweep
 resumes), and the report (a Markdown table and a PNG plot of mean accuracy per round with a band
-of +/- one standard deviation over seeds) to ``benchmarks/results/elastic/`` and, with
+of +/- one sample standard deviation over seeds) to ``benchmarks/results/elastic/`` and, with
 ``--publish``, to ``docs/results/``.
 
 The paper's kind of setting (Elastic combined with FedAvgM, FedAdam and FedProx, several taus, the
@@ -63,6 +63,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 import torch  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
 
+from benchmarks.seed_stats import band, mean_sd  # noqa: E402
 from beyond_averaging.server.launch import (  # noqa: E402
     RUNTIMES,
     LaunchError,
@@ -288,7 +289,7 @@ def paired_rounds_to_target(
 def table(
     results: Sequence[dict[str, Any]], order: Sequence[str], target: float | None = None
 ) -> str:
-    """Markdown: final, late and all-round mean accuracy (mean +/- std over seeds), the
+    """Markdown: final, late and all-round mean accuracy (mean +/- sample sd over seeds), the
     seed-paired difference in late accuracy against the method's baseline and, with a
     ``target`` (percent), the rounds each seed needed to reach it."""
     by_seed, stacked = curves_by_seed(results), group(results)
@@ -328,15 +329,14 @@ def table(
                     delta += "; " + paired_rounds_to_target(own, baseline, seeds, target)
             rows.append(
                 f"| {dataset} | {variant} | {len(curves)} | {curves.shape[1] - 1} | "
-                f"{final.mean():.1f} ± {final.std():.1f} | {tail.mean():.1f} ± {tail.std():.1f} | "
-                f"{overall.mean():.1f} ± {overall.std():.1f} | {delta} |"
+                f"{mean_sd(final)} | {mean_sd(tail)} | {mean_sd(overall)} | {delta} |"
                 + ("" if target is None else f" {describe_rounds_to_target(curves, target)} |")
             )
     return header + "\n".join(rows) + "\n"
 
 
 def plot(results: Sequence[dict[str, Any]], order: Sequence[str], path: Path) -> None:
-    """Mean test accuracy per round, +/- one std band over seeds, one panel per dataset."""
+    """Mean test accuracy per round, +/- one sample sd band over seeds, one panel per dataset."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -350,7 +350,7 @@ def plot(results: Sequence[dict[str, Any]], order: Sequence[str], path: Path) ->
             curves = stacked.get((dataset, variant))
             if curves is None:
                 continue
-            mean, std = curves.mean(axis=0), curves.std(axis=0)
+            mean, std = band(curves)
             rounds = np.arange(curves.shape[1])
             # One colour per base optimizer; a line style per tau (solid: without Elastic).
             base = baseline_of(variant) if "elastic" in variant else variant
@@ -401,7 +401,8 @@ def report(
         f"{'/'.join(sorted({r.get('runtime', 'flower') for r in results}))}, "
         f"{wall / 60:.1f} min of wall time on a shared 2-core CPU; "
         f"FedAdam server lr {adam_lr}, eps 1e-3, betas 0.9/0.99; FedAvgM server lr 0.1, "
-        f"momentum 0.9; FedProx mu 0.01).{reproduce}\n\n{table(results, order, target)}"
+        f"momentum 0.9; FedProx mu 0.01). Accuracy in %, mean ± sample standard deviation over "
+        f"seeds.{reproduce}\n\n{table(results, order, target)}"
     )
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / f"{REPORT_STEM}.md").write_text(markdown, encoding="utf-8")

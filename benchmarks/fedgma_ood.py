@@ -44,18 +44,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from beyond_averaging.client.training import train_local
-from beyond_averaging.strategies import aggregate_fedavg
-from beyond_averaging.strategies.aggregate import NDArrayDict
-from beyond_averaging.strategies.fedgma import MaskVariant, fedgma_step
-from beyond_averaging.tasks.batching import shuffled_batches
-from beyond_averaging.tasks.colored import PROXY_FLIP_PROBABILITY, base_dataset, colorize
-from beyond_averaging.tasks.datasets import LabeledData, load_dataset
-from beyond_averaging.tasks.evaluation import DeviceData, evaluate
-from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
-from beyond_averaging.tasks.models import build_model
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: benchmarks.* is importable
+
+from benchmarks.seed_stats import band, mean_sd  # noqa: E402
+from beyond_averaging.client.training import train_local  # noqa: E402
+from beyond_averaging.strategies import aggregate_fedavg  # noqa: E402
+from beyond_averaging.strategies.aggregate import NDArrayDict  # noqa: E402
+from beyond_averaging.strategies.fedgma import MaskVariant, fedgma_step  # noqa: E402
+from beyond_averaging.tasks.batching import shuffled_batches  # noqa: E402
+from beyond_averaging.tasks.colored import (  # noqa: E402
+    PROXY_FLIP_PROBABILITY,
+    base_dataset,
+    colorize,
+)
+from beyond_averaging.tasks.datasets import LabeledData, load_dataset  # noqa: E402
+from beyond_averaging.tasks.evaluation import DeviceData, evaluate  # noqa: E402
+from beyond_averaging.tasks.federation import (  # noqa: E402
+    DataSpec,
+    load_client_partition,
+    load_server_splits,
+)
+from beyond_averaging.tasks.models import build_model  # noqa: E402
+
 RESULTS_DIR = REPO / "benchmarks" / "results" / "fedgma"
 DOCS_DIR = REPO / "docs" / "results"
 
@@ -328,8 +339,8 @@ def write_report(
     panels = [(t, s) for t in TASKS for s in SPLITS if any(k[:2] == (t, s) for k in grouped)]
     figure, axes = plt.subplots(2, 2, figsize=(11, 8), squeeze=False)
     rows = [
-        "| task | split | method | seeds | peak OOD acc. (mean ± sd over seeds) | round of peak |"
-        " mean OOD acc. over rounds | OOD acc. last round | ID acc. last round |"
+        "| task | split | method | seeds | peak OOD acc. (mean ± sample sd over seeds) |"
+        " round of peak | mean OOD acc. over rounds | OOD acc. last round | ID acc. last round |"
         " mask mean | paper peak |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -339,7 +350,7 @@ def write_report(
             runs = grouped[(task, split, method)]
             ood = 100 * np.array([r["ood_accuracy"] for r in runs])
             ids = 100 * np.array([r["id_accuracy"] for r in runs])
-            mean, sd = ood.mean(axis=0), ood.std(axis=0)
+            mean, sd = band(ood)
             rounds = np.arange(ood.shape[1])
             axis.plot(rounds, mean, label=method)
             axis.fill_between(rounds, mean - sd, mean + sd, alpha=0.15)
@@ -353,10 +364,9 @@ def write_report(
             paper_method = "fedgma" if method.startswith("fedgma-lr") else method
             paper = PAPER_PEAKS.get((task, split), {}).get(paper_method)
             rows.append(
-                f"| {task} | {split} | {method} | {len(runs)} | {peaks.mean():.1f} ± "
-                f"{peaks.std():.1f} | {np.median(peak_rounds):.0f} | "
-                f"{ood[:, 1:].mean(axis=1).mean():.1f} ± {ood[:, 1:].mean(axis=1).std():.1f} | "
-                f"{ood[:, -1].mean():.1f} ± {ood[:, -1].std():.1f} | "
+                f"| {task} | {split} | {method} | {len(runs)} | {mean_sd(peaks)} | "
+                f"{np.median(peak_rounds):.0f} | {mean_sd(ood[:, 1:].mean(axis=1))} | "
+                f"{mean_sd(ood[:, -1])} | "
                 f"{ids[:, -1].mean():.1f} | "
                 f"{'-' if np.isnan(kept) else f'{100 * kept:.1f} %'} | "
                 f"{'-' if paper is None else f'~{paper:g}'} |"

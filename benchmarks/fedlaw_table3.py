@@ -55,6 +55,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from benchmarks.seed_stats import mean_sd
 from beyond_averaging.server.inprocess import run_inprocess
 from beyond_averaging.server.launch import parse_overrides
 
@@ -196,8 +197,8 @@ def write_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) ->
     lines = [
         "# FedLAW Table 3, FashionMNIST: paper vs this project",
         "",
-        "Accuracy = mean test accuracy (%) of the last 10 rounds (± standard deviation over "
-        "seeds). Paper: 200 rounds, seeds 8, 9, 10. Ours: "
+        "Accuracy = mean test accuracy (%) of the last 10 rounds (± sample standard deviation "
+        "over seeds). Paper: 200 rounds, seeds 8, 9, 10. Ours: "
         f"**{args.rounds} rounds**, seed(s) {', '.join(map(str, seeds))}, clients training on "
         f"{100 * (1 - args.client_holdout):g} % of their partition (the authors: 70 %), client "
         f"backend `{args.client_backend}`."
@@ -215,7 +216,6 @@ def write_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) ->
     for model, alpha, strategy in keys:
         runs = groups[(model, alpha, strategy)]
         last = np.array([run["last-10-accuracy"] for run in runs])
-        spread = f" ± {last.std(ddof=1):.2f}" if last.size > 1 else ""
         seconds = float(np.mean([run["aggregation-seconds-mean"] for run in runs]))
         gammas = [g for run in runs for g in run["gamma-per-round"] if g is not None]
         gamma = f"{np.mean(gammas):.3f} ({min(gammas):.3f}-{max(gammas):.3f})" if gammas else "-"
@@ -224,7 +224,7 @@ def write_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) ->
         paper = PAPER_TABLE3.get((model, alpha, strategy))
         paper_text = f"{paper:.2f}" if paper is not None else "-"
         lines.append(
-            f"| {model} | {alpha:g} | {strategy} | {paper_text} | {last.mean():.2f}{spread} | "
+            f"| {model} | {alpha:g} | {strategy} | {paper_text} | {mean_sd(last, digits=2)} | "
             f"{len(runs)} | {seconds:.3f} | {gamma} | {ratio} |"
         )
     lines += ["", "Seed by seed (last-10 accuracy, %):", ""]

@@ -60,6 +60,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from benchmarks.plots import plot_accuracy_bands
+from benchmarks.seed_stats import seed_sd
 from beyond_averaging.server.config import ConfigError, parse_run_config
 from beyond_averaging.server.launch import (
     RUNTIMES,
@@ -575,9 +576,7 @@ def rounds_to_target(accuracy: Mapping[int, float], target: float) -> int | None
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     if not values:
         return math.nan, math.nan
-    array = np.asarray(values, dtype=np.float64)
-    spread = float(array.std(ddof=1)) if array.size > 1 else math.nan
-    return float(array.mean()), spread
+    return float(np.mean(values)), float(seed_sd(values))
 
 
 def paper_reference(result: Mapping[str, Any]) -> float | None:

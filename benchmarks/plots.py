@@ -31,6 +31,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import numpy.typing as npt
 
+from benchmarks.seed_stats import seed_sd
+
 Metrics = list[dict[str, Any]]
 
 COHERENCE_KEY = "diag-coherence"
@@ -197,7 +199,7 @@ def plot_accuracy_bands(
         seeds = values.shape[0]
         (line,) = axes.plot(rounds, mean, label=f"{label} ({seeds} seed{'s' * (seeds > 1)})")
         if seeds > 1:
-            spread = values.std(axis=0, ddof=1)
+            spread = seed_sd(values, axis=0)
             axes.fill_between(
                 rounds, mean - spread, mean + spread, color=line.get_color(), alpha=BAND_ALPHA
             )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import numpy as np
 
 from benchmarks.elastic_evidence import (
@@ -12,6 +15,7 @@ from benchmarks.elastic_evidence import (
     variants,
 )
 from benchmarks.fedgma_ood import subsample, sweep_tag
+from benchmarks.seed_stats import band, mean_sd, seed_sd
 from beyond_averaging.tasks.datasets import LabeledData
 
 
@@ -69,3 +73,18 @@ def test_rounds_to_target_is_compared_seed_by_seed() -> None:
     # seed 0: 1 - 2 = -1; seed 1: the baseline never gets there, so it is left out
     assert paired_rounds_to_target(fast, slow, [0, 1], 95.0) == "rounds to 95 % -1.0 (1 seeds)"
     assert paired_rounds_to_target(fast, slow, [1], 95.0) == "rounds to 95 %: n/a"
+
+
+def test_every_report_spreads_seeds_by_the_sample_standard_deviation() -> None:
+    finals = [88.47, 89.18, 89.04]
+    assert mean_sd(finals, digits=2) == f"88.90 ± {statistics.stdev(finals):.2f}"  # 0.38, not 0.31
+    curves = np.array([[10.0, 20.0, 30.0], [12.0, 20.0, 33.0]])
+    mean, spread = band(curves)
+    assert mean.tolist() == [11.0, 20.0, 31.5]
+    assert spread.tolist() == [statistics.stdev([10, 12]), 0.0, statistics.stdev([30, 33])]
+
+
+def test_one_seed_has_no_spread_to_report() -> None:
+    assert mean_sd([85.27]) == "85.3"  # no "± 0.0" pretending the seeds agreed
+    assert math.isnan(float(seed_sd([85.27])))
+    assert band([[0.5, 0.6]])[1].tolist() == [0.0, 0.0]  # a plot draws no band

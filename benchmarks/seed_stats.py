@@ -1,0 +1,51 @@
+"""Mean and spread over seeds: one definition for every benchmark's tables and bands.
+
+The spread is the sample standard deviation (``ddof=1``), the usual estimate from a few seeds.
+The population value (``ddof=0``) is ``sqrt((n - 1) / n)`` of it, 0.82 with three seeds, and would
+understate how far another seed may land. One seed gives no estimate: NaN in data, no ``±`` in a
+table, a band of zero width in a plot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def seed_sd(values: npt.ArrayLike, axis: int = 0) -> FloatArray:
+    """Sample standard deviation of ``values`` over seeds along ``axis``; NaN for one seed.
+
+    Parameters
+    ----------
+    values : array_like
+        One entry per seed along ``axis``.
+    axis : int
+        The seed axis.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64, ``values``' shape without ``axis`` (0-d for a 1-d input).
+    """
+    array = np.asarray(values, dtype=np.float64)
+    if array.shape[axis] < 2:
+        return np.full(np.delete(np.array(array.shape), axis), np.nan)
+    spread: FloatArray = array.std(axis=axis, ddof=1)
+    return spread
+
+
+def band(values: npt.ArrayLike) -> tuple[FloatArray, FloatArray]:
+    """Per-round mean and sample sd of curves stacked ``(seeds, rounds)``; sd 0 for one seed."""
+    curves = np.asarray(values, dtype=np.float64)
+    return curves.mean(axis=0), np.nan_to_num(seed_sd(curves, axis=0), nan=0.0)
+
+
+def mean_sd(values: Any, digits: int = 1) -> str:
+    """``"m ± s"`` over seeds (sample sd), or ``"m"`` alone when there is one seed."""
+    array = np.asarray(values, dtype=np.float64).ravel()
+    mean = f"{array.mean():.{digits}f}"
+    return mean if array.size < 2 else f"{mean} ± {float(seed_sd(array)):.{digits}f}"
