@@ -33,6 +33,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -47,6 +48,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: benchmarks.* is importable
 
+from benchmarks.run_lock import claim_run  # noqa: E402
 from benchmarks.seed_stats import band, mean_sd  # noqa: E402
 from beyond_averaging.client.training import train_local  # noqa: E402
 from beyond_averaging.strategies import aggregate_fedavg  # noqa: E402
@@ -278,28 +280,34 @@ def run_all(settings: Settings) -> None:
         *((lr, "hard") for lr in settings.server_lrs),
         *((lr, "soft") for lr in settings.soft_server_lrs),
     ]
-    for task in settings.tasks:
-        for split in settings.splits:
-            for seed in settings.seeds:
-                for server_lr, mask in methods:
-                    if (
-                        settings.skip_existing
-                        and result_path(
-                            directory, task, split, seed, method_name(server_lr, mask)
-                        ).exists()
-                    ):
-                        continue
-                    result = run_one(settings, task, split, seed, server_lr, mask)
-                    path = result_path(directory, task, split, seed, result["method"])
-                    path.write_text(json.dumps(result), encoding="utf-8")
-                    print(
-                        f"{task:8s} {split:7s} seed {seed} {result['method']:14s} "
-                        f"OOD peak {100 * max(result['ood_accuracy']):5.1f} "
-                        f"last {100 * result['ood_accuracy'][-1]:5.1f} | "
-                        f"ID last {100 * result['id_accuracy'][-1]:5.1f} | "
-                        f"{result['cpu_seconds']:.0f} s CPU",
-                        flush=True,
-                    )
+    runs = itertools.product(settings.tasks, settings.splits, settings.seeds, methods)
+    for task, split, seed, (server_lr, mask) in runs:
+        path = result_path(directory, task, split, seed, method_name(server_lr, mask))
+        # Several processes may share one sweep: each run is claimed by one of them.
+        lock = claim_run(path.with_suffix(".lock"))
+        if lock is None:
+            print(f"{path.stem}: another process is running it, left to it", flush=True)
+            continue
+        with lock:
+            if settings.skip_existing and path.exists():
+                saved_rounds = json.loads(path.read_text(encoding="utf-8"))["settings"]["rounds"]
+                if saved_rounds == settings.rounds:
+                    continue
+                print(
+                    f"{path.stem}: saved with {saved_rounds} rounds, {settings.rounds} asked: "
+                    "running it again",
+                    flush=True,
+                )
+            result = run_one(settings, task, split, seed, server_lr, mask)
+            path.write_text(json.dumps(result), encoding="utf-8")
+        print(
+            f"{task:8s} {split:7s} seed {seed} {result['method']:14s} "
+            f"OOD peak {100 * max(result['ood_accuracy']):5.1f} "
+            f"last {100 * result['ood_accuracy'][-1]:5.1f} | "
+            f"ID last {100 * result['id_accuracy'][-1]:5.1f} | "
+            f"{result['cpu_seconds']:.0f} s CPU",
+            flush=True,
+        )
 
 
 def load_results(directory: Path = RESULTS_DIR) -> list[dict[str, Any]]:
@@ -447,7 +455,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="also run the soft-mask variant (pseudo-gradients) at these server steps",
     )
     parser.add_argument(
-        "--skip-existing", action="store_true", help="keep runs whose JSON already exists"
+        "--skip-existing",
+        action="store_true",
+        help="keep runs whose JSON already exists with the rounds asked (others run again)",
     )
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--splits", nargs="+", choices=list(SPLITS), default=list(SPLITS))

@@ -45,7 +45,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import matplotlib
 
@@ -55,6 +55,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from benchmarks.run_lock import claim_run
 from benchmarks.seed_stats import mean_sd
 from beyond_averaging.server.inprocess import run_inprocess
 from beyond_averaging.server.launch import parse_overrides
@@ -108,25 +109,6 @@ TABLE3_SETTING: dict[str, Any] = {
     # (docs/reliability.md; ``--set update-norm-factor=10.0 min-train-replies=2`` runs it on).
     "update-norm-factor": 0.0,
 }
-
-
-def claim_run(lock_path: Path) -> IO[bytes] | None:
-    """An exclusive lock on one run, or None while another process holds it.
-
-    Two processes running the same run write into one run folder and interleave their
-    ``metrics.jsonl`` lines; the lock makes the second one leave the run to the first. The
-    operating system releases it when the holder exits, crashed or not.
-    """
-    import fcntl  # POSIX; the benchmark runs where the app's deployment does
-
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    stream = lock_path.open("wb")
-    try:
-        fcntl.flock(stream, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        stream.close()
-        return None
-    return stream
 
 
 def summarise_run(

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import benchmarks.grid as grid
-from benchmarks.fedlaw_table3 import METHODS, PAPER_TABLE3, TABLE3_SETTING, claim_run, write_report
+from benchmarks.fedlaw_table3 import METHODS, PAPER_TABLE3, TABLE3_SETTING, write_report
 from benchmarks.fedlaw_table3 import main as table3_main
 from benchmarks.grid import (
     Cell,
@@ -36,6 +36,7 @@ from benchmarks.grid import (
     summarise,
 )
 from benchmarks.plots import critical_point, plot_diagnostics, read_run_metrics
+from benchmarks.run_lock import claim_run
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.launch import LaunchError, parse_overrides
 

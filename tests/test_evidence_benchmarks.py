@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 
+import benchmarks.fedgma_ood as fedgma_ood
 from benchmarks.elastic_evidence import (
     baseline_of,
     describe_rounds_to_target,
@@ -14,7 +19,8 @@ from benchmarks.elastic_evidence import (
     rounds_to_target,
     variants,
 )
-from benchmarks.fedgma_ood import subsample, sweep_tag
+from benchmarks.fedgma_ood import Settings, result_path, subsample, sweep_tag
+from benchmarks.run_lock import claim_run
 from benchmarks.seed_stats import band, mean_sd, seed_sd
 from beyond_averaging.tasks.datasets import LabeledData
 
@@ -88,3 +94,46 @@ def test_one_seed_has_no_spread_to_report() -> None:
     assert mean_sd([85.27]) == "85.3"  # no "± 0.0" pretending the seeds agreed
     assert math.isnan(float(seed_sd([85.27])))
     assert band([[0.5, 0.6]])[1].tolist() == [0.0, 0.0]  # a plot draws no band
+
+
+def test_a_fedgma_sweep_reruns_runs_saved_with_other_rounds_and_leaves_claimed_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran: list[tuple[str, float | None]] = []
+
+    def fake_run(settings: Settings, task: str, split: str, seed: int, server_lr: Any, mask: Any):
+        ran.append((task, server_lr))
+        method = fedgma_ood.method_name(server_lr, mask)
+        return {
+            "method": method,
+            "settings": {"rounds": settings.rounds},
+            "ood_accuracy": [0.5],
+            "id_accuracy": [0.5],
+            "cpu_seconds": 0.0,
+        }
+
+    monkeypatch.setattr(fedgma_ood, "run_one", fake_run)
+    monkeypatch.setattr(fedgma_ood, "RESULTS_DIR", tmp_path)
+    settings = Settings(
+        rounds=20,
+        seeds=(0,),
+        server_lrs=(0.1, 1.0),
+        tasks=("binary",),
+        splits=("non-iid",),
+        skip_existing=True,
+    )
+    directory = fedgma_ood.results_dir(settings)
+    directory.mkdir(parents=True, exist_ok=True)
+    for method, rounds in (("fedavg", 10), ("fedgma-lr0.1", 20)):
+        saved = result_path(directory, "binary", "non-iid", 0, method)
+        saved.write_text(json.dumps({"settings": {"rounds": rounds}}))
+    busy = claim_run(
+        result_path(directory, "binary", "non-iid", 0, "fedgma-lr1").with_suffix(".lock")
+    )
+    assert busy is not None
+    with busy:  # another process holds lr 1
+        fedgma_ood.run_all(settings)
+    # FedAvg was saved with 10 rounds of the 20 asked: run again; lr 0.1 has 20: kept.
+    assert ran == [("binary", None)]
+    saved = result_path(directory, "binary", "non-iid", 0, "fedavg").read_text()
+    assert json.loads(saved)["settings"]["rounds"] == 20
