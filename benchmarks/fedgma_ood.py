@@ -347,10 +347,10 @@ def write_report(
     panels = [(t, s) for t in TASKS for s in SPLITS if any(k[:2] == (t, s) for k in grouped)]
     figure, axes = plt.subplots(2, 2, figsize=(11, 8), squeeze=False)
     rows = [
-        "| task | split | method | seeds | peak OOD acc. (mean ± sample sd over seeds) |"
+        "| task | split | method | seeds | rounds | peak OOD acc. (mean ± sample sd over seeds) |"
         " round of peak | mean OOD acc. over rounds | OOD acc. last round | ID acc. last round |"
         " mask mean | paper peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for axis, (task, split) in zip(axes.flat, panels, strict=False):
         methods = sorted({k[2] for k in grouped if k[:2] == (task, split)}, key=method_order)
@@ -372,7 +372,8 @@ def write_report(
             paper_method = "fedgma" if method.startswith("fedgma-lr") else method
             paper = PAPER_PEAKS.get((task, split), {}).get(paper_method)
             rows.append(
-                f"| {task} | {split} | {method} | {len(runs)} | {mean_sd(peaks)} | "
+                f"| {task} | {split} | {method} | {len(runs)} | {ood.shape[1] - 1} | "
+                f"{mean_sd(peaks)} | "
                 f"{np.median(peak_rounds):.0f} | {mean_sd(ood[:, 1:].mean(axis=1))} | "
                 f"{mean_sd(ood[:, -1])} | "
                 f"{ids[:, -1].mean():.1f} | "
@@ -397,15 +398,23 @@ def write_report(
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.suptitle(
-        f"Colored {first['base']}: FedGMA vs FedAvg, OOD accuracy (mean ± sd, "
+        f"Colored {first['base']}: FedGMA vs FedAvg, OOD accuracy (mean ± sample sd, "
         f"{len({r['seed'] for r in results})} seeds)"
     )
     figure.tight_layout()
     figure.savefig(DOCS_DIR / f"{stem}.png", dpi=110)
     cpu = sum(r["cpu_seconds"] for r in results)
-    # What the sweep chose (seeds, tasks, splits, server steps) differs between the invocations
-    # that filled the folder; the table's rows and seed counts say what ran.
-    per_invocation = {"seeds", "server_lrs", "soft_server_lrs", "tasks", "splits", "skip_existing"}
+    # What the sweep chose (seeds, tasks, splits, server steps, rounds) differs between the
+    # invocations that filled the folder; the table's rows, seed and round counts say what ran.
+    per_invocation = {
+        "seeds",
+        "server_lrs",
+        "soft_server_lrs",
+        "tasks",
+        "splits",
+        "skip_existing",
+        "rounds",
+    }
     settings_line = ", ".join(f"{k} = {v}" for k, v in first.items() if k not in per_invocation)
     text = "\n".join(
         [

@@ -137,3 +137,35 @@ def test_a_fedgma_sweep_reruns_runs_saved_with_other_rounds_and_leaves_claimed_o
     assert ran == [("binary", None)]
     saved = result_path(directory, "binary", "non-iid", 0, "fedavg").read_text()
     assert json.loads(saved)["settings"]["rounds"] == 20
+
+
+def test_the_fedgma_report_gives_each_row_its_rounds_and_seed_spread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fedgma_ood, "DOCS_DIR", tmp_path)
+
+    def run(task: str, seed: int, ood: list[float]) -> dict[str, Any]:
+        settings = {**Settings(rounds=len(ood) - 1, seeds=(seed,)).__dict__, "base": "mnist"}
+        return {
+            "task": task,
+            "split": "non-iid",
+            "seed": seed,
+            "method": "fedavg",
+            "settings": settings,
+            "ood_accuracy": ood,
+            "id_accuracy": [0.8] * len(ood),
+            "mask_kept": [math.nan] * len(ood),
+            "cpu_seconds": 1.0,
+        }
+
+    results = [
+        run("binary", 0, [0.5, 0.2, 0.6]),
+        run("binary", 1, [0.5, 0.3, 0.7]),
+        run("10-class", 0, [0.1, 0.12, 0.14, 0.13]),  # a longer sweep in the same folder
+    ]
+    fedgma_ood.write_report(results, "report", "the command")
+    table = (tmp_path / "report.md").read_text(encoding="utf-8")
+    peak_sd = statistics.stdev([60.0, 70.0])
+    assert f"| binary | non-iid | fedavg | 2 | 2 | 65.0 ± {peak_sd:.1f} | 2 |" in table
+    assert "| 10-class | non-iid | fedavg | 1 | 3 | 14.0 | 2 |" in table  # one seed: no ±
+    assert "rounds = " not in table  # rounds differ between rows: not a sweep-wide setting
