@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import numpy.typing as npt
 
-from benchmarks.seed_stats import seed_sd
+from benchmarks.seed_stats import band
 
 Metrics = list[dict[str, Any]]
 
@@ -195,11 +195,10 @@ def plot_accuracy_bands(
     figure, axes = plt.subplots(figsize=FIGURE_SIZE)
     for label, (rounds, accuracies) in curves.items():
         values = np.atleast_2d(np.asarray(accuracies, dtype=np.float64)) * 100.0
-        mean = values.mean(axis=0)
+        mean, spread = band(values)
         seeds = values.shape[0]
         (line,) = axes.plot(rounds, mean, label=f"{label} ({seeds} seed{'s' * (seeds > 1)})")
         if seeds > 1:
-            spread = seed_sd(values, axis=0)
             axes.fill_between(
                 rounds, mean - spread, mean + spread, color=line.get_color(), alpha=BAND_ALPHA
             )
