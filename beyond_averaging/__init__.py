@@ -11,23 +11,39 @@ The library's parts are subpackages: ``beyond_averaging.strategies`` (the aggreg
 ``beyond_averaging.client`` (client-side helpers and this project's ClientApp),
 ``beyond_averaging.tasks`` (data, models, record names) and ``beyond_averaging.server`` (this
 project's ServerApp and run configuration). In the repository they are the top-level folders of
-the same names; ``beyond_averaging/`` links to them so that one import name serves the source tree,
-a Flower app bundle (FAB) and an installed wheel alike.
+the same names (docs/development.md, "Layout").
 """
 
 from __future__ import annotations
 
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# Flower does not follow links when it packs an app into a FAB, so an unpacked FAB holds this file
-# but not the linked folders. There the subpackages are found in the FAB's root, beside this
-# folder: a run executes the code it was started with, not whatever copy is installed.
-_SOURCE_ROOT = Path(__file__).resolve().parent.parent
-if not Path(__file__).with_name("strategies").is_dir() and (_SOURCE_ROOT / "strategies").is_dir():
-    __path__.append(str(_SOURCE_ROOT))
+#: The subpackages, each a folder at the repository's top (pyproject.toml maps the same four).
+SUBPACKAGES = ("client", "server", "strategies", "tasks")
 
-from .tasks.lazy_exports import lazy_exports  # noqa: E402 - in a FAB it needs the path above
+# Where the subpackages are: inside this folder in a built package (the wheel, where setuptools
+# copied them by pyproject's package-dir), beside it in an unbuilt tree (a checkout, or the FAB that
+# `flwr run` unpacks, which ships the app's code to every node). One rule for both: the package's
+# search path is this folder, then the folder that holds the four.
+_BESIDE = Path(__file__).resolve().parent.parent
+if not (Path(__file__).parent / "tasks").is_dir() and all(
+    (_BESIDE / name / "__init__.py").is_file() for name in SUBPACKAGES
+):
+    __path__.append(str(_BESIDE))
+    #: The release: pyproject.toml's ``version`` (CHANGELOG.md says what each one holds).
+    __version__: str = tomllib.loads((_BESIDE / "pyproject.toml").read_text("utf-8"))["project"][
+        "version"
+    ]
+else:
+    try:
+        __version__ = version("beyond-averaging")
+    except PackageNotFoundError:  # the files copied somewhere by hand, never installed
+        __version__ = "0+unknown"
+
+from .tasks.lazy_exports import lazy_exports  # noqa: E402 - needs the search path above
 
 if TYPE_CHECKING:
     from .client.gradient import last_step_gradient
@@ -93,6 +109,7 @@ __all__ = [
     "MissingRecordError",
     "ProxySetError",
     "ServerOptimizer",
+    "__version__",
     "aggregate_elastic",
     "aggregate_fedavg",
     "aggregate_fedgma",

@@ -13,11 +13,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from ..tasks.batching import shuffle_seed, shuffled_batches
-from ..tasks.evaluation import DeviceData, evaluate, resolve_device
-from ..tasks.federation import DataSpec, load_client_partition
-from ..tasks.models import ModelName, build_model
-from ..tasks.protocol import (
+from beyond_averaging.tasks.batching import shuffle_seed, shuffled_batches
+from beyond_averaging.tasks.evaluation import DeviceData, evaluate, resolve_device
+from beyond_averaging.tasks.federation import DataSpec, load_client_partition
+from beyond_averaging.tasks.models import ModelName, build_model
+from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
     GRADIENT_RECORD,
@@ -29,6 +29,7 @@ from ..tasks.protocol import (
     ClientTask,
     requested_records,
 )
+
 from .sensitivity import sensitivity_record
 from .training import train_local
 

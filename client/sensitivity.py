@@ -31,12 +31,16 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
-from flwr.supercore import log
+from flwr.common import log
 from torch import nn
 
-from ..tasks.batch_format import BatchFormatError
-from ..tasks.batch_format import batch_inputs as find_inputs
-from ..tasks.protocol import CONFIG_RECORD, SENSITIVITY_DECAY_KEY, SENSITIVITY_DTYPE_KEY
+from beyond_averaging.tasks.batch_format import BatchFormatError
+from beyond_averaging.tasks.batch_format import batch_inputs as find_inputs
+from beyond_averaging.tasks.protocol import (
+    CONFIG_RECORD,
+    SENSITIVITY_DECAY_KEY,
+    SENSITIVITY_DTYPE_KEY,
+)
 
 #: The paper's moving-average decay (the authors' code).
 DEFAULT_DECAY = 0.9

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim.sgd import sgd as sgd_update
 
-from ..tasks.evaluation import DeviceData
+from beyond_averaging.tasks.evaluation import DeviceData
 
 
 @dataclass(frozen=True)

@@ -49,15 +49,15 @@ from typing import Any
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.supercore import log
+from flwr.common import log
 from torch import nn
 
-from ..tasks.batching import shuffle_seed, shuffled_batches
-from ..tasks.datasets import LabeledData
-from ..tasks.evaluation import resolve_device
-from ..tasks.federation import DataSpec, load_client_partition
-from ..tasks.models import build_model
-from ..tasks.protocol import (
+from beyond_averaging.tasks.batching import shuffle_seed, shuffled_batches
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.evaluation import resolve_device
+from beyond_averaging.tasks.federation import DataSpec, load_client_partition
+from beyond_averaging.tasks.models import build_model
+from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
     GRADIENT_RECORD,
@@ -71,6 +71,7 @@ from ..tasks.protocol import (
     ClientTask,
     requested_records,
 )
+
 from .app import SUPPORTED_RECORDS
 from .sensitivity import DEFAULT_DECAY, STATE_KEY, mismatch, to_upload
 

@@ -15,12 +15,14 @@ python_bin=${PYTHON:-}
 if [ -z "$python_bin" ]; then
   if command -v python3.11 >/dev/null 2>&1; then python_bin=python3.11; else python_bin=python3; fi
 fi
-if ! "$python_bin" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-  echo "setup: needs Python 3.11 (found $("$python_bin" --version 2>&1)); set PYTHON=/path/to/python3.11" >&2
+if ! "$python_bin" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 11))'; then
+  echo "setup: needs Python 3.11 or newer (found $("$python_bin" --version 2>&1)); set PYTHON=/path/to/python3.11" >&2
   exit 1
 fi
 
 [ -x .venv/bin/python ] || "$python_bin" -m venv .venv
+# mypy's view of the package (the wheel's layout as links to the sources); cheap, so every time.
+.venv/bin/python scripts/typing_tree.py
 stamp=.venv/.beyond-averaging-setup
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c 'import flwr, torch, beyond_averaging' 2>/dev/null; then

@@ -20,13 +20,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from ..strategies import ContractStrategy
-from ..strategies.diagnostics import ClientDiagnostics
-from ..tasks.datasets import LabeledData
-from ..tasks.evaluation import DeviceData, evaluate, resolve_device
-from ..tasks.federation import DataSpec, load_server_splits
-from ..tasks.models import build_model
-from ..tasks.protocol import ClientTask
+from beyond_averaging.strategies import ContractStrategy
+from beyond_averaging.strategies.diagnostics import ClientDiagnostics
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.evaluation import DeviceData, evaluate, resolve_device
+from beyond_averaging.tasks.federation import DataSpec, load_server_splits
+from beyond_averaging.tasks.models import build_model
+from beyond_averaging.tasks.protocol import ClientTask
+
 from .bounded_pull import bound_reply_bytes
 from .checkpoint import RunCheckpoint, capture_rng, restore_rng
 from .config import RunConfig, parse_run_config

@@ -36,7 +36,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 from flwr.supercore.run import Run
 
-from ..strategies.validation import REPLY_OVERSIZED_ERROR_CODE
+from beyond_averaging.strategies.validation import REPLY_OVERSIZED_ERROR_CODE
 
 #: Flower versions whose ``HttpGrid.pull_messages`` this module re-implements with a bound.
 SUPPORTED_FLOWER = ("1.39.",)

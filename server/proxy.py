@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..tasks.datasets import LabeledData, _idx_pair
+from beyond_averaging.tasks.datasets import LabeledData, _idx_pair
+
 from .config import ConfigError, RunConfig
 
 _IMAGES_MARK = "idx3-ubyte"

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..strategies import (
+from beyond_averaging.strategies import (
     ContractStrategy,
     ElasticAggregation,
     FedAvg,
@@ -15,7 +15,8 @@ from ..strategies import (
     FedGMASoft,
     FedLAW,
 )
-from ..tasks.datasets import LabeledData
+from beyond_averaging.tasks.datasets import LabeledData
+
 from .config import ConfigError, RunConfig
 from .proxy import resolve_proxy_set
 

@@ -50,14 +50,15 @@ from flwr.app import (
 )
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from flwr.supercore import log
+from flwr.common import log
 
-from ..tasks.protocol import (
+from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
     NUM_EXAMPLES_KEY,
     REQUEST_RECORDS_KEY,
 )
+
 from .aggregate import NDArrayDict, normalise_weights, npy_view
 from .metrics import (
     MetricsAggregationFn,

@@ -27,9 +27,14 @@ from typing import Any, ClassVar, Literal, Unpack
 import numpy as np
 import numpy.typing as npt
 from flwr.app import Message
-from flwr.supercore import log
+from flwr.common import log
 
-from ..tasks.protocol import SENSITIVITY_DECAY_KEY, SENSITIVITY_DTYPE_KEY, SENSITIVITY_RECORD
+from beyond_averaging.tasks.protocol import (
+    SENSITIVITY_DECAY_KEY,
+    SENSITIVITY_DTYPE_KEY,
+    SENSITIVITY_RECORD,
+)
+
 from .aggregate import (
     NDArrayDict,
     as_numpy,

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
-from flwr.supercore import log
+from flwr.common import log
 
 from .aggregate import (
     NDArrayDict,

@@ -52,9 +52,10 @@ from typing import Any, ClassVar, Literal, NamedTuple, Unpack
 
 import numpy as np
 import numpy.typing as npt
-from flwr.supercore import log
+from flwr.common import log
 
-from ..tasks.protocol import GRADIENT_RECORD
+from beyond_averaging.tasks.protocol import GRADIENT_RECORD
+
 from .aggregate import (
     NDArrayDict,
     as_numpy,

@@ -75,12 +75,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as functional
-from flwr.supercore import log
+from flwr.common import log
 from torch import nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _NormBase
 
-from ..tasks.datasets import LabeledData
+from beyond_averaging.tasks.datasets import LabeledData
+
 from .aggregate import NDArrayDict, as_numpy, normalise_weights, weighted_mean
 from .base import ClientReply, ContractStrategy, StrategyOptions
 from .proxy_data import ProxySetError, count_shared_samples, proxy_arrays, to_labeled_data

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from flwr.app import MetricRecord, RecordDict
 
-from ..tasks.protocol import METRICS_RECORD
+from beyond_averaging.tasks.protocol import METRICS_RECORD
 
 #: Flower's metric aggregation signature: ``fn(reply_contents, weighted_by_key) -> MetricRecord``.
 MetricsAggregationFn = Callable[[list[RecordDict], str], MetricRecord]

@@ -29,8 +29,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ..tasks.batch_format import BatchFormatError, as_tensor, batch_inputs, batch_labels
-from ..tasks.datasets import LabeledData
+from beyond_averaging.tasks.batch_format import (
+    BatchFormatError,
+    as_tensor,
+    batch_inputs,
+    batch_labels,
+)
+from beyond_averaging.tasks.datasets import LabeledData
 
 
 class ProxySetError(ValueError):
