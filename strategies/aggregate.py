@@ -7,18 +7,13 @@ accumulator per tensor beside the inputs.
 
 from __future__ import annotations
 
-import io
-import math
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
-from numpy.lib import format as npy_format
 
 NDArrayDict = dict[str, npt.NDArray[Any]]
 ArrayLike = Any  # numpy array or torch tensor; converted with as_numpy
@@ -37,94 +32,6 @@ def as_numpy(value: ArrayLike) -> npt.NDArray[Any]:
 def as_numpy_dict(arrays: Mapping[str, ArrayLike]) -> NDArrayDict:
     """Convert every value of a dict to numpy."""
     return {key: as_numpy(value) for key, value in arrays.items()}
-
-
-class NpyHeader(NamedTuple):
-    """What the header of serialized ``.npy`` bytes declares, and where the data starts."""
-
-    shape: tuple[int, ...]
-    fortran_order: bool
-    dtype: np.dtype[Any]
-    offset: int
-
-
-def npy_header(data: bytes | bytearray | memoryview) -> NpyHeader:
-    """Parse the header of ``.npy`` bytes (versions 1.0 and 2.0) without reading the data.
-
-    Raises
-    ------
-    ValueError
-        When ``data`` does not start with a well-formed ``.npy`` 1.0 or 2.0 header (any error of
-        NumPy's header parser is turned into this one, so a caller catches a single type).
-    """
-    stream = io.BytesIO(data)
-    try:
-        version = npy_format.read_magic(stream)
-        if version == (1, 0):
-            shape, fortran_order, dtype = npy_format.read_array_header_1_0(stream)
-        elif version == (2, 0):
-            shape, fortran_order, dtype = npy_format.read_array_header_2_0(stream)
-        else:
-            raise ValueError(f".npy format version {version} is not supported (1.0 and 2.0 are)")
-    except ValueError:
-        raise
-    except Exception as error:  # the header parser may raise many types
-        raise ValueError(f"not a readable .npy header: {error!r}"[:300]) from None
-    return NpyHeader(tuple(int(n) for n in shape), bool(fortran_order), dtype, stream.tell())
-
-
-def npy_view(
-    data: bytes | bytearray | memoryview, header: NpyHeader | None = None
-) -> npt.NDArray[Any]:
-    """The array inside serialized ``.npy`` bytes (a Flower ``Array.data``), as a view: no copy.
-
-    ``Array.numpy()`` (``np.load``) copies every tensor out of its message, which costs one
-    model-sized buffer per client and record, and most of the time of aggregating large models.
-    Aggregation only reads the clients' tensors, so a view of the received bytes serves; it is
-    read-only when ``data`` is ``bytes``. ``header`` is :func:`npy_header`'s result when the
-    caller has already read it (to check the dtype and shape before any data is touched).
-
-    Raises
-    ------
-    ValueError
-        When ``data`` is not ``.npy`` version 1 or 2, holds Python objects (never unpickled), or
-        its length is not exactly the header plus the data it declares (truncated or padded).
-    """
-    header = npy_header(data) if header is None else header
-    if header.dtype.hasobject:
-        raise ValueError("the .npy data holds Python objects, which are never unpickled")
-    count = math.prod(header.shape)
-    expected = header.offset + count * header.dtype.itemsize
-    size = memoryview(data).nbytes
-    if size != expected:
-        raise ValueError(
-            f"the .npy data holds {size} bytes, its header declares {expected} "
-            f"({header.shape} x {header.dtype})"
-        )
-    flat = np.frombuffer(data, dtype=header.dtype, count=count, offset=header.offset)
-    return flat.reshape(header.shape, order="F" if header.fortran_order else "C")
-
-
-_TORCH_FLOATS = frozenset(np.dtype(name) for name in ("float16", "float32", "float64"))
-
-
-def value_range(array: npt.NDArray[Any]) -> tuple[float, float]:
-    """(min, max) of a floating array in one pass; NaN in either when the array holds a NaN.
-
-    Replies are checked with it (finite iff both ends are finite; a sensitivity is >= 0 iff the
-    min is): torch's ``aminmax`` reads the tensor once, with no temporary mask, on several cores,
-    and handles float16 natively, where NumPy's ``isfinite`` and ``min`` emulate it slowly.
-    """
-    if array.size == 0:
-        return 0.0, 0.0
-    if array.dtype.newbyteorder("=") not in _TORCH_FLOATS or not array.dtype.isnative:
-        return float(array.min()), float(array.max())  # rare dtypes: NumPy, also NaN-propagating
-    with warnings.catch_warnings():
-        # A view of a reply's read-only bytes: only read here.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-    low, high = torch.aminmax(tensor)
-    return float(low), float(high)
 
 
 def normalise_weights(

@@ -48,9 +48,9 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from flwr.common import log
 
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
@@ -59,7 +59,7 @@ from beyond_averaging.tasks.protocol import (
     REQUEST_RECORDS_KEY,
 )
 
-from .aggregate import NDArrayDict, normalise_weights, npy_view
+from .aggregate import NDArrayDict, normalise_weights
 from .metrics import (
     MetricsAggregationFn,
     aggregate_metrics,
@@ -75,7 +75,6 @@ from .validation import (
     check_reply_size,
     check_reply_weight,
     common_key_set,
-    decode_record,
     default_reply_byte_limit,
     max_over_median,
     model_rejection,
@@ -83,7 +82,8 @@ from .validation import (
     record_norms,
     update_norms,
 )
-from .validation import ReplyRejected as ReplyRejected  # re-exported: rules raise it too
+from .wire import ReplyRejected as ReplyRejected  # re-exported: rules raise it too
+from .wire import decode_record, npy_view
 
 #: Default of ``update_norm_factor``: above every max/median ratio of honest replies measured on
 #: digits, Dirichlet(0.1) and (0.5) (docs/reliability.md, ``benchmarks/reply_norms.py``).
@@ -442,7 +442,7 @@ class ContractStrategy(Strategy):
         """Unpack a reply or raise :class:`ReplyRejected` with the contract clause it breaks.
 
         Its size is checked before anything is decoded, every requested record is decoded only
-        through :func:`strategies.validation.decode_record`, and records the strategy did not
+        through :func:`strategies.wire.decode_record`, and records the strategy did not
         request are never read.
         """
         if message.has_error():

@@ -1,20 +1,20 @@
-"""Reply validation and influence bounds: every check a reply passes before it is aggregated.
+"""Reply validation and influence bounds: the checks around decoding (:mod:`strategies.wire`).
 
-Pure functions, called by :class:`~strategies.base.ContractStrategy`:
+Pure functions, called by :class:`~strategies.base.ContractStrategy`, in the order a reply meets
+them:
 
 - **before decoding**: :func:`reply_bytes` against a byte limit (:func:`default_reply_byte_limit`,
   a small multiple of the model's bytes), :func:`check_reply_weight` (the reply's weight is a
   finite, positive, integer-valued number of examples);
-- **decoding**: :func:`decode_record` reads each requested ArrayRecord only through
-  :func:`decode_array`, which checks the ``.npy`` header (dtype, shape) before it touches the data,
-  never unpickles and refuses truncated or padded buffers, then checks the values in one pass
-  (finite, ``|v| <= REPLY_VALUE_LIMIT``, above a record's minimum);
+- **decoding**: :func:`strategies.wire.decode_record` (``.npy`` header, dtype policy, shape,
+  values; see that module);
+- **across the round's replies**: :func:`common_key_set` (records that share no key);
 - **influence**: :func:`update_norms` / :func:`record_norms` and :func:`norm_outliers` (a norm
   above ``factor`` x the round's median), :func:`cap_weights` (no client above a weight share);
 - **after aggregation**: :func:`model_rejection` (a non-finite, out-of-range or exploding global
   model is never committed).
 
-Every check raises :class:`ReplyRejected`, whose ``reason`` becomes the round's
+Every check raises :class:`~strategies.wire.ReplyRejected`, whose ``reason`` becomes the round's
 ``dropped-<reason>`` count; nothing else may escape a reply's validation.
 """
 
@@ -27,14 +27,12 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import RecordDict
 
-from .aggregate import NDArrayDict, is_floating, npy_header, npy_view, value_range
-
-#: Largest magnitude accepted in any reply tensor and in a committed global model. No trained
-#: parameter, sensitivity or gradient comes near it; far below float32's overflow (3.4e38), so a
-#: weighted sum of many such values still fits, and far below float64's, so squares for norms do.
-REPLY_VALUE_LIMIT = 1e15
+from .aggregate import NDArrayDict, is_floating
+from .wire import REPLY_VALUE_LIMIT as REPLY_VALUE_LIMIT  # re-exported: the model guard's bound
+from .wire import ReplyRejected as ReplyRejected  # re-exported: every check raises it
+from .wire import value_range
 
 #: Largest accepted number of examples: 2**53, the largest integer that float64 (a MetricRecord's
 #: number type) holds exactly. A weight claim below it is still bounded by ``max_client_weight``.
@@ -60,24 +58,6 @@ MODEL_GROWTH_MARGIN = 2.0
 #: one batch's last-step gradient spreads more between honest clients than their updates do
 #: (max/median up to 6.7 against 4.4 for updates on digits, docs/reliability.md).
 RECORD_NORM_FACTOR_SCALE = 2.0
-
-#: Dtypes a reply tensor may have besides the global tensor's own: IEEE floats that NumPy and
-#: torch both compute with (float16 is the half-size sensitivity upload).
-REAL_FLOAT_SIZES = frozenset({2, 4, 8})
-
-
-class ReplyRejected(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """Why a reply is dropped (``reason`` is the metrics key suffix, ``detail`` the log line)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-
-def _reason(name: str, arrays_reason: str, arrays_record: str) -> str:
-    # The model record has one reason per clause; an extra record has one, ``bad-<name>``.
-    return arrays_reason if name == arrays_record else f"bad-{name}"
 
 
 # ----------------------------------------------------------------------------- before decoding
@@ -143,128 +123,6 @@ def check_reply_weight(value: Any, key: str, *, whole: bool = True) -> float:
             + ("whole number of examples in [1, 2**53]" if whole else "number in (0, 2**53]"),
         )
     return weight
-
-
-# ----------------------------------------------------------------------------- decoding
-def allowed_dtype(dtype: np.dtype[Any], expected: np.dtype[Any], floating_only: bool) -> bool:
-    """A real IEEE float (float16/32/64, either byte order), or the global tensor's own dtype.
-
-    Booleans, complex numbers, strings, structured, sub-array and object dtypes never pass; a
-    record other than the model (``floating_only``) must be floating.
-    """
-    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
-        return False
-    if dtype.kind == "f" and dtype.itemsize in REAL_FLOAT_SIZES:
-        return True
-    own = dtype.newbyteorder("=") == expected.newbyteorder("=")
-    return own and not floating_only and dtype.kind in "iuf"
-
-
-def decode_array(
-    name: str, key: str, array: Array, expected: npt.NDArray[Any], *, floating_only: bool
-) -> npt.NDArray[Any]:
-    """A read-only view of one received tensor, its header checked before its data is read.
-
-    Raises
-    ------
-    ReplyRejected
-        ``bad-encoding`` (not ``.npy``, objects, truncated or padded), ``bad-dtype`` or
-        ``shape-mismatch`` for the model record; ``bad-<name>`` for another record.
-    """
-    where = f"record '{name}' tensor '{key}'"
-    data = array.data
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise ReplyRejected(_reason(name, "bad-encoding", "arrays"), f"{where} holds no bytes")
-    try:
-        header = npy_header(data)
-    except ValueError as error:
-        raise ReplyRejected(
-            _reason(name, "bad-encoding", "arrays"), f"{where} is not .npy data: {error}"
-        ) from None
-    if not allowed_dtype(header.dtype, expected.dtype, floating_only):
-        raise ReplyRejected(
-            _reason(name, "bad-dtype", "arrays"),
-            f"{where} has dtype {header.dtype.str!r}: allowed are float16/32/64"
-            + ("" if floating_only else f" or the global model's {expected.dtype}"),
-        )
-    if header.shape != expected.shape:
-        raise ReplyRejected(
-            _reason(name, "shape-mismatch", "arrays"),
-            f"{where} has shape {header.shape}, global model has {expected.shape}",
-        )
-    try:
-        return npy_view(data, header)
-    except ValueError as error:
-        raise ReplyRejected(_reason(name, "bad-encoding", "arrays"), f"{where}: {error}") from None
-
-
-def check_values(
-    name: str,
-    key: str,
-    value: npt.NDArray[Any],
-    minimum: float = -math.inf,
-    limit: float = REPLY_VALUE_LIMIT,
-) -> None:
-    """One pass: finite, ``|v| <= limit``, ``v >= minimum``; else ``non-finite``,
-    ``value-out-of-range`` (the model record) or ``bad-<name>``."""
-    low, high = value_range(value) if is_floating(value) else _int_range(value)
-    where = f"record '{name}' tensor '{key}'"
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise ReplyRejected(_reason(name, "non-finite", "arrays"), f"{where} holds NaN or Inf")
-    if max(-low, high) > limit:
-        raise ReplyRejected(
-            _reason(name, "value-out-of-range", "arrays"),
-            f"{where} holds a value of magnitude {max(-low, high):.3g} > {limit:g}",
-        )
-    if low < minimum:
-        raise ReplyRejected(f"bad-{name}", f"{where} has values below {minimum} (smallest {low})")
-
-
-def _int_range(value: npt.NDArray[Any]) -> tuple[float, float]:
-    if value.size == 0:
-        return 0.0, 0.0
-    return float(value.min()), float(value.max())
-
-
-def decode_record(
-    name: str,
-    record: ArrayRecord,
-    global_arrays: NDArrayDict,
-    *,
-    subset: bool,
-    minimum: float = -math.inf,
-) -> NDArrayDict:
-    """Decode and check an ArrayRecord against the global model, key by key.
-
-    The model record (``subset=False``) must have exactly the global model's keys; another record
-    (``subset=True``) a non-empty subset of its floating tensors, all floating. Each tensor is
-    decoded by :func:`decode_array` and checked by :func:`check_values`.
-
-    Raises
-    ------
-    ReplyRejected
-        ``key-mismatch`` (model record) or ``bad-<name>``, or any reason of the two helpers.
-    """
-    keys = set(record)
-    expected = (
-        set(global_arrays)
-        if not subset
-        else {k for k, v in global_arrays.items() if is_floating(v)}
-    )
-    if (subset and (not keys or not keys <= expected)) or (not subset and keys != expected):
-        unknown, missing = sorted(keys - expected), sorted(expected - keys)
-        raise ReplyRejected(
-            _reason(name, "key-mismatch", "arrays"),
-            f"record '{name}' keys differ from the global model's"
-            f"{' floating tensors' if subset else ''} (unknown: {unknown[:5]}, missing: "
-            f"{[] if subset else missing[:5]})",
-        )
-    decoded: NDArrayDict = {}
-    for key, array in record.items():
-        value = decode_array(name, key, array, global_arrays[key], floating_only=subset)
-        check_values(name, key, value, minimum)
-        decoded[key] = value
-    return decoded
 
 
 def common_key_set(key_sets: Sequence[frozenset[str]]) -> frozenset[str] | None:

@@ -13,11 +13,10 @@ from flwr.app import Array
 from beyond_averaging.strategies import aggregate
 from beyond_averaging.strategies.aggregate import (
     blockwise_sum,
-    npy_view,
     pseudo_gradient,
-    value_range,
     weighted_mean,
 )
+from beyond_averaging.strategies.wire import npy_view, value_range
 
 
 def npy_bytes(array: np.ndarray[Any, Any], version: tuple[int, int] | None = None) -> bytes:

@@ -1,0 +1,272 @@
+"""Wire decoding: from a reply's bytes to checked, read-only arrays. The first stage of a reply.
+
+The path of a train reply through the server, each stage in one module:
+
+1. **decode** (this module): each requested ArrayRecord is read only through
+   :func:`decode_record` -> :func:`decode_array`, which parses the ``.npy`` header
+   (:func:`npy_header`), applies the dtype policy (:func:`allowed_dtype`) and the shape check
+   before any data is touched, never unpickles, refuses truncated or padded buffers, and returns a
+   view of the received bytes (:func:`npy_view`, no copy); :func:`check_values` then reads each
+   tensor once (:func:`value_range`: finite, ``|v| <= REPLY_VALUE_LIMIT``, above a record's
+   minimum);
+2. **validate** (:mod:`strategies.validation`): the reply's size and weight, checked before
+   this decoding; records that share no key with the round's others;
+3. **bound influence** (:mod:`strategies.validation`): each reply's weight and update norm
+   against the round's other replies;
+4. **aggregate**: the rule's own pure function (:mod:`strategies.fedavg`, ``elastic``, ...);
+5. **guard the model** (:func:`strategies.validation.model_rejection`).
+
+Every problem found here raises :class:`ReplyRejected`, whose ``reason`` becomes the round's
+``dropped-<reason>`` count; the later stages raise it too.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from flwr.app import Array, ArrayRecord
+from numpy.lib import format as npy_format
+
+from beyond_averaging.tasks.protocol import ARRAYS_RECORD
+
+from .aggregate import NDArrayDict, is_floating
+
+#: Largest magnitude accepted in any reply tensor and in a committed global model. No trained
+#: parameter, sensitivity or gradient comes near it; far below float32's overflow (3.4e38), so a
+#: weighted sum of many such values still fits, and far below float64's, so squares for norms do.
+REPLY_VALUE_LIMIT = 1e15
+
+#: Dtypes a reply tensor may have besides the global tensor's own: IEEE floats that NumPy and
+#: torch both compute with (float16 is the half-size sensitivity upload).
+REAL_FLOAT_SIZES = frozenset({2, 4, 8})
+
+
+class ReplyRejected(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Why a reply is dropped (``reason`` is the metrics key suffix, ``detail`` the log line)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _reason(name: str, arrays_reason: str) -> str:
+    # The model record has one reason per clause; an extra record has one, ``bad-<name>``.
+    return arrays_reason if name == ARRAYS_RECORD else f"bad-{name}"
+
+
+# ----------------------------------------------------------------------------- .npy bytes
+class NpyHeader(NamedTuple):
+    """What the header of serialized ``.npy`` bytes declares, and where the data starts."""
+
+    shape: tuple[int, ...]
+    fortran_order: bool
+    dtype: np.dtype[Any]
+    offset: int
+
+
+def npy_header(data: bytes | bytearray | memoryview) -> NpyHeader:
+    """Parse the header of ``.npy`` bytes (versions 1.0 and 2.0) without reading the data.
+
+    Raises
+    ------
+    ValueError
+        When ``data`` does not start with a well-formed ``.npy`` 1.0 or 2.0 header (any error of
+        NumPy's header parser is turned into this one, so a caller catches a single type).
+    """
+    stream = io.BytesIO(data)
+    try:
+        version = npy_format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran_order, dtype = npy_format.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran_order, dtype = npy_format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f".npy format version {version} is not supported (1.0 and 2.0 are)")
+    except ValueError:
+        raise
+    except Exception as error:  # the header parser may raise many types
+        raise ValueError(f"not a readable .npy header: {error!r}"[:300]) from None
+    return NpyHeader(tuple(int(n) for n in shape), bool(fortran_order), dtype, stream.tell())
+
+
+def npy_view(
+    data: bytes | bytearray | memoryview, header: NpyHeader | None = None
+) -> npt.NDArray[Any]:
+    """The array inside serialized ``.npy`` bytes (a Flower ``Array.data``), as a view: no copy.
+
+    ``Array.numpy()`` (``np.load``) copies every tensor out of its message, which costs one
+    model-sized buffer per client and record, and most of the time of aggregating large models.
+    Aggregation only reads the clients' tensors, so a view of the received bytes serves; it is
+    read-only when ``data`` is ``bytes``. ``header`` is :func:`npy_header`'s result when the
+    caller has already read it (to check the dtype and shape before any data is touched).
+
+    Raises
+    ------
+    ValueError
+        When ``data`` is not ``.npy`` version 1 or 2, holds Python objects (never unpickled), or
+        its length is not exactly the header plus the data it declares (truncated or padded).
+    """
+    header = npy_header(data) if header is None else header
+    if header.dtype.hasobject:
+        raise ValueError("the .npy data holds Python objects, which are never unpickled")
+    count = math.prod(header.shape)
+    expected = header.offset + count * header.dtype.itemsize
+    size = memoryview(data).nbytes
+    if size != expected:
+        raise ValueError(
+            f"the .npy data holds {size} bytes, its header declares {expected} "
+            f"({header.shape} x {header.dtype})"
+        )
+    flat = np.frombuffer(data, dtype=header.dtype, count=count, offset=header.offset)
+    return flat.reshape(header.shape, order="F" if header.fortran_order else "C")
+
+
+_TORCH_FLOATS = frozenset(np.dtype(name) for name in ("float16", "float32", "float64"))
+
+
+def value_range(array: npt.NDArray[Any]) -> tuple[float, float]:
+    """(min, max) of a floating array in one pass; NaN in either when the array holds a NaN.
+
+    Replies are checked with it (finite iff both ends are finite; a sensitivity is >= 0 iff the
+    min is): torch's ``aminmax`` reads the tensor once, with no temporary mask, on several cores,
+    and handles float16 natively, where NumPy's ``isfinite`` and ``min`` emulate it slowly.
+    """
+    if array.size == 0:
+        return 0.0, 0.0
+    if array.dtype.newbyteorder("=") not in _TORCH_FLOATS or not array.dtype.isnative:
+        return float(array.min()), float(array.max())  # rare dtypes: NumPy, also NaN-propagating
+    with warnings.catch_warnings():
+        # A view of a reply's read-only bytes: only read here.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+    low, high = torch.aminmax(tensor)
+    return float(low), float(high)
+
+
+# ----------------------------------------------------------------------------- tensors of a reply
+def allowed_dtype(dtype: np.dtype[Any], expected: np.dtype[Any], floating_only: bool) -> bool:
+    """A real IEEE float (float16/32/64, either byte order), or the global tensor's own dtype.
+
+    Booleans, complex numbers, strings, structured, sub-array and object dtypes never pass; a
+    record other than the model (``floating_only``) must be floating.
+    """
+    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+        return False
+    if dtype.kind == "f" and dtype.itemsize in REAL_FLOAT_SIZES:
+        return True
+    own = dtype.newbyteorder("=") == expected.newbyteorder("=")
+    return own and not floating_only and dtype.kind in "iuf"
+
+
+def decode_array(
+    name: str, key: str, array: Array, expected: npt.NDArray[Any], *, floating_only: bool
+) -> npt.NDArray[Any]:
+    """A read-only view of one received tensor, its header checked before its data is read.
+
+    Raises
+    ------
+    ReplyRejected
+        ``bad-encoding`` (not ``.npy``, objects, truncated or padded), ``bad-dtype`` or
+        ``shape-mismatch`` for the model record; ``bad-<name>`` for another record.
+    """
+    where = f"record '{name}' tensor '{key}'"
+    data = array.data
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ReplyRejected(_reason(name, "bad-encoding"), f"{where} holds no bytes")
+    try:
+        header = npy_header(data)
+    except ValueError as error:
+        raise ReplyRejected(
+            _reason(name, "bad-encoding"), f"{where} is not .npy data: {error}"
+        ) from None
+    if not allowed_dtype(header.dtype, expected.dtype, floating_only):
+        raise ReplyRejected(
+            _reason(name, "bad-dtype"),
+            f"{where} has dtype {header.dtype.str!r}: allowed are float16/32/64"
+            + ("" if floating_only else f" or the global model's {expected.dtype}"),
+        )
+    if header.shape != expected.shape:
+        raise ReplyRejected(
+            _reason(name, "shape-mismatch"),
+            f"{where} has shape {header.shape}, global model has {expected.shape}",
+        )
+    try:
+        return npy_view(data, header)
+    except ValueError as error:
+        raise ReplyRejected(_reason(name, "bad-encoding"), f"{where}: {error}") from None
+
+
+def check_values(
+    name: str,
+    key: str,
+    value: npt.NDArray[Any],
+    minimum: float = -math.inf,
+    limit: float = REPLY_VALUE_LIMIT,
+) -> None:
+    """One pass: finite, ``|v| <= limit``, ``v >= minimum``; else ``non-finite``,
+    ``value-out-of-range`` (the model record) or ``bad-<name>``."""
+    low, high = value_range(value) if is_floating(value) else _int_range(value)
+    where = f"record '{name}' tensor '{key}'"
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ReplyRejected(_reason(name, "non-finite"), f"{where} holds NaN or Inf")
+    if max(-low, high) > limit:
+        raise ReplyRejected(
+            _reason(name, "value-out-of-range"),
+            f"{where} holds a value of magnitude {max(-low, high):.3g} > {limit:g}",
+        )
+    if low < minimum:
+        raise ReplyRejected(f"bad-{name}", f"{where} has values below {minimum} (smallest {low})")
+
+
+def _int_range(value: npt.NDArray[Any]) -> tuple[float, float]:
+    if value.size == 0:
+        return 0.0, 0.0
+    return float(value.min()), float(value.max())
+
+
+def decode_record(
+    name: str,
+    record: ArrayRecord,
+    global_arrays: NDArrayDict,
+    *,
+    subset: bool,
+    minimum: float = -math.inf,
+) -> NDArrayDict:
+    """Decode and check an ArrayRecord against the global model, key by key.
+
+    The model record (``subset=False``) must have exactly the global model's keys; another record
+    (``subset=True``) a non-empty subset of its floating tensors, all floating. Each tensor is
+    decoded by :func:`decode_array` and checked by :func:`check_values`.
+
+    Raises
+    ------
+    ReplyRejected
+        ``key-mismatch`` (model record) or ``bad-<name>``, or any reason of the two helpers.
+    """
+    keys = set(record)
+    expected = (
+        set(global_arrays)
+        if not subset
+        else {k for k, v in global_arrays.items() if is_floating(v)}
+    )
+    if (subset and (not keys or not keys <= expected)) or (not subset and keys != expected):
+        unknown, missing = sorted(keys - expected), sorted(expected - keys)
+        raise ReplyRejected(
+            _reason(name, "key-mismatch"),
+            f"record '{name}' keys differ from the global model's"
+            f"{' floating tensors' if subset else ''} (unknown: {unknown[:5]}, missing: "
+            f"{[] if subset else missing[:5]})",
+        )
+    decoded: NDArrayDict = {}
+    for key, array in record.items():
+        value = decode_array(name, key, array, global_arrays[key], floating_only=subset)
+        check_values(name, key, value, minimum)
+        decoded[key] = value
+    return decoded
