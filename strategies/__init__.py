@@ -1,6 +1,13 @@
 """Aggregation rules: pure math functions plus thin Flower strategies on one contract base."""
 
-from .base import ClientReply, ContractStrategy, MissingRecordError, StrategyOptions
+from .base import (
+    ClientReply,
+    ContractStrategy,
+    FlowerOptions,
+    MissingRecordError,
+    ProjectOptions,
+    StrategyOptions,
+)
 from .elastic import ElasticAggregation, aggregate_elastic
 from .fedavg import FedAdam, FedAvg, FedAvgM, aggregate_fedavg
 from .fedgma import FedGMA, FedGMASoft, aggregate_fedgma, and_mask
@@ -19,7 +26,9 @@ __all__ = [
     "FedGMA",
     "FedGMASoft",
     "FedLAW",
+    "FlowerOptions",
     "MissingRecordError",
+    "ProjectOptions",
     "ProxySetError",
     "ServerOptimizer",
     "StrategyOptions",

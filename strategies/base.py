@@ -15,9 +15,10 @@ metrics (``replies-dropped`` and ``dropped-<reason>``). The round aggregates the
 of a round carries a required record at all, the run stops with :class:`MissingRecordError`, whose
 message says how to add that record: a strategy never silently falls back to FedAvg.
 
-Constructor arguments are those of Flower's ``flwr.serverapp.strategy.FedAvg``, with its
-defaults and meanings (:class:`StrategyOptions`), plus this project's ``min_train_replies`` and
-``seed``. Results follow Flower's split: ``aggregate_train`` / ``aggregate_evaluate`` return only
+Constructor arguments are those of Flower's ``flwr.serverapp.strategy.FedAvg``, in its order
+and with its defaults and meanings (:class:`FlowerOptions`), then, keyword-only, this project's
+extras (:class:`ProjectOptions`: ``min_train_replies``, ``seed`` and the reply bounds).
+Results follow Flower's split: ``aggregate_train`` / ``aggregate_evaluate`` return only
 the clients' metrics, aggregated as Flower does (:mod:`strategies.metrics`), so
 ``Result.train_metrics_clientapp`` holds client metrics only; the strategy's own figures of each
 round go to :attr:`ContractStrategy.aggregation_metrics`.
@@ -116,10 +117,10 @@ ReplyObserver = Callable[
 ]
 
 
-class StrategyOptions(TypedDict, total=False):
-    """Keyword arguments every strategy of this project accepts (see :class:`ContractStrategy`).
+class FlowerOptions(TypedDict, total=False):
+    """The arguments of ``flwr.serverapp.strategy.FedAvg``, with its defaults and meanings.
 
-    The first ten are ``flwr.serverapp.strategy.FedAvg``'s, with its defaults and meanings.
+    Every strategy of this project takes them first, positionally or by name, in Flower's order.
     """
 
     fraction_train: float
@@ -132,6 +133,11 @@ class StrategyOptions(TypedDict, total=False):
     configrecord_key: str
     train_metrics_aggr_fn: MetricsAggregationFn | None
     evaluate_metrics_aggr_fn: MetricsAggregationFn | None
+
+
+class ProjectOptions(TypedDict, total=False):
+    """This project's extras, keyword-only after Flower's arguments (:class:`ContractStrategy`)."""
+
     min_train_replies: int | None
     seed: int
     max_client_weight: float
@@ -139,6 +145,14 @@ class StrategyOptions(TypedDict, total=False):
     robust_aggregation: RobustAggregation
     trim_fraction: float
     max_reply_bytes: int
+
+
+class StrategyOptions(FlowerOptions, ProjectOptions, total=False):
+    """Every keyword argument that every strategy of this project accepts.
+
+    :class:`FlowerOptions` (Flower's ``FedAvg``'s ten) and :class:`ProjectOptions` in one dict,
+    e.g. to build several strategies from one ``options: StrategyOptions = {...}``.
+    """
 
 
 def _to_numpy(record: ArrayRecord) -> NDArrayDict:
@@ -150,9 +164,11 @@ def _to_numpy(record: ArrayRecord) -> NDArrayDict:
 class ContractStrategy(Strategy):
     """Base of this project's strategies (Flower Message API).
 
-    The arguments up to ``evaluate_metrics_aggr_fn`` are Flower's ``FedAvg``'s, same defaults
-    and meanings (keyword-only here, as in Flower's ``FedAdam``). Per-round settings for the
-    clients go where Flower puts them: ``start(train_config=ConfigRecord(...))``.
+    The arguments up to ``evaluate_metrics_aggr_fn`` are Flower's ``FedAvg``'s: same order (so
+    ``FedAvg(0.5)`` samples half the nodes, as in Flower), defaults, meanings and attribute
+    names (:class:`FlowerOptions`). This project's extras and each rule's own arguments are
+    keyword-only after them (:class:`ProjectOptions`). Per-round settings for the clients go
+    where Flower puts them: ``start(train_config=ConfigRecord(...))``.
 
     Parameters
     ----------
@@ -210,7 +226,6 @@ class ContractStrategy(Strategy):
 
     def __init__(
         self,
-        *,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
         min_train_nodes: int = 2,
@@ -221,6 +236,7 @@ class ContractStrategy(Strategy):
         configrecord_key: str = CONFIG_RECORD,
         train_metrics_aggr_fn: MetricsAggregationFn | None = None,
         evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        *,
         min_train_replies: int | None = None,
         seed: int = 0,
         max_client_weight: float = 1.0,

@@ -30,6 +30,9 @@ from flwr.app import Message
 from flwr.common import log
 
 from beyond_averaging.tasks.protocol import (
+    ARRAYS_RECORD,
+    CONFIG_RECORD,
+    NUM_EXAMPLES_KEY,
     SENSITIVITY_DECAY_KEY,
     SENSITIVITY_DTYPE_KEY,
     SENSITIVITY_RECORD,
@@ -43,7 +46,8 @@ from .aggregate import (
     pseudo_gradient,
     weighted_mean,
 )
-from .base import ClientReply, ContractStrategy, ReplyRejected, StrategyOptions
+from .base import ClientReply, ContractStrategy, ProjectOptions, ReplyRejected
+from .metrics import MetricsAggregationFn
 from .server_optimizer import ServerOptimizer, ServerOptimizerName
 
 #: The authors' older code adds this to the per-tensor max, so that an all-zero sensitivity tensor
@@ -208,8 +212,10 @@ class ElasticAggregation(ContractStrategy):
         How zeta * D is applied (plain step / FedAvgM momentum / FedAdam).
     server_momentum, server_beta1, server_beta2, server_eps : float
         The server optimizer's hyper-parameters.
-    **base : Any
-        Sampling and contract options of :class:`~strategies.base.ContractStrategy`.
+
+    Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
+    (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
+    (:class:`~strategies.base.ProjectOptions`) are keyword-only.
     """
 
     required_records: ClassVar[Mapping[str, str]] = {SENSITIVITY_RECORD: SENSITIVITY_HINT}
@@ -218,6 +224,16 @@ class ElasticAggregation(ContractStrategy):
 
     def __init__(
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = NUM_EXAMPLES_KEY,
+        arrayrecord_key: str = ARRAYS_RECORD,
+        configrecord_key: str = CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         tau: float = 0.5,
         sensitivity_decay: float = 0.9,
@@ -229,9 +245,21 @@ class ElasticAggregation(ContractStrategy):
         server_beta1: float = 0.9,
         server_beta2: float = 0.99,
         server_eps: float = 1e-3,
-        **base: Unpack[StrategyOptions],
+        **options: Unpack[ProjectOptions],
     ) -> None:
-        super().__init__(**base)
+        super().__init__(
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            weighted_by_key,
+            arrayrecord_key,
+            configrecord_key,
+            train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn,
+            **options,
+        )
         check_tau(tau)
         if not 0.0 <= sensitivity_decay < 1.0:
             raise ValueError(

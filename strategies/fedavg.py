@@ -15,7 +15,10 @@ from typing import Any, ClassVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
+from flwr.app import Array, ArrayRecord
 from flwr.common import log
+
+from beyond_averaging.tasks.protocol import ARRAYS_RECORD, CONFIG_RECORD, NUM_EXAMPLES_KEY
 
 from .aggregate import (
     NDArrayDict,
@@ -25,7 +28,8 @@ from .aggregate import (
     pseudo_gradient,
     weighted_mean,
 )
-from .base import ClientReply, ContractStrategy, StrategyOptions
+from .base import ClientReply, ContractStrategy, ProjectOptions
+from .metrics import MetricsAggregationFn
 from .robust import aggregate_robust
 from .server_optimizer import ServerOptimizer, ServerOptimizerName
 
@@ -73,8 +77,10 @@ class FedAvg(ContractStrategy):
         How the mean update is applied (FedAvg / FedAvgM / FedAdam).
     server_momentum, server_beta1, server_beta2, server_eps : float
         The server optimizer's hyper-parameters.
-    **base : Any
-        Sampling and contract options of :class:`~strategies.base.ContractStrategy`.
+
+    Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
+    (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
+    (:class:`~strategies.base.ProjectOptions`) are keyword-only.
     """
 
     #: The trimmed mean and the median replace its weighted mean (see strategies/robust.py).
@@ -82,6 +88,16 @@ class FedAvg(ContractStrategy):
 
     def __init__(
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = NUM_EXAMPLES_KEY,
+        arrayrecord_key: str = ARRAYS_RECORD,
+        configrecord_key: str = CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         server_lr: float = 1.0,
         server_optimizer: ServerOptimizerName = "sgd",
@@ -89,9 +105,21 @@ class FedAvg(ContractStrategy):
         server_beta1: float = 0.9,
         server_beta2: float = 0.99,
         server_eps: float = 1e-3,
-        **base: Unpack[StrategyOptions],
+        **options: Unpack[ProjectOptions],
     ) -> None:
-        super().__init__(**base)
+        super().__init__(
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            weighted_by_key,
+            arrayrecord_key,
+            configrecord_key,
+            train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn,
+            **options,
+        )
         self.optimizer = ServerOptimizer(
             server_optimizer, server_lr, server_momentum, server_beta1, server_beta2, server_eps
         )
@@ -143,24 +171,88 @@ class FedAvgM(FedAvg):
         Server step size (Flower's ``server_learning_rate``).
     server_momentum : float
         Server momentum (Flower's ``server_momentum``); 0 turns momentum off.
-    **base
-        Flower's ``FedAvg`` arguments and this project's extras (:class:`StrategyOptions`).
+
+    All of Flower's arguments are taken positionally or by name in its order; this project's
+    extras (:class:`~strategies.base.ProjectOptions`) are keyword-only. Flower's attributes are
+    there too: ``server_opt``, ``current_arrays`` and ``momentum_vector`` (read-only views of the
+    server optimizer's state).
     """
 
     def __init__(
         self,
-        *,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = NUM_EXAMPLES_KEY,
+        arrayrecord_key: str = ARRAYS_RECORD,
+        configrecord_key: str = CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         server_learning_rate: float = 1.0,
         server_momentum: float = 0.0,
-        **base: Unpack[StrategyOptions],
+        **options: Unpack[ProjectOptions],
     ) -> None:
         super().__init__(
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            weighted_by_key,
+            arrayrecord_key,
+            configrecord_key,
+            train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn,
             server_lr=server_learning_rate,
             server_optimizer="momentum" if server_momentum != 0.0 else "sgd",
             server_momentum=server_momentum,
-            **base,
+            **options,
         )
-        self.server_learning_rate = server_learning_rate
+
+    # Flower's attribute names, read and written through to the server optimizer, so that
+    # changing one between rounds (as Flower's FedAvgM allows) changes the next step.
+    @property
+    def server_learning_rate(self) -> float:
+        """Server step size (Flower's ``server_learning_rate``)."""
+        return self.optimizer.lr
+
+    @server_learning_rate.setter
+    def server_learning_rate(self, value: float) -> None:
+        self.optimizer.lr = value
+
+    @property
+    def server_momentum(self) -> float:
+        """Server momentum (Flower's ``server_momentum``); 0 steps without a momentum buffer."""
+        return self.optimizer.momentum
+
+    @server_momentum.setter
+    def server_momentum(self, value: float) -> None:
+        self.optimizer.momentum = value
+        # As Flower: no momentum buffer while the momentum is 0; one starts at v = D when set.
+        self.optimizer.name = "momentum" if value != 0.0 else "sgd"
+
+    @property
+    def server_opt(self) -> bool:
+        """Flower's flag: whether the step differs from plain averaging."""
+        return self.server_momentum != 0.0 or self.server_learning_rate != 1.0
+
+    @property
+    def current_arrays(self) -> ArrayRecord | None:
+        """Flower's name for the global model the round's step starts from (None before)."""
+        if not self.global_arrays:
+            return None
+        return ArrayRecord({key: Array(value) for key, value in self.global_arrays.items()})
+
+    @property
+    def momentum_vector(self) -> list[npt.NDArray[Any]] | None:
+        """Flower's name for the momentum buffer v, one array per floating tensor (None before).
+
+        Integer buffers (BatchNorm's counter) are averaged, not stepped, so they have none.
+        """
+        moments = self.optimizer.state_dict()["first-moment"]
+        return list(moments.values()) if moments else None
 
 
 class FedAdam(FedAvg):
@@ -191,29 +283,98 @@ class FedAdam(FedAvg):
         Decay of the first and second moments.
     tau : float
         Adaptivity: added to sqrt(v) in the denominator.
-    **base
-        Flower's ``FedAvg`` arguments and this project's extras (:class:`StrategyOptions`).
+
+    Flower's ``FedAvg`` arguments come first, positionally or by name (Flower's ``FedAdam``
+    takes them by name only); ``eta`` to ``tau`` and this project's extras
+    (:class:`~strategies.base.ProjectOptions`) are keyword-only. Flower's attributes are there
+    too: ``current_arrays``, ``m_t`` and ``v_t`` (read-only views of the server optimizer's
+    state, over the floating tensors).
     """
 
     def __init__(
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = NUM_EXAMPLES_KEY,
+        arrayrecord_key: str = ARRAYS_RECORD,
+        configrecord_key: str = CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         eta: float = 1e-1,
         eta_l: float = 1e-1,
         beta_1: float = 0.9,
         beta_2: float = 0.99,
         tau: float = 1e-3,
-        **base: Unpack[StrategyOptions],
+        **options: Unpack[ProjectOptions],
     ) -> None:
         super().__init__(
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            weighted_by_key,
+            arrayrecord_key,
+            configrecord_key,
+            train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn,
             server_lr=eta,
             server_optimizer="adam",
             server_beta1=beta_1,
             server_beta2=beta_2,
             server_eps=tau,
-            **base,
+            **options,
         )
-        self.eta, self.eta_l, self.beta_1, self.beta_2, self.tau = eta, eta_l, beta_1, beta_2, tau
+        self.eta, self.eta_l = eta, eta_l
+
+    # Flower's attribute names; beta_1, beta_2 and tau write through to the server optimizer,
+    # so that changing one between rounds (as Flower's FedAdam allows) changes the next step.
+    @property
+    def beta_1(self) -> float:
+        """Decay of the first moment."""
+        return self.optimizer.beta1
+
+    @beta_1.setter
+    def beta_1(self, value: float) -> None:
+        self.optimizer.beta1 = value
+
+    @property
+    def beta_2(self) -> float:
+        """Decay of the second moment."""
+        return self.optimizer.beta2
+
+    @beta_2.setter
+    def beta_2(self, value: float) -> None:
+        self.optimizer.beta2 = value
+
+    @property
+    def tau(self) -> float:
+        """Adaptivity, added to sqrt(v) in the denominator."""
+        return self.optimizer.eps
+
+    @tau.setter
+    def tau(self, value: float) -> None:
+        self.optimizer.eps = value
+
+    @property
+    def current_arrays(self) -> dict[str, npt.NDArray[Any]] | None:
+        """Flower's name for the global model the round's step starts from (None before)."""
+        return dict(self.global_arrays) if self.global_arrays else None
+
+    @property
+    def m_t(self) -> dict[str, npt.NDArray[Any]] | None:
+        """Flower's first moment of delta = mean - w (this project keeps it of w - mean)."""
+        moments = self.optimizer.state_dict()["first-moment"]
+        return {key: -value for key, value in moments.items()} if moments else None
+
+    @property
+    def v_t(self) -> dict[str, npt.NDArray[Any]] | None:
+        """Flower's second moment of delta."""
+        return self.optimizer.state_dict()["second-moment"] or None
 
     def aggregate(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]

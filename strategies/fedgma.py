@@ -54,7 +54,12 @@ import numpy as np
 import numpy.typing as npt
 from flwr.common import log
 
-from beyond_averaging.tasks.protocol import GRADIENT_RECORD
+from beyond_averaging.tasks.protocol import (
+    ARRAYS_RECORD,
+    CONFIG_RECORD,
+    GRADIENT_RECORD,
+    NUM_EXAMPLES_KEY,
+)
 
 from .aggregate import (
     NDArrayDict,
@@ -66,7 +71,8 @@ from .aggregate import (
     pseudo_gradient,
     weighted_mean,
 )
-from .base import ClientReply, ContractStrategy, StrategyOptions
+from .base import ClientReply, ContractStrategy, ProjectOptions
+from .metrics import MetricsAggregationFn
 from .server_optimizer import ServerOptimizer
 
 MaskVariant = Literal["hard", "soft"]
@@ -400,8 +406,10 @@ class FedGMA(ContractStrategy):
         AND-mask threshold p in [0, 1] (paper: 0.8).
     server_lr : float
         Server step along the masked mean gradient (paper tried 0.01, 0.1 and 1).
-    **base : Any
-        Sampling and contract options of :class:`~strategies.base.ContractStrategy`.
+
+    Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
+    (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
+    (:class:`~strategies.base.ProjectOptions`) are keyword-only.
     """
 
     required_records: ClassVar[Mapping[str, str]] = {GRADIENT_RECORD: GRADIENT_HINT}
@@ -409,12 +417,34 @@ class FedGMA(ContractStrategy):
 
     def __init__(
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = NUM_EXAMPLES_KEY,
+        arrayrecord_key: str = ARRAYS_RECORD,
+        configrecord_key: str = CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         threshold: float = 0.8,
         server_lr: float = 1.0,
-        **base: Unpack[StrategyOptions],
+        **options: Unpack[ProjectOptions],
     ) -> None:
-        super().__init__(**base)
+        super().__init__(
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            weighted_by_key,
+            arrayrecord_key,
+            configrecord_key,
+            train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn,
+            **options,
+        )
         _check_threshold(threshold)
         if not (math.isfinite(server_lr) and server_lr >= 0.0):
             raise ValueError(f"server_lr = {server_lr}: allowed is a finite value >= 0")
@@ -490,8 +520,10 @@ class FedGMASoft(FedGMA):
         ``server_lr = 1``; Inria's declearn defaults to 1.0, this project to the paper's 0.8).
     server_lr : float
         Step along the masked mean pseudo-gradient (1 is a full averaging step).
-    **base : Any
-        Sampling and contract options of :class:`~strategies.base.ContractStrategy`.
+
+    Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
+    (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
+    (:class:`~strategies.base.ProjectOptions`) are keyword-only.
     """
 
     required_records: ClassVar[Mapping[str, str]] = {}

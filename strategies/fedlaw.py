@@ -81,9 +81,11 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _NormBase
 
 from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.protocol import ARRAYS_RECORD, CONFIG_RECORD, NUM_EXAMPLES_KEY
 
 from .aggregate import NDArrayDict, as_numpy, normalise_weights, weighted_mean
-from .base import ClientReply, ContractStrategy, StrategyOptions
+from .base import ClientReply, ContractStrategy, ProjectOptions
+from .metrics import MetricsAggregationFn
 from .proxy_data import ProxySetError, count_shared_samples, proxy_arrays, to_labeled_data
 
 LearnWhat = Literal["both", "shrink", "clients"]
@@ -723,8 +725,10 @@ class FedLAW(ContractStrategy):
         The global model's BatchNorm running statistics: re-estimated on the proxy set for the
         final model (default), or the server's own, updated by the weight learning's forward
         passes and carried across rounds (the authors' code). See the module docstring.
-    **base : Any
-        Sampling and contract options of :class:`~strategies.base.ContractStrategy`.
+
+    Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
+    (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
+    (:class:`~strategies.base.ProjectOptions`) are keyword-only.
 
     Raises
     ------
@@ -734,6 +738,16 @@ class FedLAW(ContractStrategy):
 
     def __init__(
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = NUM_EXAMPLES_KEY,
+        arrayrecord_key: str = ARRAYS_RECORD,
+        configrecord_key: str = CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         model: nn.Module,
         proxy_set: Any,
@@ -750,9 +764,21 @@ class FedLAW(ContractStrategy):
         bn: BatchNormMode = "reestimate",
         proxy_transform: Callable[[Any], Any] | None = None,
         test_set: Any = None,
-        **base: Unpack[StrategyOptions],
+        **options: Unpack[ProjectOptions],
     ) -> None:
-        super().__init__(**base)
+        super().__init__(
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            weighted_by_key,
+            arrayrecord_key,
+            configrecord_key,
+            train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn,
+            **options,
+        )
         if learn not in LEARN_CHOICES:
             raise ValueError(f"learn = {learn!r} is unknown: use one of {LEARN_CHOICES}")
         if bn not in BN_CHOICES:

@@ -24,7 +24,12 @@ from beyond_averaging import (
     FedGMASoft,
     FedLAW,
 )
-from beyond_averaging.strategies import StrategyOptions, aggregate_metrics
+from beyond_averaging.strategies import (
+    FlowerOptions,
+    ProjectOptions,
+    StrategyOptions,
+    aggregate_metrics,
+)
 from beyond_averaging.tasks.datasets import LabeledData
 from tests.conftest import reply_message, train_reply
 
@@ -40,10 +45,63 @@ RULES: dict[str, Any] = {
     "ElasticAggregation": ElasticAggregation,
     "FedGMA": FedGMA,
     "FedGMASoft": FedGMASoft,
-    "FedLAW": lambda **options: FedLAW(
-        model=nn.Linear(3, 2), proxy_set=fedlaw_proxy(), epochs=1, batch_size=10, **options
+    "FedLAW": lambda *flower_args, **options: FedLAW(
+        *flower_args,
+        model=nn.Linear(3, 2),
+        proxy_set=fedlaw_proxy(),
+        epochs=1,
+        batch_size=10,
+        **options,
     ),
 }
+#: Each rule's class, and the Flower class whose call shapes and attributes it must take.
+FLOWER_COUNTERPART: dict[type[ContractStrategy], type[Any]] = {
+    FedAvg: flower.FedAvg,
+    FedAvgM: flower.FedAvgM,
+    FedAdam: flower.FedAdam,
+    ElasticAggregation: flower.FedAvg,
+    FedGMA: flower.FedAvg,
+    FedGMASoft: flower.FedAvg,
+    FedLAW: flower.FedAvg,
+}
+#: A value other than Flower's default for each of Flower's arguments: a new argument in a
+#: later Flower fails the tests below with its name, until the strategies take it.
+NON_DEFAULT: dict[str, Any] = {
+    "fraction_train": 0.5,
+    "fraction_evaluate": 0.25,
+    "min_train_nodes": 3,
+    "min_evaluate_nodes": 4,
+    "min_available_nodes": 5,
+    "weighted_by_key": "samples",
+    "arrayrecord_key": "model",
+    "configrecord_key": "settings",
+    "train_metrics_aggr_fn": lambda records, key: MetricRecord({"train": 1.0}),
+    "evaluate_metrics_aggr_fn": lambda records, key: MetricRecord({"evaluate": 1.0}),
+    "server_learning_rate": 0.7,
+    "server_momentum": 0.9,
+    "eta": 0.05,
+    "eta_l": 0.02,
+    "beta_1": 0.8,
+    "beta_2": 0.95,
+    "tau": 0.01,
+}
+
+
+def parameters(cls: type[Any]) -> list[inspect.Parameter]:
+    """The constructor's parameters without ``self``."""
+    return list(inspect.signature(cls.__init__).parameters.values())[1:]
+
+
+def flower_positional(cls: type[Any]) -> list[str]:
+    """The arguments that Flower's ``cls`` takes by position."""
+    return [p.name for p in parameters(cls) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+
+def build(rule: type[ContractStrategy], *args: Any, **kwargs: Any) -> ContractStrategy:
+    """``rule(*args, **kwargs)``, with FedLAW's required model and proxy set added."""
+    factory = RULES[rule.__name__]
+    strategy: ContractStrategy = factory(*args, **kwargs)
+    return strategy
 
 
 def fedlaw_proxy() -> LabeledData:
@@ -79,35 +137,116 @@ class NodeGrid:
 
 
 # ----------------------------------------------------------------------------- constructor
-def test_base_defaults_are_flower_fedavg_defaults() -> None:
-    ours = inspect.signature(ContractStrategy.__init__).parameters
-    for name in FLOWER_ARGUMENTS:
-        assert name in ours, name
-        assert ours[name].default == FLOWER_FEDAVG[name].default, name
-    assert set(FLOWER_ARGUMENTS) <= set(StrategyOptions.__annotations__)
+@pytest.mark.parametrize("rule", list(FLOWER_COUNTERPART), ids=lambda rule: rule.__name__)
+def test_every_rule_takes_flowers_fedavg_arguments_first_by_position(
+    rule: type[ContractStrategy],
+) -> None:
+    # Names, order, kind and defaults: FedAvg(0.5) means fraction_train = 0.5 in every rule.
+    theirs = parameters(flower.FedAvg)
+    ours = parameters(rule)[: len(theirs)]
+    assert [(p.name, p.kind, p.default) for p in ours] == [
+        (p.name, p.kind, p.default) for p in theirs
+    ]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in theirs)
 
 
-@pytest.mark.parametrize("rule", list(RULES))
-def test_every_rule_accepts_flower_arguments_and_keeps_their_values(rule: str) -> None:
-    def average(records: list[RecordDict], key: str) -> MetricRecord:
-        return MetricRecord({"called": 1.0})
+@pytest.mark.parametrize("rule", list(FLOWER_COUNTERPART), ids=lambda rule: rule.__name__)
+def test_every_rule_accepts_each_call_shape_of_its_flower_class(
+    rule: type[ContractStrategy],
+) -> None:
+    # Every call that Flower's class accepts, ours accepts with the same meaning: the same names
+    # and defaults; what Flower takes by position sits at the same position; what Flower takes
+    # by name only ours takes by name (FedAdam's FedAvg arguments, by position too).
+    theirs, ours = parameters(FLOWER_COUNTERPART[rule]), parameters(rule)
+    by_name = {p.name: p for p in ours}
+    for index, their in enumerate(theirs):
+        assert their.name in by_name, their.name
+        own = by_name[their.name]
+        assert own.default == their.default, their.name
+        if their.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            assert ours[index].name == their.name, (index, their.name)
+            assert own.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, their.name
+        else:
+            assert own.kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                inspect.Parameter.KEYWORD_ONLY,
+            ), their.name
 
-    given = {
-        "fraction_train": 0.5,
-        "fraction_evaluate": 0.25,
-        "min_train_nodes": 3,
-        "min_evaluate_nodes": 4,
-        "min_available_nodes": 5,
-        "weighted_by_key": "samples",
-        "arrayrecord_key": "model",
-        "configrecord_key": "settings",
-        "train_metrics_aggr_fn": average,
-        "evaluate_metrics_aggr_fn": average,
-    }
-    assert sorted(given) == sorted(FLOWER_ARGUMENTS)
-    strategy = RULES[rule](**given)
-    for name, value in given.items():
-        assert getattr(strategy, name) == value, name
+
+@pytest.mark.parametrize("rule", list(FLOWER_COUNTERPART), ids=lambda rule: rule.__name__)
+def test_rule_arguments_and_project_extras_are_keyword_only(
+    rule: type[ContractStrategy],
+) -> None:
+    flowers = {p.name for p in parameters(FLOWER_COUNTERPART[rule])}
+    for own in parameters(rule):
+        if own.name not in flowers:
+            assert own.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD), (
+                own.name
+            )
+    fedavg = flower_positional(flower.FedAvg)
+    positional = fedavg + [
+        n for n in flower_positional(FLOWER_COUNTERPART[rule]) if n not in fedavg
+    ]
+    with pytest.raises(TypeError, match="positional"):
+        build(rule, *[NON_DEFAULT[name] for name in positional], 1)
+
+
+def test_strategy_options_name_flowers_arguments_then_the_project_extras() -> None:
+    flowers = [p.name for p in parameters(flower.FedAvg)]
+    assert list(FlowerOptions.__annotations__) == flowers
+    base = parameters(ContractStrategy)
+    assert [p.name for p in base[: len(flowers)]] == flowers
+    extras = [p.name for p in base[len(flowers) :]]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in base[len(flowers) :])
+    assert list(ProjectOptions.__annotations__) == extras
+    assert set(StrategyOptions.__annotations__) == set(flowers) | set(extras)
+
+
+@pytest.mark.parametrize("rule", list(FLOWER_COUNTERPART), ids=lambda rule: rule.__name__)
+def test_flowers_call_gives_flowers_attributes(rule: type[ContractStrategy]) -> None:
+    # One call to Flower's class and to ours sets every attribute that Flower's sets, to the same
+    # value. Ours takes Flower's FedAvg arguments by position even where Flower's class takes
+    # them by name only (FedAdam).
+    counterpart = FLOWER_COUNTERPART[rule]
+    their_positional = flower_positional(counterpart)
+    their_names = [p.name for p in parameters(counterpart)]
+    theirs = counterpart(
+        *[NON_DEFAULT[name] for name in their_positional],
+        **{name: NON_DEFAULT[name] for name in their_names if name not in their_positional},
+    )
+    fedavg = flower_positional(flower.FedAvg)
+    our_positional = fedavg + [name for name in their_positional if name not in fedavg]
+    ours = build(
+        rule,
+        *[NON_DEFAULT[name] for name in our_positional],
+        **{name: NON_DEFAULT[name] for name in their_names if name not in our_positional},
+    )
+    assert vars(theirs), counterpart
+    for name, value in vars(theirs).items():
+        assert hasattr(ours, name), name
+        assert getattr(ours, name) == value, name
+
+
+@pytest.mark.parametrize("rule", list(FLOWER_COUNTERPART), ids=lambda rule: rule.__name__)
+def test_default_call_gives_flowers_attribute_values(rule: type[ContractStrategy]) -> None:
+    theirs, ours = FLOWER_COUNTERPART[rule](), build(rule)
+    for name, value in vars(theirs).items():
+        if name.endswith("_metrics_aggr_fn"):
+            continue  # Flower's aggregate_metricrecords; ours is checked against it below
+        assert getattr(ours, name) == value, name
+
+
+def test_flowers_documented_calls_work() -> None:
+    assert FedAvg(0.5).fraction_train == 0.5
+    assert FedAvgM(server_momentum=0.9).server_momentum == 0.9
+    strategy = FedAdam(eta=0.05, eta_l=0.02, beta_1=0.8, beta_2=0.95, tau=0.01)
+    assert (strategy.eta, strategy.eta_l, strategy.beta_1, strategy.beta_2, strategy.tau) == (
+        0.05,
+        0.02,
+        0.8,
+        0.95,
+        0.01,
+    )
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -116,16 +255,6 @@ def test_every_rule_evaluates_on_every_node_by_default_as_flower(rule: str) -> N
     assert strategy.fraction_evaluate == 1.0
     messages = list(strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), NodeGrid(5)))
     assert sorted(m.metadata.dst_node_id for m in messages) == [1, 2, 3, 4, 5]
-
-
-def test_flower_names_of_fedadam_and_fedavgm_have_flower_defaults() -> None:
-    for ours, theirs in ((FedAdam, flower.FedAdam), (FedAvgM, flower.FedAvgM)):
-        own = inspect.signature(ours.__init__).parameters
-        extra = [n for n in inspect.signature(theirs.__init__).parameters if n not in FLOWER_FEDAVG]
-        assert extra, theirs
-        for name in extra:
-            expected = inspect.signature(theirs.__init__).parameters[name].default
-            assert own[name].default == expected, (ours.__name__, name)
 
 
 def test_min_train_nodes_and_fraction_size_the_sample_as_flower() -> None:
@@ -279,15 +408,36 @@ def test_evaluate_metrics_are_weighted_and_error_replies_skipped() -> None:
 
 
 # ----------------------------------------------------------------------------- FedAvgM / FedAdam
-def _assert_steps_as_flower(ours: Any, theirs: Any, shifts: list[tuple[float, float]]) -> None:
+def _flower_state(strategy: Any) -> dict[str, Any]:
+    """Flower's names for the server optimizer's state, as {name: {key: array}}."""
+    if isinstance(strategy, FedAvgM | flower.FedAvgM):
+        vector = strategy.momentum_vector
+        return {
+            "momentum_vector": None if vector is None else dict(zip(GLOBAL, vector, strict=True))
+        }
+    return {"m_t": strategy.m_t, "v_t": strategy.v_t}
+
+
+def _assert_steps_as_flower(
+    ours: Any,
+    theirs: Any,
+    shifts: list[tuple[float, float]],
+    after_round_1: dict[str, float] | None = None,
+) -> None:
     """Three rounds of two clients (10 and 30 examples) shifted from the global model by
-    ``shifts``: our strategy's new global model equals Flower's every round."""
+    ``shifts``: our strategy's new global model and optimizer state (under Flower's attribute
+    names) equal Flower's every round; ``after_round_1`` sets attributes of both by name."""
     arrays = ArrayRecord({key: Array(value) for key, value in GLOBAL.items()})
     for server_round, (a, b) in enumerate(shifts, start=1):
         list(ours.configure_train(server_round, arrays, ConfigRecord(), NodeGrid(2)))
         # Flower's FedAvgM keeps an ArrayRecord of the global model, FedAdam a dict of arrays.
         current = {key: array.numpy() for key, array in arrays.items()}
         theirs.current_arrays = arrays if isinstance(theirs, flower.FedAvgM) else current
+        sent = ours.current_arrays
+        for key, value in current.items():
+            np.testing.assert_array_equal(
+                sent[key].numpy() if isinstance(sent, ArrayRecord) else sent[key], value
+            )
         replies = [
             train_reply({k: (v + a).astype(np.float32) for k, v in current.items()}, 10, node_id=1),
             train_reply({k: (v + b).astype(np.float32) for k, v in current.items()}, 30, node_id=2),
@@ -298,6 +448,17 @@ def _assert_steps_as_flower(ours: Any, theirs: Any, shifts: list[tuple[float, fl
         assert expected is not None
         for key, value in expected.items():
             np.testing.assert_allclose(new[key].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
+        for name, state in _flower_state(theirs).items():
+            own = _flower_state(ours)[name]
+            assert state is not None, name
+            assert own is not None, name
+            assert sorted(own) == sorted(state), name
+            for key, value in state.items():
+                np.testing.assert_allclose(own[key], value, rtol=1e-5, atol=1e-6, err_msg=name)
+        if server_round == 1:
+            for name, value in (after_round_1 or {}).items():
+                setattr(ours, name, value)
+                setattr(theirs, name, value)
         arrays = new
 
 
@@ -309,12 +470,31 @@ def test_fedavgm_steps_exactly_as_flowers_fedavgm() -> None:
     )
 
 
+def test_fedavgm_attributes_changed_between_rounds_change_the_step_as_in_flower() -> None:
+    _assert_steps_as_flower(
+        FedAvgM(0.5, server_learning_rate=0.7, server_momentum=0.9, min_train_replies=2),
+        flower.FedAvgM(0.5, server_learning_rate=0.7, server_momentum=0.9),
+        [(1.0, 3.0), (-2.0, 4.0), (0.5, 0.0)],
+        after_round_1={"server_learning_rate": 0.4, "server_momentum": 0.5},
+    )
+
+
 def test_fedadam_steps_exactly_as_flowers_fedadam() -> None:
     options = {"eta": 0.05, "beta_1": 0.8, "beta_2": 0.95, "tau": 1e-2}
     _assert_steps_as_flower(
         FedAdam(**options, min_train_replies=2),
         flower.FedAdam(**options),
         [(1.0, 3.0), (-1.0, 2.0), (0.5, -4.0)],
+    )
+
+
+def test_fedadam_attributes_changed_between_rounds_change_the_step_as_in_flower() -> None:
+    options = {"eta": 0.05, "beta_1": 0.8, "beta_2": 0.95, "tau": 1e-2}
+    _assert_steps_as_flower(
+        FedAdam(**options, min_train_replies=2),
+        flower.FedAdam(**options),
+        [(1.0, 3.0), (-1.0, 2.0), (0.5, -4.0)],
+        after_round_1={"eta": 0.2, "beta_1": 0.5, "beta_2": 0.9, "tau": 0.1},
     )
 
 
