@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
 from beyond_averaging.server.launch import run_config_argument
 from tests.deploy_helpers import REPO, read_metrics
 
-BA_RUN = REPO / ".venv" / "bin" / "ba-run"
+#: The launcher of the environment running the tests (another Python's venv in the version legs).
+BA_RUN = Path(sys.executable).parent / "ba-run"
 ROUNDS = 5
 KILLED_AFTER_ROUND = 2
 BASE: dict[str, Any] = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ def test_ba_run_exits_non_zero_when_no_round_aggregates_for_max_idle_rounds(
     }
     completed = subprocess.run(
         [
-            str(REPO / ".venv" / "bin" / "ba-run"),
+            str(Path(sys.executable).parent / "ba-run"),
             "--runtime",
             "inprocess",
             "-c",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -53,7 +54,7 @@ def test_invalid_run_config_fails_the_launch_with_the_key_named(tmp_path: Path) 
 def test_ba_run_exits_non_zero_and_prints_the_reason(tmp_path: Path) -> None:
     completed = subprocess.run(
         [
-            str(REPO / ".venv" / "bin" / "ba-run"),
+            str(Path(sys.executable).parent / "ba-run"),
             "-c",
             f'output-dir="{tmp_path}" run-name="bad" model="lenet5" num-clients=2',
         ],
