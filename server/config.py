@@ -8,7 +8,7 @@ turns every problem into one :class:`ConfigError` that names the key, the value 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -38,6 +38,10 @@ DeviceChoice = Literal["auto", "cpu", "cuda"]
 ClientBackendChoice = Literal["clientapp", "vectorized"]
 StrategyChoice = Literal["fedavg", "elastic", "fedlaw", "fedgma"]
 ServerOptimizerChoice = Literal["sgd", "momentum", "adam"]
+#: ``server-lr = "auto"``: each server optimizer's usual step. sgd 1.0 is plain averaging and
+#: FedAvgM's step in Hsu et al.; adam 0.1 is Flower's FedAdam ``eta`` (Adam's steps are normalised
+#: per coordinate, so 1.0 moves every weight by about 1.0 a round: a digits run stayed at chance).
+SERVER_LR_DEFAULTS: dict[str, float] = {"sgd": 1.0, "momentum": 1.0, "adam": 0.1}
 
 
 class RunConfig(BaseModel):
@@ -98,7 +102,10 @@ class RunConfig(BaseModel):
     proximal_mu: float = Field(0.0, ge=0.0, description="FedProx proximal term on clients")
     # --- server update (FedAvg and Elastic feed a server optimizer) ---------------------------
     strategy: StrategyChoice = "fedavg"
-    server_lr: float = Field(1.0, ge=0.0)
+    server_lr: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field(
+        "auto",
+        description="server step; auto: the optimizer's own (SERVER_LR_DEFAULTS: adam 0.1)",
+    )
     server_optimizer: ServerOptimizerChoice = "sgd"
     server_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     server_beta1: float = Field(0.9, ge=0.0, lt=1.0)
@@ -160,6 +167,13 @@ class RunConfig(BaseModel):
                 "without a proxy set: set proxy-per-class >= 1 (the paper uses 10)"
             )
         return self
+
+    @property
+    def resolved_server_lr(self) -> float:
+        """The server optimizer's step: ``server-lr``, or its optimizer's default for "auto"."""
+        if self.server_lr == "auto":
+            return SERVER_LR_DEFAULTS[self.server_optimizer]
+        return self.server_lr
 
     def to_run_config(self) -> dict[str, Any]:
         """The resolved configuration as Flower run-config keys (kebab-case)."""

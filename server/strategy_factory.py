@@ -51,7 +51,7 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "max_reply_bytes": config.max_reply_bytes,
     }
     server_update: dict[str, Any] = {  # keyword arguments of several strategies
-        "server_lr": config.server_lr,
+        "server_lr": config.resolved_server_lr,
         "server_optimizer": config.server_optimizer,
         "server_momentum": config.server_momentum,
         "server_beta1": config.server_beta1,

@@ -172,7 +172,7 @@ def load_dataset(
           stratified ``heldout_fraction`` split.
     data_dir : str or Path, optional
         Folder holding the IDX files; ``None`` (or ``""``) uses ``DEFAULT_DATA_DIRS[name]``.
-        Ignored by ``digits`` and ``synthetic``.
+        ``digits`` and ``synthetic`` read no files and refuse one (see :func:`_check_data_dir`).
     seed : int
         Seed of the held-out split and of the synthetic generator.
     heldout_fraction : float
@@ -190,10 +190,13 @@ def load_dataset(
     Raises
     ------
     DatasetNotFoundError
-        An IDX file is missing; the message names the path looked at and the install step.
+        ``data_dir`` does not exist, or an IDX file is missing; the message names the path
+        looked at and the install step.
     ValueError
-        Unknown name, bad argument, or a corrupt IDX file (the message names the file).
+        Unknown name, bad argument, a ``data_dir`` for a data set that reads no files, or a
+        corrupt IDX file (the message names the file).
     """
+    _check_data_dir(name, data_dir)
     if name == "digits":
         return _stratified_heldout_split(_load_digits(), heldout_fraction, seed)
     if name == "synthetic":
@@ -203,8 +206,30 @@ def load_dataset(
         return _stratified_heldout_split(pool, heldout_fraction, seed)
     if name in ("fashion-mnist", "mnist"):
         directory = Path(data_dir) if data_dir else DEFAULT_DATA_DIRS[name]
-        return _load_idx_dataset(name, directory)
+        return _load_idx_dataset(name, directory, configured=bool(data_dir))
     raise ValueError(f"unknown dataset {name!r}; allowed names are {', '.join(DATASET_NAMES)}")
+
+
+def _check_data_dir(name: str, data_dir: str | Path | None) -> None:
+    """Refuse a ``data-dir`` that cannot be what the user meant, before anything is loaded.
+
+    A folder that does not exist is an error for every data set: digits and synthetic used to
+    ignore it silently, so a typo ran on other data than intended. A folder given to a data
+    set that reads no files (digits ships with scikit-learn, synthetic is generated) is an
+    error too, for the same reason.
+    """
+    if data_dir is None or str(data_dir) == "" or name in DEFAULT_DATA_DIRS:
+        return  # the IDX loaders name a missing folder with its install step (_find_idx_file)
+    if not Path(data_dir).is_dir():
+        raise DatasetNotFoundError(
+            f"data-dir = {str(data_dir)!r} does not exist (or is not a folder): leave data-dir "
+            f"empty, dataset {name!r} reads no files"
+        )
+    raise ValueError(
+        f"data-dir = {str(data_dir)!r} is set, but dataset {name!r} reads no files "
+        "(digits ships with scikit-learn, synthetic is generated), so it would be ignored: "
+        "leave data-dir empty, or choose a dataset read from IDX files (mnist, fashion-mnist)"
+    )
 
 
 def make_synthetic(*, alpha: float, beta: float, num_samples: int, seed: int) -> LabeledData:
@@ -332,8 +357,13 @@ def _stratified_heldout_split(
     return data.subset(pool_indices), data.subset(heldout_indices)
 
 
-def _load_idx_dataset(name: str, directory: Path) -> tuple[LabeledData, LabeledData]:
-    paths = {role: _find_idx_file(name, directory, stem) for role, stem in _IDX_STEMS.items()}
+def _load_idx_dataset(
+    name: str, directory: Path, *, configured: bool = False
+) -> tuple[LabeledData, LabeledData]:
+    paths = {
+        role: _find_idx_file(name, directory, stem, configured=configured)
+        for role, stem in _IDX_STEMS.items()
+    }
     train_pool = _idx_pair(paths["train_images"], paths["train_labels"])
     heldout = _idx_pair(paths["heldout_images"], paths["heldout_labels"])
     return train_pool, heldout
@@ -369,15 +399,20 @@ def _candidate_idx_paths(directory: Path, stem: str) -> list[Path]:
     return [directory / f"{base}{suffix}" for base in (stem, dotted) for suffix in ("", ".gz")]
 
 
-def _find_idx_file(name: str, directory: Path, stem: str) -> Path:
+def _find_idx_file(name: str, directory: Path, stem: str, *, configured: bool = False) -> Path:
+    """The IDX file ``stem`` in ``directory`` (``configured``: the folder is the data-dir)."""
     candidates = _candidate_idx_paths(directory, stem)
     for candidate in candidates:
         if candidate.is_file():
             return candidate
     looked_at = ", ".join(str(path.absolute()) for path in candidates)
+    missing = f"IDX file {stem} not found"
+    if not directory.is_dir():
+        missing = f"the folder {directory.absolute()} does not exist"
+        if configured:
+            missing = f"data-dir = {str(directory)!r} does not exist (or is not a folder)"
     raise DatasetNotFoundError(
-        f"{name}: IDX file {stem} not found; looked at {looked_at}. "
-        + _install_hint(name, directory)
+        f"{name}: {missing}; looked at {looked_at}. " + _install_hint(name, directory)
     )
 
 

@@ -184,8 +184,30 @@ def load_server_splits(spec: DataSpec) -> tuple[LabeledData, LabeledData]:
     test : LabeledData
     proxy : LabeledData
         Both cached and shared within the process; their arrays are read-only.
+
+    Raises
+    ------
+    ValueError
+        More clients than training samples (:func:`check_federation_size`).
     """
+    check_federation_size(spec)
     return _server_splits(spec)
+
+
+def check_federation_size(spec: DataSpec) -> None:
+    """Refuse a federation with more clients than training samples, naming the limit.
+
+    The ServerApp loads its splits before round 1, so this is one error there instead of one
+    per ClientApp in round 1 (with ``num-clients = 5000`` on digits: 5,000 errors, then a run
+    that "aggregated no round").
+    """
+    train_pool, _ = _spec_data(spec)
+    if spec.num_partitions > len(train_pool):
+        raise ValueError(
+            f"num-clients = {spec.num_partitions} exceeds the {len(train_pool)} training samples "
+            f"of dataset {spec.dataset!r}: every client needs at least one sample. Set "
+            f"num-clients <= {len(train_pool)}, or use a larger data set"
+        )
 
 
 def _stage_seed(seed: int, stage: int) -> int:
