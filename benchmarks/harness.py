@@ -1,0 +1,177 @@
+"""What every systems benchmark measures with: the hardware line, time, resident memory, and an
+in-process federation to take instructions and replies from.
+
+The benchmarks' targets are ratios against a baseline measured in the same run (a yardstick,
+Flower's own FedAvg, FedAvg's client), never absolute times: this module only measures.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.supercore.task_identity import TaskIdentity
+
+from beyond_averaging.client.app import app as client_app
+from beyond_averaging.server.app import client_task, data_spec
+from beyond_averaging.server.config import RunConfig, parse_run_config
+from beyond_averaging.server.inprocess import InProcessGrid
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.strategies import ContractStrategy
+from beyond_averaging.tasks.federation import load_server_splits
+from beyond_averaging.tasks.models import build_model
+
+MIB = float(1 << 20)
+
+
+def hardware() -> str:
+    """The machine in one line: CPU model, cores this process may use, GPU, torch, Python."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        model = names[0].split(":", 1)[1].strip() if names else model
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{model}, {cores} cores visible, {gpu}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}"
+    )
+
+
+class Stopwatch:
+    """Wall and process-CPU seconds of a ``with`` block (``wall``, ``cpu`` once it is left)."""
+
+    def __enter__(self) -> Stopwatch:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """A memory line of ``/proc/<pid>/status`` in bytes (``VmRSS``: now, ``VmHWM``: the peak);
+    0 once the process has ended."""
+    try:
+        status = (Path("/proc") / str(pid) / "status").read_text(encoding="utf-8")
+    except OSError:
+        return 0
+    line = next((line for line in status.splitlines() if line.startswith(f"{field}:")), "")
+    return int(line.split()[1]) * 1024 if line else 0  # the kernel writes kB
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS mark (``VmHWM``) to its current RSS; False if not allowed.
+
+    ``ru_maxrss`` cannot be reset and carries a parent's peak across fork and exec.
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def available_bytes() -> int:
+    """``MemAvailable`` of this machine (what may still be used without swapping)."""
+    meminfo = Path("/proc/meminfo").read_text(encoding="utf-8").splitlines()
+    line = next((line for line in meminfo if line.startswith("MemAvailable:")), "x 0")
+    return int(line.split()[1]) * 1024
+
+
+class PeakSampler:
+    """Samples ``measure()`` (named figures) on a thread every ``interval`` s; keeps each peak.
+
+    ``peaks`` holds the largest value of each figure since the start; :meth:`mark` closes a
+    phase and returns each figure's largest value since the previous mark. Use it as a context
+    manager (sampling stops, with a last sample, when the block is left).
+    """
+
+    def __init__(self, measure: Callable[[], Mapping[str, float]], interval: float) -> None:
+        self.measure, self.interval = measure, interval
+        self.peaks: dict[str, float] = dict(measure())
+        self._phase = dict(self.peaks)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        for name, value in self.measure().items():
+            self.peaks[name] = max(self.peaks.get(name, value), value)
+            self._phase[name] = max(self._phase.get(name, value), value)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def mark(self) -> dict[str, float]:
+        """The largest value of each figure since the previous mark (or the start)."""
+        self._sample()
+        phase, self._phase = self._phase, dict(self.measure())
+        return phase
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+@dataclass
+class Federation:
+    """The server's side of an in-process federation, driven round by round by a benchmark.
+
+    The real strategy of the run configuration, the real ClientApp behind the one in-process
+    Grid (``server.inprocess``): what ``ba-run --runtime inprocess`` runs, with the round loop in
+    the benchmark's hands so that it can read the instructions and replies.
+    """
+
+    config: RunConfig
+    model: torch.nn.Module
+    strategy: ContractStrategy
+    grid: InProcessGrid
+    arrays: ArrayRecord
+
+    def instructions(self, server_round: int) -> list[Message]:
+        """The strategy's train instructions of a round, for the current global model."""
+        task = ConfigRecord(client_task(self.config).to_config())
+        return list(self.strategy.configure_train(server_round, self.arrays, task, self.grid))
+
+    def round(self, server_round: int) -> list[Message]:
+        """Train one round on the sampled nodes and aggregate; returns the replies."""
+        replies = list(self.grid.send_and_receive(self.instructions(server_round)))
+        arrays, _ = self.strategy.aggregate_train(server_round, replies)
+        self.arrays = arrays if arrays is not None else self.arrays
+        return replies
+
+
+def federation(settings: Mapping[str, Any]) -> Federation:
+    """A :class:`Federation` of run-config ``settings`` (model and strategy as the ServerApp's)."""
+    config = parse_run_config(settings)
+    # The ClientApp reads the task identity Flower's runtime sets; a benchmark sets its own.
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    torch.manual_seed(config.seed)
+    test_set, proxy_set = load_server_splits(data_spec(config))
+    model = build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
+    strategy = build_strategy(config, ServerResources(model, proxy_set, torch.device("cpu")))
+    grid = InProcessGrid(client_app, config.num_clients, config.to_run_config())
+    arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    return Federation(config, model, strategy, grid, arrays)

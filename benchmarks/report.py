@@ -1,0 +1,298 @@
+"""The reporter: a spec's table (markdown) and plot, from its run folders.
+
+A column's metric turns one run (its ``metrics.jsonl``, one line per round, round 0 the initial
+model) into one number; over a row's seeds that number is shown as mean ± sample standard
+deviation (:func:`benchmarks.seed_stats.mean_sd`, the one spread of every report), or pooled
+(``range``), or as the largest (``max``), or seed-paired against a baseline row (``vs``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.seed_stats import band, mean_sd
+from benchmarks.spec import METHOD_AXIS, SEED_AXIS, Column, Run, Spec, label_of, paper_value
+from beyond_averaging.server.launch import read_summary
+
+SHOWS = ("mean ± sd", "range", "max")
+#: Written by the runner into each run folder: the machine, runtime, threads, wall and CPU time.
+HOST_FILE = "runner.json"
+
+
+@dataclass
+class RunData:
+    """A completed run: its spec entry, its rounds (``metrics.jsonl``) and ``summary.json``."""
+
+    run: Run
+    rounds: list[dict[str, Any]]
+    summary: dict[str, Any]
+    host: dict[str, Any]
+
+    def curve(self, key: str, first: int = 1) -> dict[int, float]:
+        """Round -> value of ``key`` from round ``first`` on (rounds without a number left out)."""
+        return {
+            int(entry["round"]): float(entry[key])
+            for entry in self.rounds
+            if entry.get("round", 0) >= first
+            and isinstance(entry.get(key), int | float)
+            and math.isfinite(entry[key])
+        }
+
+
+def read_run(run: Run) -> RunData | None:
+    """The run's data if its folder holds a completed run, else None."""
+    summary = read_summary(run.folder / "summary.json")
+    if summary.get("status") != "completed":
+        return None
+    lines = (run.folder / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    host_path = run.folder / HOST_FILE
+    host = json.loads(host_path.read_text(encoding="utf-8")) if host_path.is_file() else {}
+    return RunData(run, [json.loads(line) for line in lines if line.strip()], summary, host)
+
+
+def _values(data: RunData, column: Column) -> list[float]:
+    return list(data.curve(column.key).values())
+
+
+def _first_reaching(data: RunData, column: Column) -> float | None:
+    return next((float(r) for r, v in data.curve(column.key).items() if v >= column.target), None)
+
+
+def _peak_round(data: RunData, column: Column) -> float | None:
+    curve = data.curve(column.key)
+    return float(max(curve, key=lambda r: (curve[r], -r))) if curve else None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) if len(values) else None
+
+
+def in_distribution_accuracy(data: RunData, column: Column) -> float | None:
+    """Colored data sets (FedGMA): the final model's accuracy on the held-out digits colored as
+    in training (flip 0.15) instead of reversed; the server's test accuracy is the OOD one."""
+    import torch
+
+    from beyond_averaging.tasks.colored import PROXY_FLIP_PROBABILITY, base_dataset, colorize
+    from beyond_averaging.tasks.datasets import load_dataset
+    from beyond_averaging.tasks.evaluation import evaluate
+    from beyond_averaging.tasks.models import build_model
+
+    config = data.summary["config"]
+    _, heldout = load_dataset(base_dataset(config["dataset"]), seed=config["seed"])  # type: ignore[arg-type]
+    stream = np.random.default_rng(np.random.SeedSequence([config["seed"], 99]))
+    test = colorize(
+        heldout,
+        binary=config["dataset"].endswith("binary"),
+        flip_probability=PROXY_FLIP_PROBABILITY,
+        rng=stream,
+    )
+    model = build_model(config["model"], test.input_shape, test.num_classes)
+    model.load_state_dict(torch.load(data.run.folder / "final_model.pt", weights_only=True))
+    return float(evaluate(model, test, torch.device("cpu"))[1])
+
+
+#: Metric name -> the run's number (None: the run has none); ``values`` is a list (show range).
+METRICS: dict[str, Callable[[RunData, Column], Any]] = {
+    "final": lambda d, c: next(reversed(d.curve(c.key, first=0).values()), None),
+    "last": lambda d, c: _mean(_values(d, c)[-c.rounds :]),
+    "mean": lambda d, c: _mean(_values(d, c)),
+    "sum": lambda d, c: float(sum(_values(d, c))),
+    "at": lambda d, c: d.curve(c.key, first=0).get(c.round),
+    "peak": lambda d, c: max(_values(d, c), default=None),
+    "peak-round": _peak_round,
+    "reach": _first_reaching,
+    "values": _values,
+    "wall-seconds": lambda d, c: float(d.summary.get("wall-seconds", math.nan)),
+    "id-accuracy": in_distribution_accuracy,
+    "paper": lambda d, c: None,  # the spec's paper entry of the row, not a run's number
+}
+
+
+@dataclass
+class Row:
+    """All seeds of one combination of the other axes."""
+
+    labels: dict[str, str]
+    runs: list[RunData]
+
+
+def rows_of(spec: Spec, runs: Sequence[RunData]) -> list[Row]:
+    """Runs grouped by their labels on every axis but the seed, in the spec's order."""
+    rows: dict[tuple[str, ...], Row] = {}
+    for data in runs:
+        labels = {k: v for k, v in data.run.labels.items() if k != SEED_AXIS}
+        rows.setdefault(tuple(labels.values()), Row(labels, [])).runs.append(data)
+    return list(rows.values())
+
+
+def _signed(values: Sequence[float], digits: int) -> str:
+    text = mean_sd(values, digits)  # a mean that rounds to zero is +0, never -0
+    return text if float(text.split()[0]) < 0 else f"+{text.removeprefix('-')}"
+
+
+def cell(spec: Spec, row: Row, rows: Sequence[Row], column: Column) -> str:
+    """One table cell: the column's metric over the row's seeds."""
+    if column.metric == "paper":
+        paper = paper_value(spec, row.labels)
+        return (
+            "-"
+            if paper is None
+            else label_of(paper)
+            if isinstance(paper, str)
+            else f"{paper:.{column.digits}f}"
+        )
+    metric = METRICS[column.metric]
+    values = {d.run.labels[SEED_AXIS]: metric(d, column) for d in row.runs}
+    if column.vs:
+        base_name = spec.baseline.get(row.labels.get(METHOD_AXIS, ""))
+        base = next((r for r in rows if r.labels == {**row.labels, METHOD_AXIS: base_name}), None)
+        if base is None:
+            return "-"
+        theirs = {d.run.labels[SEED_AXIS]: metric(d, column) for d in base.runs}
+        pairs = [(values[s], theirs[s]) for s in values if s in theirs]
+        diffs = [column.scale * (a - b) for a, b in pairs if a is not None and b is not None]
+        if not diffs:
+            return f"- vs {base_name}"
+        sign = -1 if column.better == "lower" else 1
+        better = sum(sign * d > 0 for d in diffs)
+        return (
+            f"{_signed(diffs, column.digits)} vs {base_name} "
+            f"(better in {better}/{len(diffs)} seeds)"
+        )
+    if column.show == "range":
+        pooled = [column.scale * v for vs in values.values() for v in vs]
+        if not pooled:
+            return "-"
+        low, mean, high = (
+            f"{v:.{column.digits}f}" for v in (min(pooled), np.mean(pooled), max(pooled))
+        )
+        return f"{mean} ({low}-{high})"
+    numbers = [column.scale * v for v in values.values() if v is not None]
+    if column.show == "max":
+        return (
+            f"{max(numbers):.{column.digits}f} ({len(numbers)} of {len(values)} runs)"
+            if numbers
+            else "-"
+        )
+    counted = (
+        f" ({len(numbers)}/{len(values)})"
+        if column.metric == "reach" or len(numbers) < len(values)
+        else ""
+    )
+    return f"{mean_sd(numbers, column.digits) if numbers else '-'}{counted}"
+
+
+def table(spec: Spec, runs: Sequence[RunData]) -> str:
+    """The markdown table: one row per combination of the axes, seeds pooled."""
+    rows = rows_of(spec, runs)
+    axes = [a.name for a in spec.axes]
+    header = [*axes, "seeds", "rounds", *(c.title for c in spec.columns)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        rounds = sorted({max(d.curve("test-accuracy", first=0), default=0) for d in row.runs})
+        span = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
+        cells = [row.labels[a] for a in axes] + [str(len(row.runs)), span]
+        cells += [cell(spec, row, rows, column) for column in spec.columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(spec: Spec, runs: Sequence[RunData], path: Path) -> Path:
+    """Per plot row (a metric key) and panel (labels of ``panels`` axes): the mean per round of
+    each row of the table, with a band of ± one sample sd over seeds; the paper's number dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    keys = spec.plot.get("rows") or [
+        {"key": "test-accuracy", "scale": 100, "label": "test accuracy (%)", "paper": True}
+    ]
+    panels_by = spec.plot.get("panels", [])
+    rows = rows_of(spec, runs)
+    panels = list(dict.fromkeys(tuple(r.labels[a] for a in panels_by) for r in rows))
+    figure, axes = plt.subplots(
+        len(keys), len(panels), figsize=(6 * len(panels), 4 * len(keys)), squeeze=False
+    )
+    for column, panel in enumerate(panels):
+        for row in (r for r in rows if tuple(r.labels[a] for a in panels_by) == panel):
+            label = " ".join(v for k, v in row.labels.items() if k not in panels_by) or spec.title
+            for index, entry in enumerate(keys):
+                curves = [d.curve(entry["key"], first=0) for d in row.runs]
+                shared = sorted(set.intersection(*(set(c) for c in curves)))
+                if not shared:
+                    continue
+                values = float(entry.get("scale", 1)) * np.array(
+                    [[c[r] for r in shared] for c in curves]
+                )
+                mean, spread = band(values)
+                axis = axes[index][column]
+                (line,) = axis.plot(shared, mean, label=f"{label} ({len(curves)} seeds)")
+                axis.fill_between(
+                    shared, mean - spread, mean + spread, color=line.get_color(), alpha=0.15
+                )
+                paper = paper_value(spec, row.labels) if entry.get("paper") else None
+                if isinstance(paper, int | float):
+                    axis.axhline(paper, color=line.get_color(), linestyle=":", linewidth=1)
+        for index, entry in enumerate(keys):
+            axis = axes[index][column]
+            axis.set_title(", ".join(f"{a} {v}" for a, v in zip(panels_by, panel, strict=True)))
+            axis.set_xlabel("round")
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+            axis.set_ylabel(str(entry.get("label", entry["key"])))
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def write_report(
+    spec: Spec, runs: Sequence[RunData], missing: Sequence[str], destination: Path, command: str
+) -> list[Path]:
+    """The page (``destination``, markdown) and its plot (same stem, ``.png``); with
+    ``plot.diagnostics`` also the client-diagnostics figures of every run."""
+    settings = ", ".join(f"`{k} = {json.dumps(v)}`" for k, v in spec.settings.items())
+    wall = sum(float(d.summary.get("wall-seconds", 0.0)) for d in runs) / 60
+    machines = sorted({str(d.host["hardware"]) for d in runs if "hardware" in d.host})
+    unknown = sum("hardware" not in d.host for d in runs)
+    image = destination.with_suffix(".png")
+    lines = [f"# {spec.title}", ""]
+    lines += [spec.description, ""] if spec.description else []
+    lines += [
+        f"Settings of every run: {settings or 'the run configuration defaults'}; runtime "
+        f"`{spec.runtime}`. Mean ± sample standard deviation over seeds.",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Hardware: {'; '.join(machines) or 'not recorded'}"
+        + (f" ({unknown} runs made before the runner recorded it)" if machines and unknown else "")
+        + ".",
+        "",
+        f"Runs: {len(runs)}, {wall:.1f} min of wall time in all"
+        + (f"; not finished: {', '.join(missing)}" if missing else "")
+        + ".",
+        "",
+        table(spec, runs),
+        f"![{spec.title}]({image.name})",
+        "",
+    ]
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    destination.write_text("\n".join(lines), encoding="utf-8")
+    written = [destination, plot(spec, runs, image)]
+    if spec.plot.get("diagnostics"):
+        from benchmarks.plots import plot_diagnostics
+
+        metrics = {d.run.name: d.rounds for d in runs}
+        written += plot_diagnostics(metrics, destination.parent, destination.stem)
+    return written

@@ -1,0 +1,223 @@
+"""The experiment runner: run a spec's runs that are not done yet, then write its report.
+
+Every run is the real app (``server.launch.launch_runtime``, what ``ba-run --runtime <runtime>``
+runs; in process by default) into ``<runs>/<run-name>/`` (``metrics.jsonl``, ``summary.json``,
+checkpoints). Before a run, its state decides what happens:
+
+- *finished*: ``summary.json`` says completed, with these settings and rounds: skipped;
+- *resumable*: a checkpoint of these settings (an interrupted run, or a finished one asked for
+  more rounds): continued from it (``resume-from``), not redone;
+- *conflict*: a completed run with other settings: nothing runs; the message names the keys
+  (evidence is never overwritten: delete the folder or pass ``--runs`` for a separate sweep);
+- otherwise it runs.
+
+Each run is claimed with a lock beside its folder, so several processes (``--jobs N``, or the
+same command started twice) share one sweep; the operating system frees a crashed holder's lock.
+
+Usage::
+
+    .venv/bin/python -m benchmarks.runner benchmarks/specs/elastic-vs-fedavg.toml
+    .venv/bin/python -m benchmarks.runner SPEC --jobs 2 --publish      # report to docs/results
+    .venv/bin/python -m benchmarks.runner SPEC --report-only            # redraw from the runs
+    .venv/bin/python -m benchmarks.runner SPEC --seeds 0 --set num-server-rounds=3 --runs /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import shlex
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import ExitStack
+from multiprocessing import get_context
+from pathlib import Path
+from typing import IO, Any
+
+from benchmarks.harness import Stopwatch, hardware
+from benchmarks.report import HOST_FILE, RunData, read_run, write_report
+from benchmarks.spec import REPO, Run, Spec, SpecError, load_spec
+from beyond_averaging.server.checkpoint import CHECKPOINT_FILE, RESUME_FREE_KEYS
+from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.launch import (
+    LaunchError,
+    launch_runtime,
+    parse_overrides,
+    read_summary,
+    run_config_argument,
+)
+
+ROUNDS_KEY = "num-server-rounds"
+
+
+def claim(run: Run) -> IO[bytes] | None:
+    """An exclusive lock on a run (``<runs>/<name>.lock``), or None while another process holds
+    it. Two processes in one run folder would interleave its ``metrics.jsonl``."""
+    lock_path = run.folder.with_name(f"{run.name}.lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    stream = lock_path.open("wb")
+    try:
+        fcntl.flock(stream, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        stream.close()
+        return None
+    return stream
+
+
+def differences(run: Run) -> dict[str, tuple[Any, Any]]:
+    """Settings (saved -> wanted) in which the run folder's run differs from the spec's run.
+
+    Keys the saved run does not know are left out when the spec does not set them: a run saved
+    before an option existed ran with what is now its default.
+    """
+    saved = read_summary(run.folder / "summary.json").get("config") or {}
+    wanted = parse_run_config(run.settings).to_run_config()
+    return {
+        key: (saved.get(key), value)
+        for key, value in wanted.items()
+        if key not in RESUME_FREE_KEYS
+        and (key in saved or key in run.settings)
+        and saved.get(key) != value
+    }
+
+
+def state(run: Run) -> str:
+    """``finished``, ``resumable``, ``conflict`` or ``new`` (see the module docstring)."""
+    summary = read_summary(run.folder / "summary.json")
+    if summary.get("status") == "missing":
+        return "new"
+    rounds = summary.get("rounds-completed", (summary.get("final") or {}).get("round", -1))
+    wanted = run.settings.get(ROUNDS_KEY, parse_run_config(run.settings).num_server_rounds)
+    if differences(run):
+        return "conflict" if summary["status"] == "completed" else "new"
+    if summary["status"] == "completed" and rounds == wanted:
+        return "finished"
+    if (run.folder / CHECKPOINT_FILE).is_file() and rounds < wanted:
+        return "resumable"
+    return "conflict" if summary["status"] == "completed" else "new"
+
+
+def execute(run: Run, runtime: str, threads: int) -> str:
+    """Run (or continue) one run unless another process holds it; a line saying what happened."""
+    lock = claim(run)
+    if lock is None:
+        return f"{run.name}: another process is running it, left to it"
+    with lock:  # checked again under the lock: another process may have just finished it
+        now = state(run)
+        if now in ("finished", "conflict"):
+            return f"{run.name}: {now}"
+        failure = ""
+        # A checkpoint the app refuses (written by an older version) leaves a fresh run.
+        attempts = [{"resume-from": str(run.folder)}] if now == "resumable" else []
+        for extra in [*attempts, {}]:
+            overrides = [run_config_argument({**run.settings, **extra})]
+            try:
+                with Stopwatch() as clock:
+                    launch_runtime(runtime, REPO, overrides, client_cpus=threads)
+            except LaunchError as error:
+                failure = f"{run.name}: failed: {error}"
+                print(failure, file=sys.stderr, flush=True)
+                continue
+            host = {"hardware": hardware(), "runtime": runtime, "threads": threads}
+            host |= {"wall-seconds": clock.wall, "cpu-seconds": clock.cpu}
+            (run.folder / HOST_FILE).write_text(json.dumps(host, indent=1), encoding="utf-8")
+            return f"{run.name}: completed in {clock.wall:.0f} s"
+        return failure
+
+
+def run_spec(spec: Spec, *, jobs: int = 1, threads: int = 1) -> list[str]:
+    """Run every run not finished; the lines saying what happened to each.
+
+    Raises
+    ------
+    SpecError
+        A run configuration the app refuses, or completed runs with other settings (conflict),
+        before any run starts.
+    """
+    runs = spec.runs()  # validates every run's configuration
+    conflicts = [r for r in runs if state(r) == "conflict"]
+    if conflicts:
+        listed = "; ".join(f"{r.folder}: {differences(r) or 'other rounds'}" for r in conflicts)
+        raise spec.fail(
+            f"completed runs with other settings (saved -> wanted): {listed}. Delete those "
+            "folders to redo them, or pass --runs DIR to keep this sweep apart"
+        )
+    todo = [r for r in runs if state(r) != "finished"]
+    print(f"[runner] {len(runs)} runs, {len(runs) - len(todo)} finished earlier", flush=True)
+    started, lines = time.monotonic(), []
+    with ExitStack() as stack:
+        outcomes: Iterable[str] = (execute(r, spec.runtime, threads) for r in todo)
+        if jobs > 1:  # each run in a fresh process of its own (memory, torch threads)
+            pool = ProcessPoolExecutor(jobs, get_context("spawn"), max_tasks_per_child=1)
+            stack.enter_context(pool)
+            futures = [pool.submit(execute, r, spec.runtime, threads) for r in todo]
+            outcomes = (future.result() for future in as_completed(futures))
+        for done, line in enumerate(outcomes, 1):
+            lines.append(line)
+            elapsed = time.monotonic() - started
+            left = elapsed / done * (len(todo) - done)
+            print(
+                f"[runner] {done}/{len(todo)} | {elapsed / 60:.1f} min, ~{left / 60:.1f} min "
+                f"left | {line}",
+                flush=True,
+            )
+    return lines
+
+
+def report(spec: Spec, destination: Path, command: str) -> list[Path]:
+    """Write the spec's page and plot from its completed runs."""
+    runs = spec.runs()
+    found = [(run, read_run(run)) for run in runs]
+    done: list[RunData] = [data for _, data in found if data is not None]
+    missing = [run.name for run, data in found if data is None]
+    if not done:
+        raise spec.fail(f"no completed run in {spec.runs_dir}: run the spec first")
+    return write_report(spec, done, missing, destination, command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: run a spec, then write its report."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.runner", description=__doc__)
+    parser.add_argument("spec", type=Path, help="a spec file, e.g. benchmarks/specs/*.toml")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in a process")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--seeds", type=int, nargs="+", help="only these seeds")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="settings")
+    parser.add_argument("--runs", type=Path, help="run folders here instead of the spec's")
+    parser.add_argument("--report-only", action="store_true", help="run nothing, only report")
+    parser.add_argument("--dry-run", action="store_true", help="list each run and its state")
+    parser.add_argument(
+        "--publish", action="store_true", help="write the report to the spec's page in docs/"
+    )
+    args = parser.parse_args(argv)
+    try:
+        spec = load_spec(args.spec, runs_dir=args.runs)
+        spec.settings.update(parse_overrides(args.set))
+        spec.seeds = args.seeds or spec.seeds
+        if args.dry_run:
+            for run in spec.runs():
+                print(f"{run.name}: {state(run)}")
+            return 0
+        lines = [] if args.report_only else run_spec(spec, jobs=args.jobs, threads=args.threads)
+        spec_path = args.spec.resolve()
+        shown = spec_path.relative_to(REPO) if spec_path.is_relative_to(REPO) else spec_path
+        arguments = [
+            a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"
+        ]
+        arguments[arguments.index(str(args.spec))] = str(shown)
+        command = shlex.join([".venv/bin/python", "-m", "benchmarks.runner", *arguments])
+        beside = spec.runs_dir.parent / spec.report_path.name
+        for path in report(spec, spec.report_path if args.publish else beside, command):
+            print(f"wrote {path}")
+    except SpecError as error:
+        print(f"runner: error: {error}", file=sys.stderr)
+        return 2
+    failed = [line for line in lines if ": failed:" in line]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
