@@ -147,6 +147,40 @@ def test_last_step_gradient_without_a_backward_pass_says_where_to_train() -> Non
         gradient.record()
 
 
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_wrapping_the_training_call_returns_its_result_and_the_last_backward_s_gradient(
+    accumulate: int,
+) -> None:
+    reference: list[Any] = []
+    user_training_loop(net(), 5, accumulate=accumulate, keep=reference)
+    model = net()
+    result, record = last_step_gradient.wrap(user_training_loop)(model, 5, accumulate=accumulate)
+    assert result is None  # what the user's function returned, passed through
+    assert list(record) == [name for name, _ in model.named_parameters()]
+    for name, value in reference[0].items():
+        np.testing.assert_allclose(record[name].numpy(), value.numpy(), rtol=1e-6)
+
+
+def test_a_wrapped_call_leaves_no_hook_on_the_model() -> None:
+    model = net()
+    last_step_gradient.wrap(user_training_loop)(model, 2)
+    parameter = next(model.parameters())
+    assert not parameter._post_accumulate_grad_hooks  # type: ignore[attr-defined]
+
+
+def test_wrap_without_one_module_among_the_arguments_asks_for_model() -> None:
+    def train_global(steps: int) -> None:
+        user_training_loop(model, steps)
+
+    model = net()
+    with pytest.raises(TypeError, match=r"no torch.nn.Module.*wrap\(train_global, model=model\)"):
+        last_step_gradient.wrap(train_global)(2)
+    with pytest.raises(TypeError, match=r"2 torch\.nn\.Modules"):
+        last_step_gradient.wrap(lambda a, b: None)(net(), net())
+    _, record = last_step_gradient.wrap(train_global, model=model)(2)
+    assert list(record) == [name for name, _ in model.named_parameters()]
+
+
 def test_fedgma_accepts_the_gradient_record_of_the_helper() -> None:
     replies = []
     for node in (1, 2):
