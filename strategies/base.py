@@ -68,6 +68,7 @@ from .metrics import (
     reply_metric_record,
     reply_weight,
 )
+from .privacy import calling_privacy_wrapper, check_privacy_composition
 from .robust import RobustAggregation, check_robust
 from .validation import (
     RECORD_NORM_FACTOR_SCALE,
@@ -302,6 +303,7 @@ class ContractStrategy(Strategy):
         self.last_round_metrics: dict[str, Any] = {}
         self.last_aggregation_seconds = 0.0
         self.reply_observers: list[ReplyObserver] = []
+        self._privacy_warned = False  # the noise-gap warning of strategies.privacy, once a run
 
     def _set_reply_bounds(
         self,
@@ -351,6 +353,20 @@ class ContractStrategy(Strategy):
     def train_config_entries(self) -> dict[str, int | float | str | bool]:
         """Extra config a strategy sends with every train message (e.g. sensitivity options)."""
         return {}
+
+    def privacy_noise_gap(self) -> str | None:
+        """Why Flower's DP noise does not cover this rule's aggregate; None when it does.
+
+        Flower's central-DP wrappers add noise of ``noise_multiplier * clipping_norm /
+        num_sampled_clients``, calibrated for an aggregate that one client's clipped update moves
+        by at most ``clipping_norm / num_sampled_clients`` (:mod:`strategies.privacy`). The text
+        completes "the noise is calibrated for a plain mean of the clipped updates, and ...".
+        """
+        return (
+            f"{type(self).__name__} changes that mean with values computed from the replies, so "
+            "one client's clipped update can move its model by more than "
+            "clipping_norm / num_sampled_clients"
+        )
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
         """Strategy-specific metrics of the last aggregation (e.g. FedLAW's gamma)."""
@@ -433,7 +449,21 @@ class ContractStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Send the global model, the run's client task and the records the strategy needs."""
+        """Send the global model, the run's client task and the records the strategy needs.
+
+        Inside one of Flower's DP wrappers, a rule that cannot run there stops here, before the
+        first message, and one whose aggregate the noise does not cover logs why (once).
+        """
+        wrapper = calling_privacy_wrapper(self)
+        if wrapper is not None:
+            check_privacy_composition(
+                type(self).__name__,
+                list(self.required_records),
+                self.privacy_noise_gap(),
+                wrapper,
+                warn=not self._privacy_warned,
+            )
+            self._privacy_warned = True
         if self.fraction_train == 0.0:
             return []
         self.global_arrays = _to_numpy(arrays)

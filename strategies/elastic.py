@@ -278,6 +278,15 @@ class ElasticAggregation(ContractStrategy):
         )
         self._zeta_metrics: dict[str, float | int | list[float]] = {}
 
+    def privacy_noise_gap(self) -> str | None:
+        """Zeta comes from the replies (see :mod:`strategies.privacy`)."""
+        return (
+            "zeta rescales each coordinate of the mean update by a factor in [tau, 1 + tau] "
+            "computed from all clients' sensitivities, each tensor normalised by its maximum: "
+            "one client's sensitivity can change zeta on every coordinate, moving the model by "
+            "up to about clipping_norm, not clipping_norm / num_sampled_clients"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The server optimizer's moments."""
         return {"optimizer": self.optimizer.state_dict()}

@@ -452,6 +452,15 @@ class FedGMA(ContractStrategy):
         self.server_lr = server_lr
         self.last_mask_mean = math.nan
 
+    def privacy_noise_gap(self) -> str | None:
+        """The mask comes from the replies (see :mod:`strategies.privacy`)."""
+        return (
+            "the mask scales each coordinate of the mean update by a value in [0, 1] computed "
+            "from the signs of all clients' updates (or gradients): one client's signs can move "
+            "a coordinate's mask from its agreement to 1, moving the model by up to about "
+            "server_lr x clipping_norm, not clipping_norm / num_sampled_clients"
+        )
+
     def _gradients(self, replies: Sequence[ClientReply]) -> list[NDArrayDict] | None:
         if not self.required_records:
             return None

@@ -827,6 +827,23 @@ class FedLAW(ContractStrategy):
         self._server_buffers: dict[str, torch.Tensor] | None = None
         self._metrics: dict[str, float | int | list[float]] = {}
 
+    def privacy_noise_gap(self) -> str | None:
+        """The weights and gamma are learned from the replies (see :mod:`strategies.privacy`)."""
+        gaps = []
+        if self.learn != "shrink":
+            gaps.append(
+                "the clients' weights are learned from the clipped client models themselves, "
+                "so one client's model can take most of the weight (a move of up to about "
+                "clipping_norm, not clipping_norm / num_sampled_clients)"
+            )
+        if self.learn != "clients":
+            gaps.append(
+                "the shrink factor gamma, learned from the client models too, scales the whole "
+                "model, so a change in gamma moves it by that change times ||w||, which clipping "
+                "does not bound"
+            )
+        return f"FedLAW (learn = {self.learn!r}): " + "; ".join(gaps)
+
     def summary(self) -> None:
         """Log the strategy's configuration."""
         super().summary()
