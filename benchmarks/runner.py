@@ -14,6 +14,12 @@ checkpoints). Before a run, its state decides what happens:
 Each run is claimed with a lock beside its folder, so several processes (``--jobs N``, or the
 same command started twice) share one sweep; the operating system frees a crashed holder's lock.
 
+An experiment the app cannot express names a function as its ``runtime``
+(``"package.module:function"``): it is called with one run's settings (the run configuration,
+``run-name`` and ``output-dir`` included, plus the spec's keys the run configuration does not
+know, which it checks itself) and writes the run folder in the app's format (``metrics.jsonl``,
+``summary.json``: ``server.recorder.RunRecorder``); everything else above applies unchanged.
+
 Usage::
 
     .venv/bin/python -m benchmarks.runner benchmarks/specs/elastic-vs-fedavg.toml
@@ -33,6 +39,7 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import ExitStack
+from importlib import import_module
 from multiprocessing import get_context
 from pathlib import Path
 from typing import IO, Any
@@ -43,7 +50,7 @@ from benchmarks.spec import REPO, Run, Spec, SpecError, load_spec
 from beyond_averaging.server.checkpoint import CHECKPOINT_FILE, RESUME_FREE_KEYS
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.launch import (
-    LaunchError,
+    RUNTIMES,
     launch_runtime,
     parse_overrides,
     read_summary,
@@ -113,11 +120,16 @@ def execute(run: Run, runtime: str, threads: int) -> str:
         # A checkpoint the app refuses (written by an older version) leaves a fresh run.
         attempts = [{"resume-from": str(run.folder)}] if now == "resumable" else []
         for extra in [*attempts, {}]:
-            overrides = [run_config_argument({**run.settings, **extra})]
+            settings = {**run.settings, **extra}
             try:
                 with Stopwatch() as clock:
-                    launch_runtime(runtime, REPO, overrides, client_cpus=threads)
-            except LaunchError as error:
+                    if runtime in RUNTIMES:
+                        overrides = [run_config_argument(settings)]
+                        launch_runtime(runtime, REPO, overrides, client_cpus=threads)
+                    else:
+                        module, function = runtime.split(":")
+                        getattr(import_module(module), function)({**settings, **run.extra})
+            except Exception as error:  # one run failing is reported; the sweep goes on
                 failure = f"{run.name}: failed: {error}"
                 print(failure, file=sys.stderr, flush=True)
                 continue

@@ -5,8 +5,8 @@ the grid of runs (``[grid]``: axes of values, ``seed`` pooled as seeds; ``[metho
 rows compared, each a set of run-config overrides), the table's columns (``[[columns]]``: a metric
 per run, shown as mean ± sample sd over seeds), the paper's numbers (``paper``) and the plot
 (``[plot]``). docs/benchmarks.md shows the format; ``benchmarks/specs/`` holds the published ones.
-``extends = "other.toml"`` starts from another spec: ``settings``, ``grid``, ``baseline`` and
-``plot`` are merged key by key, every other key is replaced.
+``extends = "other.toml"`` starts from another spec: ``settings``, ``grid`` and ``plot`` are
+merged key by key, every other key is replaced.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from beyond_averaging.server.config import ConfigError, parse_run_config
+from beyond_averaging.server.config import ConfigError, RunConfig, parse_run_config
 from beyond_averaging.server.launch import RUNTIMES
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_KEYS = ["title", "description", "extends", "runtime", "runs", "report", "name"]
 SPEC_KEYS += ["settings", "grid", "methods", "baseline", "columns", "paper", "plot"]
-MERGED_KEYS = ("settings", "grid", "baseline", "plot")
+MERGED_KEYS = ("settings", "grid", "plot")
+#: The run configuration's keys (a function runtime's own settings are the others).
+RUN_KEYS = frozenset(field.alias or name for name, field in RunConfig.model_fields.items())
 METHOD_AXIS = "method"
 SEED_AXIS = "seed"
 
@@ -82,12 +84,14 @@ class Axis:
 
 @dataclass(frozen=True)
 class Run:
-    """One run of a spec: its name, its label on every axis (and seed), its settings."""
+    """One run of a spec: its name, its label on every axis (and seed), its run configuration,
+    and the settings a function runtime takes beyond the run configuration (``extra``)."""
 
     name: str
     labels: dict[str, str]
     settings: dict[str, Any]
     folder: Path
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,8 +130,15 @@ class Spec:
             settings = dict(self.settings)
             for axis, index in zip(axes, picks, strict=True):
                 settings.update(axis.overrides[index])
+            # A function runtime takes settings of its own: they pass beside the run configuration.
+            own = (
+                {}
+                if self.runtime in RUNTIMES
+                else {k: v for k, v in settings.items() if k not in RUN_KEYS}
+            )
+            settings = {k: v for k, v in settings.items() if k not in own}
             try:
-                fields_ = {**parse_run_config(settings).to_run_config(), **labels}
+                fields_ = {**parse_run_config(settings).to_run_config(), **own, **labels}
             except ConfigError as error:
                 raise self.fail(f"run {labels}: {error}") from None
             try:
@@ -137,7 +148,7 @@ class Spec:
                     f"name = {self.name!r}: {error!r}; use {{axis}} or {{run-config-key}} fields"
                 ) from None
             settings |= {"run-name": name, "output-dir": str(self.runs_dir)}
-            runs.append(Run(name, labels, settings, self.runs_dir / name))
+            runs.append(Run(name, labels, settings, self.runs_dir / name, own))
         names = [run.name for run in runs]
         if len(set(names)) < len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
@@ -244,8 +255,11 @@ def load_spec(path: Path | str, runs_dir: Path | None = None) -> Spec:
     )
     if runs_dir is not None:
         spec.runs_dir = runs_dir.resolve()
-    if spec.runtime not in RUNTIMES:
-        raise spec.fail(f"runtime = {spec.runtime!r}: choose one of {RUNTIMES}")
+    if spec.runtime not in RUNTIMES and not re.fullmatch(r"[\w.]+:\w+", spec.runtime):
+        raise spec.fail(
+            f"runtime = {spec.runtime!r}: choose one of {RUNTIMES}, or name a function "
+            "'package.module:function' that runs one run (see benchmarks/runner.py)"
+        )
     grid = dict(data.get("grid", {}))
     seeds = grid.pop(SEED_AXIS, [spec.settings.pop("seed", 0)])
     if not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds):

@@ -394,3 +394,35 @@ def test_more_rounds_continue_a_finished_run_to_the_same_numbers_as_a_fresh_one(
     ]
     assert len(curves[0]) == 4
     assert curves[0] == curves[1]
+
+
+def write_scaled_run(settings: dict[str, Any]) -> None:
+    """A function runtime: a run folder in the app's format, from a setting of its own."""
+    config = {k: v for k, v in settings.items() if k != "scale"}
+    folder = Path(settings["output-dir"]) / settings["run-name"]
+    rounds = settings["num-server-rounds"]
+    write_run(folder, config, [settings["scale"] * r for r in range(rounds + 1)])
+
+
+def test_a_function_runtime_runs_each_run_with_settings_the_app_does_not_know(
+    tmp_path: Path,
+) -> None:
+    text = f"""
+runtime = "tests.test_runner:write_scaled_run"
+runs = "{tmp_path / "runs"}"
+name = "scale{{scale}}-seed{{seed}}"
+columns = [{{ title = "final", metric = "final", digits = 2 }}]
+[settings]
+num-server-rounds = 3
+[grid]
+scale = [0.1, 0.2]
+"""
+    spec = load_spec(write_spec(tmp_path, text))
+    assert [run.extra for run in spec.runs()] == [{"scale": 0.1}, {"scale": 0.2}]
+    run_spec(spec)
+    data = [d for d in (read_run(run) for run in spec.runs()) if d is not None]
+    assert table(spec, data).splitlines()[2:] == [
+        "| 0.1 | 1 | 3 | 0.30 |",
+        "| 0.2 | 1 | 3 | 0.60 |",
+    ]
+    assert all(state(run) == "finished" for run in spec.runs())
