@@ -3,18 +3,22 @@
 After every round the global model is evaluated on the server's test split, the round's metrics
 are appended to ``metrics.jsonl`` and a checkpoint is written (:mod:`server.checkpoint`), from
 which ``resume-from`` continues the run. A run that cannot train ends ``failed`` with the reason
-(:class:`RunStalledError`).
+(:class:`RunStalledError`); a run stopped from outside (a signal, ``flwr stop``, a SuperLink that
+forgot it) ends ``interrupted``; a run whose model collapses or whose loss explodes says so every
+round (:func:`round_alarms`) and in ``summary.json``.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
@@ -78,6 +82,68 @@ class RunStalledError(RuntimeError):
     """The run kept its previous model ``max-idle-rounds`` rounds in a row, or in every round."""
 
 
+#: A model has collapsed when its test accuracy is back within CHANCE_MARGIN of chance after it
+#: had reached chance + LEARNED_MARGIN; its loss has exploded when the test loss is not finite, or
+#: above LOSS_VS_UNTRAINED x the untrained model's (round 0) and LOSS_VS_BEST x the lowest so far.
+CHANCE_MARGIN = 0.05
+LEARNED_MARGIN = 0.2
+LOSS_VS_UNTRAINED = 2.0
+LOSS_VS_BEST = 10.0
+
+
+def chance_accuracy(labels: np.ndarray) -> float:
+    """The test accuracy of always answering the most frequent label: what "chance" means."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64))
+    return float(counts.max() / counts.sum()) if counts.size else 0.0
+
+
+def round_alarms(
+    history: Sequence[tuple[float, float]], accuracy: float, loss: float, chance: float | None
+) -> dict[str, str]:
+    """What is wrong with a round's global model, judged against the run's earlier rounds.
+
+    Parameters
+    ----------
+    history : sequence of (accuracy, loss)
+        The server's test figures of the earlier rounds, round 0 (the untrained model) first.
+    accuracy, loss : float
+        This round's.
+    chance : float, optional
+        :func:`chance_accuracy` of the test split; None skips the accuracy check.
+
+    Returns
+    -------
+    dict
+        Alarm kind (``accuracy-at-chance``, ``loss-exploded``) -> a message naming the figures.
+        Empty for a healthy round, and for every round before the model learned anything.
+    """
+    alarms: dict[str, str] = {}
+    if chance is not None and history:
+        best_round, best = max(enumerate(a for a, _ in history), key=lambda item: item[1])
+        if best >= chance + LEARNED_MARGIN and accuracy <= chance + CHANCE_MARGIN:
+            alarms["accuracy-at-chance"] = (
+                f"test accuracy {accuracy:.4f} is at or below chance ({chance:.4f}, always the "
+                f"most frequent label) after {best:.4f} in round {best_round}: the global model "
+                "collapsed (a poisoned or diverging update; see docs/reliability.md, Runs)"
+            )
+    if not math.isfinite(loss):
+        alarms["loss-exploded"] = f"test loss is {loss}: the global model is not finite"
+    elif history:
+        untrained = history[0][1]
+        lowest = min(past for _, past in history)
+        if (
+            math.isfinite(untrained)
+            and loss > LOSS_VS_UNTRAINED * untrained
+            and loss > LOSS_VS_BEST * lowest
+        ):
+            alarms["loss-exploded"] = (
+                f"test loss {loss:.4g} is {loss / untrained:.1f}x the untrained model's "
+                f"({untrained:.4g}) and {loss / lowest:.1f}x the lowest so far ({lowest:.4g}): "
+                "the global model exploded"
+            )
+    return alarms
+
+
 class CentralEvaluation:
     """Evaluates the global model on the server's test split after every round and records it."""
 
@@ -96,16 +162,24 @@ class CentralEvaluation:
             if isinstance(test_set, LabeledData)
             else test_set
         )
+        self.chance = (
+            chance_accuracy(test_set.labels) if isinstance(test_set, LabeledData) else None
+        )
         self.model, self.device = model, device
         self.strategy, self.recorder, self.num_rounds = strategy, recorder, num_rounds
         self.last_time = time.perf_counter()
+        # The rounds a resumed run kept: its alarms judge against the whole run.
+        self.history: list[tuple[float, float]] = [
+            (float(r["test-accuracy"]), float(r["test-loss"])) for r in recorder.rounds
+        ]
 
     def __call__(
         self, server_round: int, arrays: ArrayRecord, extra: Mapping[str, Any] | None = None
     ) -> MetricRecord:
         """Flower's ``evaluate_fn``: test the global model, log a progress line, record it.
 
-        ``extra`` joins the recorded metrics (the round loop's reply counts).
+        ``extra`` joins the recorded metrics (the round loop's reply counts). Alarms
+        (:func:`round_alarms`) are logged as warnings, every round they hold, and recorded.
         """
         state = arrays.to_torch_state_dict()
         self.model.load_state_dict(state)
@@ -127,6 +201,10 @@ class CentralEvaluation:
             train_metrics.get("replies-valid", "-"),
             train_metrics.get("replies-sent", train_metrics.get("replies-received", "-")),
         )
+        alarms = round_alarms(self.history, accuracy, loss, self.chance)
+        for kind, message in alarms.items():
+            log(WARNING, "round %d: ALARM %s: %s", server_round, kind, message)
+        self.history.append((accuracy, loss))
         self.recorder.log_round(
             {
                 "round": server_round,
@@ -134,7 +212,8 @@ class CentralEvaluation:
                 "test-loss": loss,
                 "round-seconds": seconds,
                 **train_metrics,
-            }
+            },
+            alarms,
         )
         return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
 
@@ -230,6 +309,15 @@ def main(grid: Grid, context: Context) -> None:
     With ``resume-from = <run folder>`` the run continues in that folder from its checkpoint.
     """
     config = parse_run_config(context.run_config)  # stops the run before round 1 on bad input
+    if config.server_optimizer == "adam" and config.resolved_server_lr >= 0.5:
+        log(
+            WARNING,
+            "server-lr = %s with server-optimizer = 'adam': Adam's step is normalised per "
+            "coordinate, so every weight moves by up to %s a round (a digits run stayed at "
+            'chance with 1.0); Flower\'s FedAdam uses 0.1 (server-lr = "auto")',
+            config.resolved_server_lr,
+            config.resolved_server_lr,
+        )
     if config.client_backend != "clientapp" and not isinstance(grid, InProcessGrid):
         log(
             WARNING,
@@ -314,9 +402,38 @@ def main(grid: Grid, context: Context) -> None:
             on_round_end=progress,
         )
         recorder.save_model(arrays.to_torch_state_dict())
+    except (SystemExit, KeyboardInterrupt) as error:
+        # Not the run's own failure: Flower stops the ServerApp this way on a signal, on
+        # `flwr stop`, and when a restarted SuperLink no longer knows its run (SystemExit 0).
+        reason = interruption_message(error, recorder, run_name)
+        recorder.write_summary("interrupted", error=reason)
+        log(ERROR, "run '%s' interrupted: %s", run_name, reason)
+        raise
     except BaseException as error:
         recorder.write_summary("failed", error=f"{type(error).__name__}: {error}")
         log(ERROR, "run '%s' failed: %s: %s", run_name, type(error).__name__, error)
         raise
     path = recorder.write_summary("completed")
     log(INFO, "run '%s' completed: %s", run_name, path)
+    for kind, alarm in recorder.alarm_summary().items():
+        log(WARNING, "run '%s' raised %s in %d round(s)", run_name, kind, alarm["rounds"])
+
+
+def interruption_message(
+    error: SystemExit | KeyboardInterrupt, recorder: RunRecorder, run_name: str
+) -> str:
+    """Why a run stopped from outside ended, and how it continues."""
+    rounds = max((int(r.get("round", 0)) for r in recorder.rounds), default=0)
+    cause = (
+        "a keyboard interrupt"
+        if isinstance(error, KeyboardInterrupt)
+        else (
+            f"SystemExit {error.code!r} from Flower (a signal, `flwr stop`, or a SuperLink that "
+            "no longer knows this run, e.g. restarted with its state in memory)"
+        )
+    )
+    return (
+        f"the ServerApp of run '{run_name}' was stopped after round {rounds} by {cause}; "
+        f'continue it with run-config resume-from = "{recorder.directory}" (ba-run --resume '
+        f"{recorder.directory})"
+    )

@@ -29,9 +29,10 @@ import json
 import os
 import random
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -198,11 +199,39 @@ class RunCheckpoint:
         )
 
 
+#: Run outputs (checkpoint, final model, metrics, summary) are their owner's alone.
+PRIVATE_FILE_MODE = 0o600
+_OPEN_FLAGS = {
+    "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+    "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+    "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+}
+
+
+def private_file(path: Path, mode: str) -> IO[Any]:
+    """Open ``path`` for writing (``mode`` "w", "wb" or "ab"), created ``0600``.
+
+    ``open()`` creates files ``0666`` minus the umask (``0644`` usually), readable by every
+    account on the machine; the mode here is given to ``open(2)`` itself, so the file is never
+    readable by others, not even between its creation and a ``chmod``. An existing file keeps
+    its mode, so it is set again.
+    """
+    descriptor = os.open(path, _OPEN_FLAGS[mode], PRIVATE_FILE_MODE)
+    with suppress(PermissionError):  # an existing file of another owner: leave its mode
+        os.fchmod(descriptor, PRIVATE_FILE_MODE)
+    if mode == "w":
+        return os.fdopen(descriptor, mode, encoding="utf-8")
+    return os.fdopen(descriptor, mode)
+
+
 def atomic_torch_save(obj: Any, path: Path) -> Path:
-    """``torch.save`` to ``path`` so that readers see the old file or the new one, never a part."""
+    """``torch.save`` to ``path`` so that readers see the old file or the new one, never a part.
+
+    The file is created ``0600`` (:func:`private_file`).
+    """
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with temporary.open("wb") as stream:
+        with private_file(temporary, "wb") as stream:
             torch.save(obj, stream)
             stream.flush()
             os.fsync(stream.fileno())

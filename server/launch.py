@@ -16,8 +16,13 @@ running and exits 0 even when the run failed. This launcher
 3. runs ``flwr run <app> ba-local --stream`` with the given ``--run-config`` overrides and
    ``num-supernodes = num-clients``;
 4. reads ``<output-dir>/<run-name>/summary.json`` and exits non-zero with the run's error when the
-   run did not complete;
+   run did not complete; a summary still ``running`` after the run's processes ended (a ServerApp
+   killed with SIGKILL) is rewritten ``interrupted`` (:func:`server.recorder.mark_interrupted`);
 5. always stops the SuperLink it started and every process below it, by PID, never by name.
+
+``ba-run --status <run folder>`` prints a run's status, checked against its owner lock (a
+``running`` summary whose writer is gone is reported, and marked, ``interrupted``); ``ba-run
+--resume`` refuses a run whose writer is still alive.
 """
 
 from __future__ import annotations
@@ -38,9 +43,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pathspec
+
+if TYPE_CHECKING:
+    from .recorder import RunStatus
 
 CONNECTION = "ba-local"
 #: Environment entry every process of one launch inherits, so that all of them can be stopped.
@@ -298,8 +306,19 @@ def run_settings(app_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, Any
 
 def resume_overrides(run_dir: Path) -> list[str]:
     """Overrides that continue ``run_dir`` from its checkpoint: the run's own configuration
-    (from its ``summary.json``), ``resume-from`` and the folder's name and parent."""
+    (from its ``summary.json``), ``resume-from`` and the folder's name and parent.
+
+    A run whose writer is still alive is refused (two writers would interleave rounds).
+    """
+    from .recorder import run_status  # imports torch: only where a run folder is read
+
     run_dir = run_dir.expanduser().resolve()
+    if run_status(run_dir).status == "running":
+        owner = read_summary(run_dir / "summary.json").get("owner") or {}
+        raise LaunchError(
+            f"--resume {run_dir}: the run is still running (pid {owner.get('pid', '?')} on "
+            f"{owner.get('host', '?')} holds its owner lock); stop it first, or wait for it"
+        )
     summary = read_summary(run_dir / "summary.json")
     config = summary.get("config")
     if not isinstance(config, dict):
@@ -317,9 +336,16 @@ def resume_overrides(run_dir: Path) -> list[str]:
 
 
 def completed_run(settings: Mapping[str, Any], failure: str) -> Path:
-    """The run folder when its summary says completed; otherwise :class:`LaunchError`."""
+    """The run folder when its summary says completed; otherwise :class:`LaunchError`.
+
+    Called once every process of the run has ended: a summary that still says ``running`` was
+    left by a ServerApp that died without a final status, and is marked ``interrupted``.
+    """
+    from .recorder import mark_interrupted  # imports torch: only where a run folder is read
+
     run_name = str(settings["run-name"])
     summary_path = Path(str(settings["output-dir"])).expanduser() / run_name / "summary.json"
+    mark_interrupted(summary_path.parent)
     summary = read_summary(summary_path)
     if summary.get("status") != "completed":
         reason = summary.get("error") or (
@@ -444,7 +470,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="continue runs/<name> from its checkpoint with its configuration (-c may raise "
         "num-server-rounds; any other change is refused)",
     )
+    parser.add_argument(
+        "--status",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="print the status of runs/<name> and exit: 0 completed, 3 running (its process is "
+        "alive), 1 failed, interrupted (its process died: marked so in summary.json) or unknown",
+    )
     args = parser.parse_args(argv)
+    if args.status is not None:
+        return print_status(args.status)
     try:
         overrides = args.run_config
         if args.resume is not None:
@@ -459,12 +495,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as error:
         print(f"ba-run: error: {error}", file=sys.stderr)
         return 1
-    final = read_summary(run_dir / "summary.json").get("final") or {}
+    summary = read_summary(run_dir / "summary.json")
+    final = summary.get("final") or {}
     print(f"ba-run: run completed: {run_dir}")
     print(
         f"ba-run: final test accuracy {final.get('test-accuracy')} after round {final.get('round')}"
     )
+    print_alarms(summary)
     return 0
+
+
+#: ``ba-run --status`` exit codes.
+STATUS_EXIT_CODES = {"completed": 0, "running": 3}
+
+
+def print_alarms(summary: Mapping[str, Any]) -> None:
+    """One warning line per alarm kind a run raised (see server.app.round_alarms)."""
+    for kind, alarm in (summary.get("alarms") or {}).items():
+        print(
+            f"ba-run: warning: {kind} in {alarm.get('rounds')} round(s), rounds "
+            f"{alarm.get('first-round')}-{alarm.get('last-round')}: {alarm.get('message', '')}",
+            file=sys.stderr,
+        )
+
+
+def print_status(run_dir: Path) -> int:
+    """``ba-run --status``: the run's status, checked against its owner; the exit code says it.
+
+    A ``running`` summary whose writer is gone is reported and marked ``interrupted``.
+    """
+    from .recorder import mark_interrupted, run_status  # imports torch
+
+    status: RunStatus = run_status(run_dir)
+    if status.status == "interrupted":
+        status = mark_interrupted(run_dir)
+    summary = status.summary
+    final = summary.get("final") or {}
+    line = f"ba-run: {run_dir}: {status.status}"
+    if summary:
+        line += (
+            f", {summary.get('rounds-completed', 0)} of "
+            f"{(summary.get('config') or {}).get('num-server-rounds', '?')} rounds, test accuracy "
+            f"{final.get('test-accuracy')}, updated {summary.get('updated-at', '?')}"
+        )
+    print(line)
+    if status.reason:
+        print(f"ba-run: {status.reason}")
+    print_alarms(summary)
+    return STATUS_EXIT_CODES.get(status.status, 1)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,23 @@
 - ``checkpoint.pt``: everything needed to continue the run, rewritten after every round
   (:mod:`server.checkpoint`);
 - ``final_model.pt``: the global model after the last round (a torch state dict);
-- ``summary.json``: status (``running``, ``completed`` or ``failed`` with the reason), resolved
-  configuration, final metrics and wall time.
+- ``summary.json``: status (``running``, ``completed``, ``failed`` or ``interrupted``, with the
+  reason), resolved configuration, final metrics, alarms (:data:`ALARMS`) and wall time;
+- ``.owner.lock``: held (``flock``) by the process writing the run, for as long as it lives.
 
 Every file is replaced atomically (temporary file, then rename), so a crash never leaves one torn.
+The folder is created ``0700`` and every file ``0600``: the model, the metrics and the checkpoint
+(the whole model and the run's state) are readable by the run's owner only.
+
+**Who owns a run.** ``summary.json`` cannot say that its writer died: after ``kill -9`` (or the OOM
+killer, or a lost machine) it keeps ``running``. So the writer holds an exclusive ``flock`` on
+``.owner.lock`` from start to final status; the kernel drops it when the process ends, however it
+ends. :func:`run_status` reads a ``running`` summary together with that lock: a lock that can be
+taken means nobody is running the run, which is then reported ``interrupted`` (and
+:func:`mark_interrupted` writes so into ``summary.json``). A second writer (a resume while the
+run still runs) is refused by the same lock. The lock works across processes and containers that
+share the folder on one machine (a volume, a bind mount); a copy of the folder (``docker cp``)
+carries no lock, so ask where the run ran (``ba-run --status``, docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -15,14 +28,35 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import time
 from collections.abc import Mapping
+from contextlib import suppress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from .checkpoint import atomic_torch_save
+from .checkpoint import atomic_torch_save, private_file
+
+try:  # POSIX; elsewhere runs are written unlocked and their status is taken as written
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+SUMMARY_FILE = "summary.json"
+OWNER_LOCK_FILE = ".owner.lock"
+PRIVATE_DIR_MODE = 0o700
+#: Statuses a summary can hold; ``running`` only while its writer holds the owner lock.
+FINAL_STATUSES = ("completed", "failed", "interrupted")
+#: What a round's figures may raise, with the rule (see :func:`server.app.round_alarms`).
+ALARMS = ("accuracy-at-chance", "loss-exploded")
+
+
+class RunInUseError(RuntimeError):
+    """Another live process is writing this run folder (it holds the owner lock)."""
 
 
 def _jsonable(value: Any) -> Any:
@@ -35,8 +69,32 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _try_lock(path: Path) -> IO[bytes] | None:
+    """The owner lock of a run folder, taken (the open file holds it), or None when held."""
+    stream = private_file(path, "ab")  # created 0600; never truncated, never written
+    if fcntl is None:  # pragma: no cover - no flock: every caller is taken as the owner
+        return stream
+    try:
+        fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        stream.close()
+        return None
+    return stream
+
+
+def _make_private_dir(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    # A resumed run's folder may predate private folders; one of another owner stays as it is.
+    with suppress(PermissionError):
+        directory.chmod(PRIVATE_DIR_MODE)
+
+
 class RunRecorder:
-    """Writes one run's metrics, checkpoints and summary."""
+    """Writes one run's metrics, checkpoints and summary, as the run's single owner."""
 
     def __init__(
         self,
@@ -49,9 +107,16 @@ class RunRecorder:
 
         A resumed run keeps the metrics of rounds up to ``resume_round`` and forgets later ones
         (rounds the crashed run began, or finished without checkpointing, are run again).
+
+        Raises
+        ------
+        RunInUseError
+            A live process still writes this folder (it holds the owner lock): two writers
+            would interleave their rounds. Nothing has been written then.
         """
         self.directory = Path(output_dir).expanduser().resolve() / run_name
-        self.directory.mkdir(parents=True, exist_ok=True)
+        _make_private_dir(self.directory)
+        self._lock: IO[bytes] | None = _acquire_owner_lock(self.directory)
         self.metrics_path = self.directory / "metrics.jsonl"
         self.config = dict(config)
         self.started = time.time()
@@ -61,43 +126,174 @@ class RunRecorder:
             lines = self.metrics_path.read_text(encoding="utf-8").splitlines()
             rounds = [json.loads(line) for line in lines if line.strip()]
             self.rounds = [entry for entry in rounds if entry.get("round", 0) <= resume_round]
+        self.alarm_details: dict[str, str] = {}
         _atomic_write_text(
             self.metrics_path,
             "".join(json.dumps(entry, sort_keys=True) + "\n" for entry in self.rounds),
         )
         self.write_summary("running")
 
-    def log_round(self, entry: Mapping[str, Any]) -> None:
-        """Append one round's metrics as a JSON line."""
-        record = _jsonable(dict(entry))
+    def log_round(self, entry: Mapping[str, Any], alarms: Mapping[str, str] | None = None) -> None:
+        """Append one round's metrics as a JSON line.
+
+        ``alarms`` (kind -> message) are recorded as ``alarm-<kind> = 1`` in the round's line and
+        summed up in ``summary.json``.
+        """
+        record = _jsonable({**entry, **{f"alarm-{kind}": 1 for kind in alarms or {}}})
+        self.alarm_details.update(alarms or {})
         self.rounds.append(record)
         with self.metrics_path.open("a", encoding="utf-8") as stream:
             stream.write(json.dumps(record, sort_keys=True) + "\n")
+        self.write_summary("running")  # the summary's final metrics and alarms follow the rounds
 
     def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> Path:
         """Save the final global model (a torch state dict) as ``final_model.pt``."""
         state = {key: value.detach().cpu() for key, value in state_dict.items()}
         return atomic_torch_save(state, self.directory / "final_model.pt")
 
+    def alarm_summary(self) -> dict[str, dict[str, Any]]:
+        """Per alarm kind: the rounds that raised it (count, first, last) and its last message."""
+        summary: dict[str, dict[str, Any]] = {}
+        for kind in ALARMS:
+            rounds = [int(r.get("round", 0)) for r in self.rounds if r.get(f"alarm-{kind}")]
+            if rounds:
+                summary[kind] = {
+                    "rounds": len(rounds),
+                    "first-round": rounds[0],
+                    "last-round": rounds[-1],
+                    "last-round-alarmed": rounds[-1] == int(self.rounds[-1].get("round", 0)),
+                    "message": self.alarm_details.get(kind, ""),
+                }
+        return summary
+
     def write_summary(self, status: str, error: str | None = None) -> Path:
-        """Write ``summary.json`` (status is 'running', 'completed' or 'failed')."""
+        """Write ``summary.json``; a final status (:data:`FINAL_STATUSES`) gives up ownership."""
         summary: dict[str, Any] = {
             "status": status,
             "config": self.config,
             "wall-seconds": round(time.time() - self.started, 3),
             "rounds-completed": max((r.get("round", 0) for r in self.rounds), default=0),
             "final": self.rounds[-1] if self.rounds else None,
+            "updated-at": _now(),
+            "owner": {"host": socket.gethostname(), "pid": os.getpid()},
         }
+        alarms = self.alarm_summary()
+        if alarms:
+            summary["alarms"] = alarms
         if self.resumed_from is not None:
             summary["resumed-from-round"] = self.resumed_from
         if error is not None:
             summary["error"] = error
-        path = self.directory / "summary.json"
+        path = self.directory / SUMMARY_FILE
         _atomic_write_text(path, json.dumps(_jsonable(summary), indent=2, sort_keys=True))
+        if status in FINAL_STATUSES:
+            self.close()
         return path
+
+    def close(self) -> None:
+        """Give up the owner lock (a final summary does; idempotent)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+def _acquire_owner_lock(directory: Path, attempts: int = 20) -> IO[bytes]:
+    # A reader (run_status) holds the lock for an instant while it checks a folder: retry for a
+    # second before concluding that a live writer holds it.
+    for _ in range(attempts):
+        lock = _try_lock(directory / OWNER_LOCK_FILE)
+        if lock is not None:
+            return lock
+        time.sleep(0.05)
+    owner = _read_summary(directory).get("owner") or {}
+    raise RunInUseError(
+        f"run folder {directory} is in use: a live process (pid {owner.get('pid', '?')} on "
+        f"{owner.get('host', '?')}, from its summary) is still writing it. Stop that run first "
+        "(or wait for it), or choose another run-name"
+    )
+
+
+def _read_summary(directory: Path) -> dict[str, Any]:
+    path = directory / SUMMARY_FILE
+    try:
+        return dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """What a run folder says, checked against its owner lock (see the module docstring)."""
+
+    #: ``completed``, ``failed``, ``interrupted``, ``running`` (its writer is alive), ``missing``
+    #: (no summary) or ``unknown`` (``running`` without an owner lock to check: an older run).
+    status: str
+    reason: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def run_status(run_dir: Path) -> RunStatus:
+    """The status of a run folder, with ``running`` only while its writer is alive."""
+    run_dir = Path(run_dir)
+    summary = _read_summary(run_dir)
+    if not summary:
+        return RunStatus("missing", f"no readable {SUMMARY_FILE} in {run_dir}")
+    status = str(summary.get("status", "unknown"))
+    if status != "running":
+        return RunStatus(status, str(summary.get("error", "")), summary)
+    lock_path = run_dir / OWNER_LOCK_FILE
+    if not lock_path.is_file() or fcntl is None:
+        return RunStatus(
+            "unknown",
+            "the summary says running, but the folder has no owner lock to check (written by "
+            "an older version, or copied): whether its process lives cannot be told from here",
+            summary,
+        )
+    lock = _try_lock(lock_path)
+    if lock is None:
+        return RunStatus("running", "", summary)
+    lock.close()
+    return RunStatus("interrupted", interruption_reason(summary), summary)
+
+
+def interruption_reason(summary: Mapping[str, Any]) -> str:
+    """Why a run whose writer is gone is ``interrupted``, and how to continue it."""
+    owner = summary.get("owner") or {}
+    return (
+        f"the process that ran it (pid {owner.get('pid', '?')} on {owner.get('host', '?')}) "
+        f"ended without a final status after round {summary.get('rounds-completed', '?')} "
+        f"(last update {summary.get('updated-at', '?')}): killed (kill -9, the OOM killer), or "
+        "its machine or container stopped. Continue it with `ba-run --resume <run folder>` or "
+        'run-config resume-from = "<run folder>"'
+    )
+
+
+def mark_interrupted(run_dir: Path) -> RunStatus:
+    """Write ``interrupted`` into the summary of a run whose writer is gone; return its status.
+
+    Holds the owner lock while it rewrites, so a run resumed meanwhile is never overwritten.
+    """
+    run_dir = Path(run_dir)
+    lock_path = run_dir / OWNER_LOCK_FILE
+    if not lock_path.is_file() or fcntl is None:
+        return run_status(run_dir)
+    lock = _try_lock(lock_path)
+    if lock is None:
+        return run_status(run_dir)
+    try:
+        summary = _read_summary(run_dir)
+        if summary.get("status") != "running":
+            return RunStatus(str(summary.get("status", "missing")), "", summary)
+        reason = interruption_reason(summary)
+        summary.update({"status": "interrupted", "error": reason, "updated-at": _now()})
+        _atomic_write_text(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True))
+        return RunStatus("interrupted", reason, summary)
+    finally:
+        lock.close()
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text, encoding="utf-8")
+    with private_file(temporary, "w") as stream:
+        stream.write(text)
     os.replace(temporary, path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import socket
 import ssl
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml  # type: ignore[import-untyped]  # PyYAML comes with flwr; no stubs installed
 from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
@@ -655,6 +657,95 @@ def reply_record_sizes(strategy: str, settings: Mapping[str, Any]) -> dict[str, 
             ArrayRecord({k: Array(state[k]) for k in parameters})
         )
     return sizes
+
+
+# ------------------------------------------------------------------------------ compose files
+@dataclass(frozen=True)
+class _Override:
+    """A value tagged ``!override`` in a compose file: it replaces the merged value."""
+
+    value: Any
+
+
+class _Reset:
+    """A value tagged ``!reset``: the key is removed from the merged file."""
+
+
+class _ComposeLoader(yaml.SafeLoader):  # type: ignore[misc]
+    """YAML as Compose reads it: anchors and merge keys, plus the ``!override``/``!reset`` tags."""
+
+
+def _construct_override(loader: yaml.SafeLoader, node: yaml.Node) -> _Override:
+    if isinstance(node, yaml.SequenceNode):
+        return _Override(loader.construct_sequence(node, deep=True))
+    if isinstance(node, yaml.MappingNode):
+        return _Override(loader.construct_mapping(node, deep=True))
+    return _Override(loader.construct_scalar(node))
+
+
+_ComposeLoader.add_constructor("!override", _construct_override)
+_ComposeLoader.add_constructor("!reset", lambda loader, node: _Reset())
+_VARIABLE = re.compile(r"\$\{(?P<name>\w+)(?:(?P<colon>:?)-(?P<default>[^}]*))?\}")
+
+
+def interpolate(value: Any, env: Mapping[str, str]) -> Any:
+    """Compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR-default}`` in every string."""
+    if isinstance(value, str):
+
+        def substitute(match: re.Match[str]) -> str:
+            name, default = match["name"], match["default"]
+            if name in env and (env[name] or not match["colon"]):
+                return env[name]
+            return default or ""
+
+        return _VARIABLE.sub(substitute, value)
+    if isinstance(value, list):
+        return [interpolate(item, env) for item in value]
+    if isinstance(value, dict):
+        return {key: interpolate(item, env) for key, item in value.items()}
+    return value
+
+
+def merge_compose(base: Any, overlay: Any) -> Any:
+    """Merge an overlay file into a base as ``docker compose -f base -f overlay`` does.
+
+    Mappings merge key by key, sequences (ports, volumes) are concatenated without duplicates,
+    scalars are replaced; ``!override`` replaces whatever was there and ``!reset`` removes it.
+    """
+    if isinstance(overlay, _Override):
+        return overlay.value
+    if isinstance(base, dict) and isinstance(overlay, dict):
+        merged = dict(base)
+        for key, value in overlay.items():
+            if isinstance(value, _Reset):
+                merged.pop(key, None)
+            else:
+                merged[key] = merge_compose(base.get(key), value)
+        return merged
+    if isinstance(base, list) and isinstance(overlay, list):
+        return base + [item for item in overlay if item not in base]
+    return overlay
+
+
+def published_ports(
+    files: Sequence[Path], env: Mapping[str, str], service: str
+) -> list[tuple[str, str, str]]:
+    """``(host address, host port, container port)`` of each port a service publishes.
+
+    ``files`` are merged in order and interpolated with ``env`` only (not this process's
+    environment), so the result is what Compose does with exactly these settings. A port
+    without a host address is published on every interface (``0.0.0.0``).
+    """
+    merged: Any = {}
+    for path in files:
+        merged = merge_compose(merged, yaml.load(path.read_text(encoding="utf-8"), _ComposeLoader))
+    ports = interpolate(merged["services"][service].get("ports", []), env)
+    published = []
+    for entry in ports:
+        parts = str(entry).rsplit(":", 2)
+        address, host, container = parts if len(parts) == 3 else ["0.0.0.0", *parts]
+        published.append((address, host, container))
+    return published
 
 
 # --------------------------------------------------------------------------- container engine

@@ -1,4 +1,9 @@
-"""A run that cannot train ends ``failed`` with the reason; late replies count as dropped.
+"""Runs tell the truth about their state.
+
+A run that cannot train ends ``failed`` with the reason; late replies count as dropped; a run
+whose model collapses to chance or whose loss explodes says so every round and in its summary; a
+run whose process died is reported ``interrupted``, never ``running``, and a run still alive
+cannot be resumed beside itself.
 
 Runs use the in-process runtime (the real ServerApp and ClientApp, ``server/inprocess.py``). A
 learning rate of 1e30 makes every client's model non-finite, so every reply is dropped and no
@@ -8,19 +13,27 @@ round can aggregate: the honest way for a whole federation to be unable to train
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from flwr.app import Message
 
-from beyond_averaging.server.app import RunStalledError
+from beyond_averaging.server.app import RunStalledError, chance_accuracy, round_alarms
 from beyond_averaging.server.inprocess import InProcessGrid, run_inprocess
 from beyond_averaging.server.launch import run_config_argument
+from beyond_averaging.server.recorder import RunInUseError, RunRecorder, run_status
 from tests.deploy_helpers import REPO, read_metrics
+
+BA_RUN = Path(sys.executable).parent / "ba-run"
 
 LEAN: dict[str, Any] = {
     "dataset": "digits",
@@ -45,7 +58,7 @@ def test_ba_run_exits_non_zero_when_no_round_aggregates_for_max_idle_rounds(
     }
     completed = subprocess.run(
         [
-            str(Path(sys.executable).parent / "ba-run"),
+            str(BA_RUN),
             "--runtime",
             "inprocess",
             "-c",
@@ -129,3 +142,150 @@ def test_replies_missing_at_the_round_timeout_are_counted_as_dropped(
         assert entry["replies-dropped"] == 1
         assert entry["replies-valid"] == 2
         assert entry["aggregated"] == 1
+
+
+# --------------------------------------------------------------------------- a run going wrong
+CHANCE = 0.1
+
+
+@pytest.mark.parametrize(
+    ("history", "accuracy", "loss", "expected"),
+    [
+        # learned (best 0.6 >= chance + 0.2), back within 0.05 of chance: collapsed
+        ([(0.08, 2.3), (0.6, 1.0)], 0.12, 1.5, {"accuracy-at-chance"}),
+        ([(0.08, 2.3), (0.6, 1.0)], 0.01, 1.5, {"accuracy-at-chance"}),  # below chance too
+        # never learned (best 0.25 < 0.3): a slow start is not a collapse
+        ([(0.08, 2.3), (0.25, 2.0)], 0.1, 2.1, set()),
+        # dropped, but not to chance (0.16 > 0.15)
+        ([(0.08, 2.3), (0.9, 0.3)], 0.16, 2.0, set()),
+        # loss > 2 x untrained (4.6) and > 10 x lowest (3.0): exploded
+        ([(0.08, 2.3), (0.9, 0.3)], 0.5, 4.7, {"loss-exploded"}),
+        # above 2 x untrained but within 10 x the lowest (best 0.5): not exploded
+        ([(0.08, 2.3), (0.3, 0.5)], 0.3, 4.7, set()),
+        ([(0.08, 2.3)], 0.3, float("nan"), {"loss-exploded"}),
+        ([(0.08, 2.3)], 0.3, float("inf"), {"loss-exploded"}),
+        ([], 0.08, 2.3, set()),  # round 0 has nothing to compare with
+    ],
+)
+def test_round_alarms_name_a_collapse_to_chance_and_an_exploded_loss(
+    history: list[tuple[float, float]], accuracy: float, loss: float, expected: set[str]
+) -> None:
+    assert set(round_alarms(history, accuracy, loss, CHANCE)) == expected
+
+
+def test_chance_is_the_share_of_the_most_frequent_test_label() -> None:
+    assert chance_accuracy(np.array([0, 1, 1, 2, 1])) == 0.6
+
+
+def test_a_collapsing_run_logs_its_alarm_every_round_and_marks_the_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The server's evaluation of rounds 0..5, scripted: it learns, then collapses to chance and
+    # its loss explodes from round 3 on (what one sign-flipping attacker did to every rule).
+    script = iter([(2.30, 0.08), (1.0, 0.55), (0.5, 0.85), (2.5, 0.09), (40.0, 0.10), (9e9, 0.1)])
+    monkeypatch.setattr(
+        "beyond_averaging.server.app.evaluate", lambda *args, **kwargs: next(script)
+    )
+    settings = {**LEAN, "num-server-rounds": 5, "run-name": "sick", "output-dir": str(tmp_path)}
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        run_inprocess(REPO, settings)
+    rounds = read_metrics(tmp_path / "sick")
+    at_chance = [r["round"] for r in rounds if r.get("alarm-accuracy-at-chance")]
+    exploded = [r["round"] for r in rounds if r.get("alarm-loss-exploded")]
+    assert at_chance == [3, 4, 5]
+    assert exploded == [4, 5]  # round 3's 2.5 is under 2 x the untrained 2.30
+    warned = [m for m in caplog.messages if "ALARM accuracy-at-chance" in m]
+    assert len(warned) == 3  # one warning per alarmed round, not once
+    summary = json.loads((tmp_path / "sick" / "summary.json").read_text(encoding="utf-8"))
+    assert summary["status"] == "completed"
+    assert summary["alarms"]["accuracy-at-chance"]["rounds"] == 3
+    assert summary["alarms"]["accuracy-at-chance"]["first-round"] == 3
+    assert summary["alarms"]["accuracy-at-chance"]["last-round-alarmed"] is True
+    assert summary["alarms"]["loss-exploded"]["first-round"] == 4
+    assert "after 0.8500 in round 2" in summary["alarms"]["accuracy-at-chance"]["message"]
+
+
+# ------------------------------------------------------------------ a dead run is never running
+def test_a_second_writer_of_a_live_run_folder_is_refused(tmp_path: Path) -> None:
+    first = RunRecorder(tmp_path, "run", {"seed": 0})
+    with pytest.raises(RunInUseError, match=f"pid {os.getpid()}"):
+        RunRecorder(tmp_path, "run", {"seed": 0}, resume_round=0)
+    assert run_status(tmp_path / "run").status == "running"
+    first.write_summary("failed", error="boom")  # a final status gives the folder up
+    RunRecorder(tmp_path, "run", {"seed": 0}, resume_round=0).close()
+
+
+def test_a_serverapp_stopped_from_outside_ends_interrupted_with_how_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What Flower does to a ServerApp on SIGTERM, on `flwr stop`, and when a restarted SuperLink
+    # no longer knows its run: SystemExit(0) in the middle of a round (it used to end "failed"
+    # with the error "SystemExit: 0").
+    calls = iter(range(100))
+
+    def stopped(self: InProcessGrid, messages: Any, **kwargs: Any) -> Any:
+        if next(calls) == 1:  # round 2's train instructions
+            raise SystemExit(0)
+        return InProcessGrid.pull_messages(self, list(self.push_messages(messages)))
+
+    monkeypatch.setattr(InProcessGrid, "send_and_receive", stopped)
+    settings = {**LEAN, "num-server-rounds": 3, "run-name": "stop", "output-dir": str(tmp_path)}
+    with pytest.raises(SystemExit):
+        run_inprocess(REPO, settings)
+    summary = json.loads((tmp_path / "stop" / "summary.json").read_text(encoding="utf-8"))
+    assert summary["status"] == "interrupted"
+    assert "stopped after round 1 by SystemExit 0" in summary["error"]
+    assert f'resume-from = "{tmp_path / "stop"}"' in summary["error"]
+
+
+def _ba_run(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BA_RUN), *arguments], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_run_killed_with_sigkill_is_reported_and_marked_interrupted(tmp_path: Path) -> None:
+    settings = {
+        **LEAN,
+        "num-server-rounds": 500,  # far more than the test lets it run
+        "run-name": "victim",
+        "output-dir": str(tmp_path),
+    }
+    run_dir = tmp_path / "victim"
+    victim = subprocess.Popen(
+        [str(BA_RUN), "--runtime", "inprocess", "-c", run_config_argument(settings)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while len(read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []) < 2:
+            assert victim.poll() is None, "the run ended early"
+            assert time.monotonic() < deadline, "the run did not reach round 1"
+            time.sleep(0.1)
+        alive = _ba_run("--status", str(run_dir))
+        assert alive.returncode == 3, alive.stdout + alive.stderr
+        assert ": running," in alive.stdout
+        refused = _ba_run("--resume", str(run_dir))
+        assert refused.returncode == 1
+        assert "the run is still running" in refused.stderr
+    finally:
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=60)
+    # kill -9 leaves "running" in the file; the owner check sees that its writer is gone.
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
+    dead = _ba_run("--status", str(run_dir))
+    assert dead.returncode == 1, dead.stdout + dead.stderr
+    assert ": interrupted," in dead.stdout
+    assert f"pid {victim.pid}" in dead.stdout
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["status"] == "interrupted"
+    assert "ended without a final status" in summary["error"]
+    # and it continues (here: cut to its first 3 rounds).
+    resumed = _ba_run(
+        "--runtime", "inprocess", "--resume", str(run_dir), "-c", "num-server-rounds=3"
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert run_status(run_dir).status == "completed"
