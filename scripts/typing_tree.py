@@ -4,11 +4,13 @@ mypy finds modules by folder and does not run ``beyond_averaging/__init__.py``, 
 top-level folders on the package's search path at import time. This tree gives mypy the wheel's
 layout (``beyond_averaging/strategies/...``) with links back to the sources, so that it checks the
 files in place; ``[tool.mypy] mypy_path`` points at it. scripts/setup.sh runs it; it is idempotent
-and the tree is git-ignored (``build/``).
+and the tree is git-ignored (``build/``). Where links cannot be made (Windows without developer
+mode) only this tree, and so mypy, fails; the package itself needs no link.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -21,11 +23,30 @@ TREE = REPO / "build" / "typing" / "beyond_averaging"
 
 
 def main() -> None:
-    shutil.rmtree(TREE, ignore_errors=True)
-    TREE.mkdir(parents=True)
-    for name in ("__init__.py", *SUBPACKAGES):
-        source = REPO / "beyond_averaging" / name if name.endswith(".py") else REPO / name
-        (TREE / name).symlink_to(source, target_is_directory=source.is_dir())
+    # Links are made or replaced one by one, never by removing the tree: a mypy run of another shell
+    # may be reading it. They are relative, so the tree survives a move of the checkout.
+    TREE.mkdir(parents=True, exist_ok=True)
+    sources = {
+        name: REPO / "beyond_averaging" / name if name.endswith(".py") else REPO / name
+        for name in ("__init__.py", *SUBPACKAGES)
+    }
+    for entry in TREE.iterdir():
+        if entry.name not in sources:
+            _remove(entry)
+    for name, source in sources.items():
+        link = TREE / name
+        target = Path(os.path.relpath(source, TREE))
+        if link.is_symlink() and link.readlink() == target:
+            continue
+        _remove(link)
+        link.symlink_to(target, target_is_directory=source.is_dir())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
