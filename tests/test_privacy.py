@@ -31,7 +31,9 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
     DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideAdaptiveClipping,
     DifferentialPrivacyServerSideFixedClipping,
     Strategy,
 )
@@ -238,6 +240,21 @@ def test_rule_needing_an_extra_record_stops_before_round_1_naming_why_and_the_fi
     assert fix in message
     assert ("refuses a reply with more than one ArrayRecord" in message) == (side == "client-side")
     assert calls == []  # no client trained
+
+
+@pytest.mark.parametrize(
+    "wrapper",
+    [DifferentialPrivacyServerSideAdaptiveClipping, DifferentialPrivacyClientSideAdaptiveClipping],
+)
+def test_adaptive_clipping_wrappers_stop_the_same_rules(wrapper: type[Any]) -> None:
+    # They clip every ArrayRecord on the server, or need adaptiveclipping_mod (one ArrayRecord).
+    for rule in ("ElasticAggregation", "FedGMA"):
+        strategy, config, arrays = build_rule(rule)
+        wrapped = wrapper(strategy, 0.0, NUM_CLIENTS)
+        grid = InProcessGrid(client_app(False), NUM_CLIENTS, {})
+        task = ConfigRecord(client_task(config).to_config())
+        with pytest.raises(PrivacyCompositionError, match=wrapper.__name__):
+            wrapped.start(grid=grid, initial_arrays=arrays, num_rounds=1, train_config=task)
 
 
 def test_same_rules_outside_a_wrapper_are_not_stopped() -> None:
