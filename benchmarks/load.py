@@ -39,18 +39,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import tempfile
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import MIB, PeakSampler, available_bytes, hardware, status_bytes
 from beyond_averaging.server.app import client_task
-from beyond_averaging.server.config import RunConfig
+from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.launch import LaunchError
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
@@ -64,27 +63,6 @@ from tests.deploy_helpers import (
 
 RESULTS = REPO / "benchmarks" / "results" / "load"
 PUBLISHED = REPO / "docs" / "results" / "load.md"
-MIB = 2**20
-
-
-def rss_bytes(pid: int) -> int:
-    """Current resident memory of a process (``VmRSS``), 0 once it ended."""
-    try:
-        status = (Path("/proc") / str(pid) / "status").read_text(encoding="utf-8")
-    except OSError:
-        return 0
-    for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def available_bytes() -> int:
-    """``MemAvailable`` of this machine."""
-    for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def process_table() -> tuple[dict[int, list[int]], dict[int, int], dict[int, str]]:
@@ -118,46 +96,21 @@ def descendants(pid: int, children: dict[int, list[int]]) -> list[int]:
 NODE_PARTS = ("supernode", "clientapp", "superexec")
 
 
-class NodeMemory:
-    """Peaks over time of the summed RSS of every node's processes, by part and in all.
-
-    Also samples the 1-minute load average, since the CPU cores are shared with other jobs.
-    """
-
-    def __init__(self, deployment: LocalDeployment, interval: float = 1.0) -> None:
-        self.deployment, self.interval = deployment, interval
-        self.peak_total = 0
-        self.peak_part = dict.fromkeys(NODE_PARTS, 0)
-        self.peak_clientapps = 0
-        self.load: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            children, rss, commands = process_table()
-            part = dict.fromkeys(NODE_PARTS, 0)
-            clientapps = 0
-            for node in self.deployment.supernodes:
-                part["supernode"] += rss.get(node.process.pid, 0)
-                for pid in descendants(node.process.pid, children):
-                    command = commands.get(pid, "")
-                    is_clientapp = "flwr-clientapp" in command
-                    clientapps += is_clientapp and "<defunct>" not in command  # not yet reaped
-                    part["clientapp" if is_clientapp else "superexec"] += rss.get(pid, 0)
-            self.peak_total = max(self.peak_total, sum(part.values()))
-            self.peak_part = {name: max(self.peak_part[name], part[name]) for name in NODE_PARTS}
-            self.peak_clientapps = max(self.peak_clientapps, clientapps)
-            self.load.append(os.getloadavg()[0])
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> NodeMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
+def node_memory(deployment: LocalDeployment, load: list[float]) -> dict[str, float]:
+    """The summed RSS of every node's processes, by part and in all, and the ClientApp processes
+    running; appends the 1-minute load average to ``load`` (the cores are shared with others)."""
+    children, rss, commands = process_table()
+    part = dict.fromkeys(NODE_PARTS, 0.0)
+    clientapps = 0
+    for node in deployment.supernodes:
+        part["supernode"] += rss.get(node.process.pid, 0)
+        for pid in descendants(node.process.pid, children):
+            command = commands.get(pid, "")
+            is_clientapp = "flwr-clientapp" in command
+            clientapps += is_clientapp and "<defunct>" not in command  # not yet reaped
+            part["clientapp" if is_clientapp else "superexec"] += rss.get(pid, 0)
+    load.append(os.getloadavg()[0])
+    return {**part, "total": sum(part.values()), "clientapps": clientapps}
 
 
 def warm_partition_cache(size: int) -> None:
@@ -167,7 +120,7 @@ def warm_partition_cache(size: int) -> None:
     (importing Hugging Face ``datasets``, pandas and pyarrow: ~180 MB more in that process);
     later processes read the cache. A warm cache measures the steady state of a deployment.
     """
-    task = client_task(RunConfig())
+    task = client_task(parse_run_config({}))
     load_client_partition(DataSpec.from_task(task, size), 0)
 
 
@@ -191,7 +144,8 @@ def measure(
         deployment.wait_for_nodes(size, timeout=max(120.0, 5.0 * size))
         row["seconds-to-online"] = round(time.monotonic() - started, 1)
         row["supernode-idle-rss-mb"] = round(
-            sum(rss_bytes(n.process.pid) for n in deployment.supernodes) / size / MIB, 1
+            sum(status_bytes("VmRSS", n.process.pid) for n in deployment.supernodes) / size / MIB,
+            1,
         )
         settings = {
             "num-clients": size,
@@ -201,7 +155,9 @@ def measure(
             "output-dir": str(deployment.workdir / "runs"),
         }
         assert deployment.superlink is not None
-        with NodeMemory(deployment) as nodes, PeakMemory(deployment.serverapp_pids) as server:
+        load: list[float] = []
+        sampler = PeakSampler(lambda: node_memory(deployment, load), interval=1.0)
+        with sampler as nodes, PeakMemory(deployment.serverapp_pids) as server:
             run_started = time.monotonic()
             try:
                 run_dir = deployment.run(settings, timeout=timeout)
@@ -215,15 +171,11 @@ def measure(
         row["replies-valid"] = [m.get("replies-valid") for m in metrics[1:]]
         row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
         row["serverapp-peak-rss-mb"] = round(server.peak / MIB, 1)
-        row["node-peak-rss-mb-per-node"] = round(nodes.peak_total / size / MIB, 1)
+        row["node-peak-rss-mb-per-node"] = round(nodes.peaks["total"] / size / MIB, 1)
         for part in NODE_PARTS:
-            row[f"{part}-peak-rss-mb-per-node"] = round(nodes.peak_part[part] / size / MIB, 1)
-        row["clientapp-processes-at-once"] = nodes.peak_clientapps
-        row["load-average"] = [
-            round(min(nodes.load), 1),
-            round(sum(nodes.load) / len(nodes.load), 1),
-            round(max(nodes.load), 1),
-        ]
+            row[f"{part}-peak-rss-mb-per-node"] = round(nodes.peaks[part] / size / MIB, 1)
+        row["clientapp-processes-at-once"] = int(nodes.peaks["clientapps"])
+        row["load-average"] = [round(v, 1) for v in (min(load), sum(load) / len(load), max(load))]
         row["status"] = "completed"
     except (LaunchError, OSError, AssertionError) as error:
         row["status"] = "failed"
@@ -413,7 +365,7 @@ def main() -> None:
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": f"nice -n 10 .venv/bin/python -m benchmarks.load {options}",
-        "machine": platform.platform(),
+        "machine": hardware(),
         "cpus": os.cpu_count(),
         "memory-gib": round(int(Path("/proc/meminfo").read_text().split()[1]) * 1024 / 2**30, 1),
         "superlink-state": "an SQLite file" if args.state == "file" else "memory",

@@ -1,6 +1,6 @@
-"""Plots of runs: accuracy per round with a band over seeds, and the client diagnostics.
+"""Client-diagnostics figures of runs (the accuracy plots are the reporter's, benchmarks/report.py).
 
-Diagnostics figures read a run's ``metrics.jsonl`` (written with ``diagnostics = true``):
+They read a run's ``metrics.jsonl`` (written with ``diagnostics = true``):
 
 - coherence: FedLAW's cohort coherence per round (``diag-coherence``, top) and the mean pairwise
   cosine (``diag-cosine-mean``, bottom), with the *critical point* marked: the first round whose
@@ -9,7 +9,9 @@ Diagnostics figures read a run's ``metrics.jsonl`` (written with ``diagnostics =
   (one panel each: their scales differ by orders of magnitude);
 - mutual information: mean pairwise Gaussian MI of the client parameters and of their updates.
 
-Usage (several runs overlay in each figure, labelled by their folder names)::
+A spec draws them beside its report with ``[plot] diagnostics = true``
+(``benchmarks/specs/diagnostics-digits.toml``); for any runs (several overlay in each figure,
+labelled by their folder names)::
 
     .venv/bin/python -m benchmarks.plots runs/<run-a> runs/<run-b> --output-dir docs/results
 """
@@ -28,10 +30,6 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on servers and in tests
 
 import matplotlib.pyplot as plt
-import numpy as np
-import numpy.typing as npt
-
-from benchmarks.seed_stats import band
 
 Metrics = list[dict[str, Any]]
 
@@ -46,7 +44,6 @@ INFORMATION_KEYS = {"parameters": "diag-mi-mean", "updates": "diag-update-mi-mea
 #: Shared figure look: one size and resolution for every PNG of the project's reports.
 FIGURE_SIZE = (7.0, 4.2)
 DPI = 120
-BAND_ALPHA = 0.2
 
 
 def read_run_metrics(run_dir: Path) -> Metrics:
@@ -170,45 +167,6 @@ def plot_diagnostics(runs: Mapping[str, Metrics], output_dir: Path, stem: str) -
         plot_distances(runs, output_dir / f"{stem}-distances.png"),
         plot_mutual_information(runs, output_dir / f"{stem}-mi.png"),
     ]
-
-
-def plot_accuracy_bands(
-    curves: Mapping[str, tuple[Sequence[int], npt.NDArray[np.float64]]],
-    path: Path,
-    *,
-    title: str,
-    target: float | None = None,
-) -> Path:
-    """Test accuracy per round: one line per strategy (mean over seeds), a band of +- 1 std.
-
-    Parameters
-    ----------
-    curves : Mapping[str, (rounds, accuracies)]
-        Per strategy label, the rounds and a (seeds, rounds) array of accuracies in [0, 1].
-    path : Path
-        The PNG to write.
-    title : str
-        Figure title.
-    target : float, optional
-        A target accuracy, drawn as a dashed horizontal line.
-    """
-    figure, axes = plt.subplots(figsize=FIGURE_SIZE)
-    for label, (rounds, accuracies) in curves.items():
-        values = np.atleast_2d(np.asarray(accuracies, dtype=np.float64)) * 100.0
-        mean, spread = band(values)
-        seeds = values.shape[0]
-        (line,) = axes.plot(rounds, mean, label=f"{label} ({seeds} seed{'s' * (seeds > 1)})")
-        if seeds > 1:
-            axes.fill_between(
-                rounds, mean - spread, mean + spread, color=line.get_color(), alpha=BAND_ALPHA
-            )
-    if target is not None:
-        axes.axhline(target * 100.0, color="grey", linestyle="--", linewidth=0.8, label="target")
-    axes.set_xlabel("round")
-    axes.set_ylabel("test accuracy (%)")
-    axes.set_title(title)
-    axes.legend(fontsize="small")
-    return _save(figure, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """How far honest clients' replies spread: the default of ``update-norm-factor`` rests on this.
 
-For every round of an in-process federation (the real ClientApp's ``train`` on each sampled node,
-the real strategy's ``configure_train`` / ``aggregate_train``, no transport; as in
-``benchmarks/elastic_evidence.py``), the honest replies are read before aggregation and, per
+For every round of an in-process federation (``benchmarks.harness.federation``: the real
+ClientApp's ``train`` on each sampled node, the real strategy's ``configure_train`` /
+``aggregate_train``, no transport), the honest replies are read before aggregation and, per
 round, these ratios are taken over the cohort:
 
 - ``update``: max_k ||theta_k - w|| / median_k ||theta_k - w|| (floating tensors of ``arrays``);
@@ -19,35 +19,21 @@ and local training, Dirichlet(0.1) and Dirichlet(0.5) label skew.
 
 Usage (from the repository root; about a minute per run on one core)::
 
-    nice -n 10 .venv/bin/python benchmarks/reply_norms.py --seeds 0 1 2 --rounds 15
+    nice -n 10 .venv/bin/python -m benchmarks.reply_norms --seeds 0 1 2 --rounds 15
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flwr.app import Message
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script from anywhere
-
-import torch  # noqa: E402
-from flwr.app import ArrayRecord, ConfigRecord, Message  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
-
-from beyond_averaging.client.app import app as client_app  # noqa: E402
-from beyond_averaging.server.app import client_task, data_spec  # noqa: E402
-from beyond_averaging.server.config import RunConfig, parse_run_config  # noqa: E402
-from beyond_averaging.server.inprocess import InProcessGrid  # noqa: E402
-from beyond_averaging.server.strategy_factory import ServerResources, build_strategy  # noqa: E402
-from beyond_averaging.strategies.validation import max_over_median  # noqa: E402
-from beyond_averaging.tasks.federation import load_server_splits  # noqa: E402
-from beyond_averaging.tasks.models import build_model  # noqa: E402
+from benchmarks.harness import federation
+from beyond_averaging.strategies.validation import max_over_median
 
 #: The strategies whose replies are measured, as run-config overrides.
 STRATEGIES: dict[str, dict[str, Any]] = {
@@ -94,29 +80,12 @@ def round_figures(
 
 
 def measure(settings: dict[str, Any]) -> list[dict[str, float]]:
-    """Run the federation in this process; one dict of ratios per round."""
-    if "update-norm-factor" in RunConfig.model_fields or "update_norm_factor" in (
-        RunConfig.model_fields
-    ):
-        settings = {**settings, "update-norm-factor": 0.0}
-    config = parse_run_config(settings)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
-    torch.manual_seed(config.seed)
-    test_set, proxy_set = load_server_splits(data_spec(config))
-    model = build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
-    strategy = build_strategy(config, ServerResources(model, proxy_set, torch.device("cpu")))
-    grid = InProcessGrid(client_app, config.num_clients, config.to_run_config())
-    arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    """Run the federation in this process, the norm filter off; one dict of ratios per round."""
+    fed = federation({**settings, "update-norm-factor": 0.0})
     per_round = []
-    for server_round in range(1, config.num_server_rounds + 1):
-        task_config = ConfigRecord(client_task(config).to_config())
-        messages = strategy.configure_train(server_round, arrays, task_config, grid)
-        replies = list(grid.send_and_receive(messages))
-        global_np = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
-        per_round.append(round_figures(global_np, replies))
-        new_arrays, _ = strategy.aggregate_train(server_round, replies)
-        if new_arrays is not None:
-            arrays = new_arrays
+    for server_round in range(1, fed.config.num_server_rounds + 1):
+        sent = {k: a.numpy().astype(np.float64) for k, a in fed.arrays.items()}
+        per_round.append(round_figures(sent, fed.round(server_round)))
     return per_round
 
 

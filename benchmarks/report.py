@@ -181,11 +181,8 @@ def cell(spec: Spec, row: Row, rows: Sequence[Row], column: Column) -> str:
             if numbers
             else "-"
         )
-    counted = (
-        f" ({len(numbers)}/{len(values)})"
-        if column.metric == "reach" or len(numbers) < len(values)
-        else ""
-    )
+    some = column.metric == "reach" or 0 < len(numbers) < len(values)
+    counted = f" ({len(numbers)}/{len(values)})" if some else ""
     return f"{mean_sd(numbers, column.digits) if numbers else '-'}{counted}"
 
 

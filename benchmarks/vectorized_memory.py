@@ -4,12 +4,15 @@ Target (issue 11): a round of the Table 3 setting (Fashion-MNIST, the 784-200-20
 clients, E = 3, batch 128, momentum 0.9) holds at most 2 copies of the cohort's parameters beyond
 the data.
 
-Two measures, each of one round after a first round (so the cohort's data, concatenated on the
-device and kept across rounds, and torch's one-off allocations are in the baseline):
+Each round is the strategy's real instructions to the in-process Grid with the cohort backend
+(``benchmarks.harness.federation``, ``client-backend = "vectorized"``). Two measures, each of one
+round after a first round (so the cohort's data, concatenated on the device and kept across
+rounds, and torch's one-off allocations are in the baseline):
 
-- **resident size** (round 2): ``/proc/self/statm`` sampled every millisecond by a thread while
-  :func:`client.vectorized.train_cohort` runs. The process runs with ``MALLOC_MMAP_THRESHOLD_``
-  set so that every large block is its own mapping, returned to the system when freed, and
+- **resident size** (round 2): ``VmRSS`` sampled every millisecond by a thread
+  (``benchmarks.harness.PeakSampler``) while :func:`client.vectorized.train_cohort` runs. The
+  process runs with ``MALLOC_MMAP_THRESHOLD_`` set so that every large block is its own mapping,
+  returned to the system when freed, and
   ``malloc_trim`` is called before the baseline is read: the resident size then follows the live
   blocks. It sees everything the round allocates, torch's tensors and the replies' NumPy bytes.
   Also by phase: before each pass's local training (received models stacked, step plans,
@@ -42,8 +45,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,62 +52,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
+from flwr.app import Message
 
-from benchmarks.fedlaw_table3 import TABLE3_SETTING
+from benchmarks.harness import MIB, PeakSampler, Stopwatch, federation, status_bytes
+from benchmarks.spec import REPO, load_spec
 from beyond_averaging.client import vectorized
-from beyond_averaging.client.vectorized import train_cohort
-from beyond_averaging.server.app import client_task
-from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.tasks.models import build_model
 
-SETTING: dict[str, Any] = {**TABLE3_SETTING, "dirichlet-alpha": 0.1, "seed": 8, "device": "cpu"}
-#: Extra records each strategy asks the clients for.
-REQUESTS = {"fedavg": "", "elastic": "sensitivity", "fedgma": "gradient"}
+#: FedLAW's Table 3 setting (its spec), one round at a time, trained by the cohort backend.
+SETTING: dict[str, Any] = load_spec(REPO / "benchmarks" / "specs" / "fedlaw-table3.toml").settings
+SETTING |= {"dirichlet-alpha": 0.1, "seed": 8, "device": "cpu", "client-backend": "vectorized"}
+STRATEGIES = ("fedavg", "elastic", "fedgma")  # no extra record, a sensitivity, a gradient
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 _Result = TypeVar("_Result")
-
-
-def resident_bytes() -> int:
-    """This process's resident set size."""
-    with open("/proc/self/statm", encoding="ascii") as statm:
-        return int(statm.read().split()[1]) * _PAGE
-
-
-class PeakSampler(threading.Thread):
-    """Samples the resident size every millisecond until stopped; keeps the largest.
-
-    ``peak`` is the largest over the whole run; :meth:`mark` closes a phase and returns the
-    largest since the previous mark.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak = self._phase_peak = resident_bytes()
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        while not self._done.is_set():
-            self._sample()
-            time.sleep(0.001)
-
-    def _sample(self) -> int:
-        now = resident_bytes()
-        self.peak, self._phase_peak = max(self.peak, now), max(self._phase_peak, now)
-        return now
-
-    def mark(self) -> int:
-        """The largest resident size since the previous mark (or the start); starts a phase."""
-        now = self._sample()
-        phase_peak, self._phase_peak = self._phase_peak, now
-        return phase_peak
-
-    def stop(self) -> int:
-        self._done.set()
-        self.join()
-        self._sample()
-        return self.peak
 
 
 @dataclass(frozen=True)
@@ -202,51 +159,10 @@ def alive_at_peak(allocations: Sequence[Allocation]) -> Counter[str]:
     return by_operator
 
 
-def instructions(
-    server_round: int, requests: str, clients_per_pass: int = 0
-) -> tuple[list[Message], list[Context], int]:
-    """The round's train messages and node contexts; and the model's parameter count."""
-    config = parse_run_config(SETTING)
-    model = build_model(config.model, (1, 28, 28), 10, seed=config.seed)
-    arrays = ArrayRecord({k: v.detach() for k, v in model.state_dict().items()})
-    task = ConfigRecord(
-        {
-            **client_task(config).to_config(),
-            "server-round": server_round,
-            "request-records": requests,
-        }
-    )
-    messages, contexts = [], []
-    for node in range(1, config.num_clients + 1):
-        metadata = Metadata(
-            run_id=1,
-            message_id=f"{server_round}-{node}",
-            src_node_id=0,
-            dst_node_id=node,
-            reply_to_message_id="",
-            group_id=str(server_round),
-            created_at=time.time(),
-            ttl=3600.0,
-            message_type="train",
-        )
-        content = RecordDict({"arrays": arrays, "config": task})
-        messages.append(Message(metadata=metadata, content=content))  # type: ignore[call-overload]
-        contexts.append(
-            Context(
-                run_id=1,
-                node_id=node,
-                node_config={"partition-id": node - 1, "num-partitions": config.num_clients},
-                state=RecordDict(),
-                run_config={"vectorized-clients-per-pass": clients_per_pass},
-            )
-        )
-    return messages, contexts, sum(p.numel() for p in model.parameters())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure and print the peak of round 2 in cohort-parameter copies."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategy", choices=list(REQUESTS), default="fedavg")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="fedavg")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
         "--clients-per-pass", type=int, default=0, help="run option vectorized-clients-per-pass"
@@ -258,59 +174,58 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.executable, [sys.executable, "-m", "benchmarks.vectorized_memory", *sys.argv[1:]]
         )
     torch.set_num_threads(args.threads)
-    messages, contexts, parameters = instructions(1, REQUESTS[args.strategy], args.clients_per_pass)
+    fed = federation(
+        {**SETTING, "strategy": args.strategy, "vectorized-clients-per-pass": args.clients_per_pass}
+    )
+    parameters = sum(p.numel() for p in fed.model.parameters())
 
-    def train_round(messages: list[Message]) -> list[Message]:
-        return train_cohort(messages, contexts)
+    def instructions(server_round: int) -> list[Message]:
+        # In node order: the strategy samples the cohort in a new order every round, and the
+        # backend's cohort-data cache is keyed on that order (so a real round re-concatenates the
+        # data, 12 cohort copies here); the target is the training state beyond the data.
+        return sorted(fed.instructions(server_round), key=lambda m: m.metadata.dst_node_id)
 
-    train_round(messages)  # round 1: data, caches, torch's one-off allocations
-    messages, _, _ = instructions(2, REQUESTS[args.strategy])
+    fed.grid.send_and_receive(instructions(1))  # data, caches, torch's one-off allocations
+    messages = instructions(2)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    baseline = resident_bytes()
-    sampler = PeakSampler()
-    phases: dict[str, int] = {}
+    baseline = status_bytes("VmRSS")
+    phases: dict[str, float] = {}
     train_stacked = vectorized.train_stacked
+    with PeakSampler(lambda: {"rss": status_bytes("VmRSS")}, 0.001) as sampler:
 
-    def timed_train_stacked(*args: Any, **kwargs: Any) -> Any:
-        number = sum(phase.startswith("local training") for phase in phases) + 1
-        phases[f"before local training (pass {number})"] = sampler.mark()
-        result = train_stacked(*args, **kwargs)
-        phases[f"local training (pass {number})"] = sampler.mark()
-        return result
+        def marked_train_stacked(*args: Any, **kwargs: Any) -> Any:
+            number = sum(phase.startswith("local training") for phase in phases) + 1
+            phases[f"before local training (pass {number})"] = sampler.mark()["rss"]
+            result = train_stacked(*args, **kwargs)
+            phases[f"local training (pass {number})"] = sampler.mark()["rss"]
+            return result
 
-    vectorized.train_stacked = timed_train_stacked
-    sampler.start()
-    wall, cpu = time.perf_counter(), time.process_time()
-    replies = train_round(messages)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    phases["after the last local training (replies built and held)"] = sampler.mark()
-    round_peak = sampler.stop()
+        vectorized.train_stacked = marked_train_stacked
+        with Stopwatch() as clock:
+            replies = list(fed.grid.send_and_receive(messages))
+        phases["after the last local training (replies built and held)"] = sampler.mark()["rss"]
+    vectorized.train_stacked = train_stacked
     cohort_bytes = len(messages) * parameters * 4
     print(
         f"strategy {args.strategy}: {len(messages)} clients x {parameters} parameters = "
-        f"{cohort_bytes / 2**20:.1f} MiB per cohort copy (float32); replies held: {len(replies)}"
-    )
-    width = args.clients_per_pass or len(messages)
-    print(
-        f"passes of {width} clients; round 2 took {wall:.1f} s wall, {cpu:.1f} s process CPU "
-        f"({args.threads} torch thread(s))"
+        f"{cohort_bytes / MIB:.1f} MiB per cohort copy (float32); replies held: {len(replies)}"
     )
     print(
-        f"resident size, round 2: peak {(round_peak - baseline) / 2**20:.1f} MiB above the "
-        f"baseline = {(round_peak - baseline) / cohort_bytes:.2f} copies; by phase:"
+        f"passes of {args.clients_per_pass or len(messages)} clients; round 2 took "
+        f"{clock.wall:.1f} s wall, {clock.cpu:.1f} s process CPU ({args.threads} torch thread(s))"
     )
-    for phase, peak in phases.items():
+    for phase, peak in {"round 2": sampler.peaks["rss"], **phases}.items():
+        above = peak - baseline
         print(
-            f"  {phase}: {(peak - baseline) / 2**20:.1f} MiB above the "
-            f"baseline = {(peak - baseline) / cohort_bytes:.2f} copies"
+            f"  {phase}: peak {above / MIB:.1f} MiB above the baseline = "
+            f"{above / cohort_bytes:.2f} copies"
         )
-    vectorized.train_stacked = train_stacked
     del replies
-    messages, _, _ = instructions(3, REQUESTS[args.strategy])
-    _, allocations = torch_allocations(lambda: train_round(messages))
+    messages = instructions(3)
+    _, allocations = torch_allocations(lambda: fed.grid.send_and_receive(messages))
     peak = peak_above_start(allocations)
     print(
-        f"torch's allocator, round 3: peak {peak / 2**20:.1f} MiB above the start = "
+        f"torch's allocator, round 3: peak {peak / MIB:.1f} MiB above the start = "
         f"{peak / cohort_bytes:.2f} copies; alive at the peak, by allocating operator:"
     )
     for operator, size in alive_at_peak(allocations).most_common():

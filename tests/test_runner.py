@@ -426,3 +426,27 @@ scale = [0.1, 0.2]
         "| 0.2 | 1 | 3 | 0.60 |",
     ]
     assert all(state(run) == "finished" for run in spec.runs())
+
+
+def test_a_spec_with_diagnostics_draws_their_figures_beside_its_table(
+    tmp_path: Path, flower_env: None
+) -> None:
+    text = f"""
+extends = "{REPO / "benchmarks" / "specs" / "diagnostics-digits.toml"}"
+runtime = "inprocess"
+[settings]
+num-server-rounds = 2
+num-clients = 3
+"""
+    spec = load_spec(write_spec(tmp_path, text), runs_dir=tmp_path / "runs")
+    run_spec(spec)
+    data = [d for d in (read_run(run) for run in spec.runs()) if d is not None]
+    assert [d.rounds[-1]["diag-clients"] for d in data] == [3, 3]
+    written = runner.report(spec, tmp_path / "page.md", "command")
+    assert [p.name for p in written] == [
+        "page.md",
+        "page.png",
+        "page-coherence.png",
+        "page-distances.png",
+        "page-mi.png",
+    ]
