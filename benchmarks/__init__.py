@@ -1,1 +1,1 @@
-"""Benchmarks: the strategy grid (``python -m benchmarks.grid``), systems figures and plots."""
+"""Benchmarks: the experiment runner (``python -m benchmarks.runner SPEC``), systems benchmarks."""

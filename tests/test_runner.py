@@ -450,3 +450,9 @@ num-clients = 3
         "page-distances.png",
         "page-mi.png",
     ]
+
+
+def test_the_spec_docs_benchmarks_shows_is_the_committed_file() -> None:
+    page = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    shown = page.split("```toml\n", 1)[1].split("```", 1)[0]
+    assert shown == (REPO / "benchmarks" / "specs" / "elastic-vs-fedavg.toml").read_text("utf-8")
