@@ -8,7 +8,10 @@
 #                         ServerApps started as subprocesses (isolation "subprocess")
 #   supernode             flower-supernode for partition BA_PARTITION_ID of BA_NUM_PARTITIONS,
 #                         connecting to BA_SUPERLINK (default superlink:9092); ClientApps run as
-#                         subprocesses
+#                         subprocesses. It runs under ba-supernode (server/supervise.py), which
+#                         starts it again when the SuperLink forgot it: Flower's SuperNode then
+#                         exits, which the restart policy covers, or hangs retrying, which it
+#                         does not (docs/deployment.md, "When a process dies")
 #   register-supernodes   registers the public keys /app/keys-root/supernode-public-keys/
 #                         supernode-<i>.pub (i < BA_NUM_PARTITIONS) with the SuperLink at
 #                         BA_CONTROL (default superlink:9093), waiting for it first; for
@@ -64,7 +67,7 @@ case "$role" in
     auth=""
     [ -f /app/keys/supernode.key ] && auth="--auth-supernode-private-key /app/keys/supernode.key"
     # shellcheck disable=SC2086
-    exec flower-supernode $security $auth \
+    exec ba-supernode $security $auth \
       --superlink "${BA_SUPERLINK:-superlink:9092}" \
       --isolation subprocess \
       --node-config "partition-id=${BA_PARTITION_ID} num-partitions=${BA_NUM_PARTITIONS}" \

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from datetime import UTC, datetime
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
@@ -270,7 +271,13 @@ class RunProgress:
         self.node_states = node_states
 
     def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
-        """Write the run's state after ``server_round`` (see :mod:`server.checkpoint`)."""
+        """Write the run's state after ``server_round`` (see :mod:`server.checkpoint`).
+
+        Nothing is written once the run has a final status (stopped by Flower meanwhile: the
+        folder may already belong to a resumed run).
+        """
+        if self.recorder.final_status is not None:
+            return
         RunCheckpoint(
             round=server_round,
             model=arrays.to_torch_state_dict(),
@@ -339,6 +346,12 @@ def main(grid: Grid, context: Context) -> None:
         resume_round=None if checkpoint is None else checkpoint.round,
     )
     log(INFO, "run '%s' writes to %s", run_name, recorder.directory)
+
+    def record_flower_exit() -> None:
+        reason = interruption_message(FLOWER_EXIT, recorder, run_name)
+        recorder.write_summary("interrupted", error=reason)
+
+    unregister = on_flower_exit(record_flower_exit)
     try:
         torch.manual_seed(config.seed)
         device = resolve_device(config.device)
@@ -405,33 +418,67 @@ def main(grid: Grid, context: Context) -> None:
     except (SystemExit, KeyboardInterrupt) as error:
         # Not the run's own failure: Flower stops the ServerApp this way on a signal, on
         # `flwr stop`, and when a restarted SuperLink no longer knows its run (SystemExit 0).
-        reason = interruption_message(error, recorder, run_name)
-        recorder.write_summary("interrupted", error=reason)
-        log(ERROR, "run '%s' interrupted: %s", run_name, reason)
+        cause = (
+            "a keyboard interrupt"
+            if isinstance(error, KeyboardInterrupt)
+            else f"SystemExit {error.code!r} from {FLOWER_EXIT}"
+        )
+        reason = interruption_message(cause, recorder, run_name)
+        recorder.write_summary("interrupted", error=reason)  # unless Flower's exit wrote it
+        log(ERROR, "run '%s' interrupted: %s", run_name, recorder.final_error or reason)
         raise
     except BaseException as error:
         recorder.write_summary("failed", error=f"{type(error).__name__}: {error}")
         log(ERROR, "run '%s' failed: %s: %s", run_name, type(error).__name__, error)
         raise
+    finally:
+        unregister()
     path = recorder.write_summary("completed")
     log(INFO, "run '%s' completed: %s", run_name, path)
     for kind, alarm in recorder.alarm_summary().items():
         log(WARNING, "run '%s' raised %s in %d round(s)", run_name, kind, alarm["rounds"])
 
 
-def interruption_message(
-    error: SystemExit | KeyboardInterrupt, recorder: RunRecorder, run_name: str
-) -> str:
-    """Why a run stopped from outside ended, and how it continues."""
+#: Who stops a ServerApp through Flower's exit path, and when.
+FLOWER_EXIT = (
+    "Flower (a signal, `flwr stop`, or a SuperLink that no longer knows this run, e.g. "
+    "restarted with its state in memory)"
+)
+
+
+def on_flower_exit(handler: Callable[[], None]) -> Callable[[], None]:
+    """Run ``handler`` first when Flower stops this process; return what unregisters it.
+
+    Flower's ServerApp process ends through ``flwr_exit`` (on SIGINT/SIGTERM, and when its
+    SuperLink answers 401 because it no longer knows the run): it starts a timer that calls
+    ``os._exit`` after 5 s, then runs its own clean-up (pushing logs and output with retries),
+    and only then raises SystemExit in the run. When the clean-up outlasts the timer, which
+    happened after a SuperLink restart, ``except SystemExit`` never runs and the summary kept
+    ``running``. A handler registered to run before that timer (Flower's own
+    ``add_exit_handler(..., run_before_force_exit=True)``) records the interruption first.
+    With another Flower, which lacks that hook, nothing is registered.
+    """
+    try:
+        from flwr.supercore.exit import exit_handler as flower_exit
+
+        flower_exit.add_exit_handler(handler, run_before_force_exit=True)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another Flower
+        return lambda: None
+
+    def unregister() -> None:
+        with suppress(AttributeError):
+            flower_exit.registered_exit_handlers[:] = [
+                entry
+                for entry in flower_exit.registered_exit_handlers
+                if entry.exit_handler is not handler
+            ]
+
+    return unregister
+
+
+def interruption_message(cause: str, recorder: RunRecorder, run_name: str) -> str:
+    """Why a run stopped from outside (by ``cause``) ended, and how it continues."""
     rounds = max((int(r.get("round", 0)) for r in recorder.rounds), default=0)
-    cause = (
-        "a keyboard interrupt"
-        if isinstance(error, KeyboardInterrupt)
-        else (
-            f"SystemExit {error.code!r} from Flower (a signal, `flwr stop`, or a SuperLink that "
-            "no longer knows this run, e.g. restarted with its state in memory)"
-        )
-    )
     return (
         f"the ServerApp of run '{run_name}' was stopped after round {rounds} by {cause}; "
         f'continue it with run-config resume-from = "{recorder.directory}" (ba-run --resume '

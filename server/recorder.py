@@ -127,6 +127,10 @@ class RunRecorder:
             rounds = [json.loads(line) for line in lines if line.strip()]
             self.rounds = [entry for entry in rounds if entry.get("round", 0) <= resume_round]
         self.alarm_details: dict[str, str] = {}
+        #: The final status once written (:data:`FINAL_STATUSES`); the recorder writes nothing
+        #: after it, so a process stopped meanwhile cannot overwrite a resumed run's folder.
+        self.final_status: str | None = None
+        self.final_error: str | None = None
         _atomic_write_text(
             self.metrics_path,
             "".join(json.dumps(entry, sort_keys=True) + "\n" for entry in self.rounds),
@@ -139,6 +143,8 @@ class RunRecorder:
         ``alarms`` (kind -> message) are recorded as ``alarm-<kind> = 1`` in the round's line and
         summed up in ``summary.json``.
         """
+        if self.final_status is not None:
+            return
         record = _jsonable({**entry, **{f"alarm-{kind}": 1 for kind in alarms or {}}})
         self.alarm_details.update(alarms or {})
         self.rounds.append(record)
@@ -148,6 +154,8 @@ class RunRecorder:
 
     def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> Path:
         """Save the final global model (a torch state dict) as ``final_model.pt``."""
+        if self.final_status is not None:
+            raise RuntimeError(f"run {self.directory} already ended {self.final_status}")
         state = {key: value.detach().cpu() for key, value in state_dict.items()}
         return atomic_torch_save(state, self.directory / "final_model.pt")
 
@@ -167,7 +175,14 @@ class RunRecorder:
         return summary
 
     def write_summary(self, status: str, error: str | None = None) -> Path:
-        """Write ``summary.json``; a final status (:data:`FINAL_STATUSES`) gives up ownership."""
+        """Write ``summary.json``; a final status (:data:`FINAL_STATUSES`) gives up ownership.
+
+        Once a final status is written, later calls write nothing (the first final word holds:
+        e.g. Flower's exit handler wrote ``interrupted`` before the run's SystemExit arrived).
+        """
+        path = self.directory / SUMMARY_FILE
+        if self.final_status is not None:
+            return path
         summary: dict[str, Any] = {
             "status": status,
             "config": self.config,
@@ -184,9 +199,9 @@ class RunRecorder:
             summary["resumed-from-round"] = self.resumed_from
         if error is not None:
             summary["error"] = error
-        path = self.directory / SUMMARY_FILE
         _atomic_write_text(path, json.dumps(_jsonable(summary), indent=2, sort_keys=True))
         if status in FINAL_STATUSES:
+            self.final_status, self.final_error = status, error
             self.close()
         return path
 

@@ -25,6 +25,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -66,6 +67,8 @@ from beyond_averaging.tasks.protocol import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+#: ``ba-supernode`` (the console script runs this module's main).
+SUPERVISOR = "beyond_averaging.server.supervise"
 MAKE_CERTS = REPO / "docker" / "make-certs.sh"
 CONNECTION = "ba-deploy"
 
@@ -272,8 +275,10 @@ class LocalDeployment:
             str(self.certificates.ca_cert),
         ]
 
-    def _popen(self, command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-        with log_path.open("wb") as log_file:
+    def _popen(
+        self, command: list[str], log_path: Path, append: bool = False
+    ) -> subprocess.Popen[bytes]:
+        with log_path.open("ab" if append else "wb") as log_file:
             return subprocess.Popen(
                 command,
                 env=self.env,
@@ -293,6 +298,15 @@ class LocalDeployment:
             f"127.0.0.1:{self.control_port}",
             None if self.certificates is None else self.certificates.ca_cert,
         )
+        return self.start_superlink()
+
+    def start_superlink(self) -> LocalDeployment:
+        """Start (or, after it died, start again) the SuperLink on this deployment's ports.
+
+        The staged app is left as it is, so a run resumed after a restart runs the same code.
+        """
+        if self.superlink is not None and self.superlink.poll() is None:
+            raise LaunchError(f"the SuperLink (pid {self.superlink.pid}) is still running")
         command = [
             "flower-superlink",
             *self._tls_arguments(),
@@ -308,7 +322,8 @@ class LocalDeployment:
             command += ["--database", str(self.workdir / "superlink-state.db")]
         if self.supernode_auth:
             command.append("--enable-supernode-auth")
-        self.superlink = self._popen(command, self.superlink_log)
+        # Appended to, so that a restarted SuperLink's log follows the first one's.
+        self.superlink = self._popen(command, self.superlink_log, append=True)
         self._wait_superlink_healthy(timeout=60.0)
         return self
 
@@ -368,13 +383,19 @@ class LocalDeployment:
         superlink_address: str | None = None,
         auth_key: Path | None = None,
         node_config: str = "",
+        supervised: bool = False,
     ) -> SuperNodeProcess:
         """Start a SuperNode for one partition (connecting via ``superlink_address`` if given).
 
         ``node_config`` adds entries to its ``--node-config`` (e.g. ``attack-kinds="..."`` for
-        :mod:`tests.attacker_app`).
+        :mod:`tests.attacker_app`). ``supervised`` starts it as docs/deployment.md does for
+        local processes, under ``ba-supernode`` (:mod:`server.supervise`), which starts the
+        SuperNode again whenever it ends; :attr:`SuperNodeProcess.process` is then the
+        supervisor.
         """
         command = ["flower-supernode"]
+        if supervised:
+            command = [sys.executable, "-m", SUPERVISOR, "--restart-delay", "1"]
         if self.certificates is None:
             command.append("--insecure")
         else:
@@ -427,7 +448,7 @@ class LocalDeployment:
         """PIDs of the ServerApp processes the SuperLink started (``flwr-serverapp``)."""
         assert self.superlink is not None
         return [
-            pid for pid in descendants(self.superlink.pid) if "flwr-serverapp" in _command_line(pid)
+            pid for pid in descendants(self.superlink.pid) if "flwr-serverapp" in command_line(pid)
         ]
 
     def flwr(self, *arguments: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -484,7 +505,7 @@ class LocalDeployment:
         self.close()
 
 
-def _command_line(pid: int) -> str:
+def command_line(pid: int) -> str:
     try:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:  # ended meanwhile

@@ -354,11 +354,16 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
             check=True,
         ).stdout.split()[0]
         key = tls_certificates.supernode_key(NUM_SUPERNODES)
-        intruder = subprocess.run(
+        # The image's SuperNode runs under ba-supernode, which starts a refused SuperNode again
+        # (as a restart policy would): the container does not end, so it is watched, then removed.
+        intruder_name = f"{deployment.stack.project}-intruder"
+        subprocess.run(
             [
                 "docker",
                 "run",
-                "--rm",
+                "-d",
+                "--name",
+                intruder_name,
                 "--network",
                 network,
                 "-e",
@@ -379,8 +384,22 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
             capture_output=True,
             text=True,
             timeout=180,
-            check=False,
+            check=True,
         )
-        assert intruder.returncode != 0
-        assert "Failed to activate SuperNode" in intruder.stdout + intruder.stderr
-        assert len(deployment.online_node_ids()) == NUM_SUPERNODES
+        try:
+            deadline = time.monotonic() + 180
+            logs = ""
+            while "flower-supernode (pid" not in logs:
+                assert time.monotonic() < deadline, f"the intruder was not refused:\n{logs}"
+                time.sleep(2.0)
+                read = subprocess.run(
+                    ["docker", "logs", intruder_name], capture_output=True, text=True, check=False
+                )
+                logs = read.stdout + read.stderr
+            assert "Failed to activate SuperNode" in logs
+            # Flower logs its code 305 and the process exits with status 1 (docs/deployment.md).
+            assert "Exit Code: 305" in logs
+            assert "ended with status 1" in logs
+            assert len(deployment.online_node_ids()) == NUM_SUPERNODES
+        finally:
+            subprocess.run(["docker", "rm", "-f", intruder_name], capture_output=True, check=False)

@@ -238,6 +238,40 @@ def test_a_serverapp_stopped_from_outside_ends_interrupted_with_how_to_resume(
     assert f'resume-from = "{tmp_path / "stop"}"' in summary["error"]
 
 
+class ForcedExit(BaseException):
+    """Stands for Flower's force-exit timer (``os._exit``), which no except clause sees."""
+
+
+def test_flowers_exit_records_the_interruption_before_its_force_exit_timer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # flwr_exit runs the handlers registered "before force exit", starts a 5 s timer that calls
+    # os._exit, then cleans up; after a SuperLink restart the clean-up outlasted the timer and
+    # the run's own `except SystemExit` never ran (the summary kept "running").
+    from flwr.supercore.exit import exit_handler as flower_exit
+
+    handlers_before = len(flower_exit.registered_exit_handlers)
+    calls = iter(range(100))
+
+    def killed(self: InProcessGrid, messages: Any, **kwargs: Any) -> Any:
+        if next(calls) == 1:  # round 2
+            flower_exit.trigger_exit_handlers(run_before_force_exit=True)
+            raise ForcedExit
+        return InProcessGrid.pull_messages(self, list(self.push_messages(messages)))
+
+    monkeypatch.setattr(InProcessGrid, "send_and_receive", killed)
+    settings = {**LEAN, "num-server-rounds": 3, "run-name": "forced", "output-dir": str(tmp_path)}
+    with pytest.raises(ForcedExit):
+        run_inprocess(REPO, settings)
+    summary = json.loads((tmp_path / "forced" / "summary.json").read_text(encoding="utf-8"))
+    assert summary["status"] == "interrupted"  # not "failed" by the ForcedExit that followed
+    assert "stopped after round 1 by Flower" in summary["error"]
+    assert run_status(tmp_path / "forced").status == "interrupted"
+    # A run that ends leaves no handler behind in Flower's process-wide list.
+    run_inprocess(REPO, {**settings, "run-name": "normal", "num-server-rounds": 1})
+    assert len(flower_exit.registered_exit_handlers) == handlers_before
+
+
 def _ba_run(*arguments: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BA_RUN), *arguments], cwd=REPO, capture_output=True, text=True, timeout=300
