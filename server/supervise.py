@@ -139,7 +139,7 @@ class Supervisor:
                     return child.wait(timeout=self.exit_grace)
                 self.say(
                     f"flower-supernode (pid {child.pid}) is unknown to the SuperLink and still "
-                    f"running {self.exit_grace:.0f} s later: stopping it to register again"
+                    f"running {self.exit_grace:g} s later: stopping it to register again"
                 )
                 self._signal_child(signal.SIGTERM)
                 with suppress(subprocess.TimeoutExpired):
@@ -148,7 +148,8 @@ class Supervisor:
                 return child.wait()
 
     def run(self) -> int:
-        """Keep the process running; return its last exit status once stopped."""
+        """Keep the process running; once stopped, return its last exit status (as a shell
+        reports it: 128 + the signal's number for a process ended by a signal)."""
         wait = self.delay
         status = 0
         while not self.stopping.is_set():
@@ -178,10 +179,10 @@ class Supervisor:
             wait = self.delay if lived >= self.healthy_after else min(wait * 2, self.max_delay)
             self.say(
                 f"flower-supernode (pid {child.pid}) ended with status {status} after "
-                f"{lived:.0f} s; starting it again in {wait:.0f} s"
+                f"{lived:.0f} s; starting it again in {wait:g} s"
             )
             self.stopping.wait(wait)
-        return status
+        return 128 - status if status < 0 else status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
