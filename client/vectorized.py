@@ -401,30 +401,42 @@ def sensitivity_stacked(
 class _CohortData:
     """The cohort's partitions concatenated on the device, longest first.
 
-    ``order[row]`` is the position (among the messages) of the client stored at ``row``;
-    its samples are rows ``offsets[row] : offsets[row] + sizes[row]``.
+    ``partitions[row]`` is the partition stored at ``row``; its samples are rows
+    ``offsets[row] : offsets[row] + sizes[row]``.
     """
 
     key: tuple[Any, ...]
     features: torch.Tensor
     labels: torch.Tensor
     num_classes: int
-    order: tuple[int, ...]
+    partitions: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+
+    def message_order(self, partition_ids: Sequence[int]) -> tuple[int, ...]:
+        """The position among the messages (whose partitions are ``partition_ids``) of each row."""
+        positions: dict[int, list[int]] = {}
+        for position, partition in enumerate(partition_ids):
+            positions.setdefault(partition, []).append(position)
+        return tuple(positions[partition].pop(0) for partition in self.partitions)
 
 
 _last_cohort: list[_CohortData] = []  # one entry: the same cohort is sampled round after round
 
 
 def _cohort_data(spec: DataSpec, partition_ids: Sequence[int], device: torch.device) -> _CohortData:
-    """The cohort's data, reused while the same partitions train round after round."""
-    key = (spec, tuple(partition_ids), str(device))
+    """The cohort's data, reused while the same partitions train round after round.
+
+    Keyed by the partitions as a set: a strategy samples the same cohort in another order each
+    round, which must not rebuild (and copy) the whole cohort's data.
+    """
+    ids = tuple(sorted(partition_ids))
+    key = (spec, ids, str(device))
     if _last_cohort and _last_cohort[0].key == key:
         return _last_cohort[0]
     _last_cohort.clear()  # free the previous cohort before building the next
-    parts: list[LabeledData] = [load_client_partition(spec, pid) for pid in partition_ids]
-    empty = [pid for pid, part in zip(partition_ids, parts, strict=True) if len(part.labels) == 0]
+    parts: list[LabeledData] = [load_client_partition(spec, pid) for pid in ids]
+    empty = [pid for pid, part in zip(ids, parts, strict=True) if len(part.labels) == 0]
     if empty:
         raise ValueError(
             f"partitions {empty} hold no samples: a client cannot train on them; use fewer "
@@ -436,7 +448,8 @@ def _cohort_data(spec: DataSpec, partition_ids: Sequence[int], device: torch.dev
     offsets = tuple(sum(sizes[:row]) for row in range(len(sizes)))
     features = torch.cat([torch.from_numpy(parts[i].features) for i in order]).to(device)
     labels = torch.cat([torch.from_numpy(parts[i].labels) for i in order]).to(device)
-    data = _CohortData(key, features, labels, parts[0].num_classes, order, offsets, sizes)
+    rows = tuple(ids[i] for i in order)
+    data = _CohortData(key, features, labels, parts[0].num_classes, rows, offsets, sizes)
     _last_cohort.append(data)
     return data
 
@@ -620,6 +633,7 @@ def _train_group(
         raise ValueError(f"nodes disagree on num-partitions: {sorted(num_partitions)}")
     spec = DataSpec.from_task(task, num_partitions.pop())
     data = _cohort_data(spec, [pid for pid, _ in partitions], device)
+    order = data.message_order([pid for pid, _ in partitions])
     model = build_model(
         task.model,  # type: ignore[arg-type]
         tuple(int(size) for size in data.features.shape[1:]),
@@ -635,14 +649,14 @@ def _train_group(
         int(config.get(SERVER_ROUND_KEY, 1)),  # type: ignore[arg-type]
         device,
         data,
-        tuple(partitions[i][0] for i in data.order),
+        data.partitions,
         model,
     )
     width = clients_per_pass or len(messages)
     replies: dict[int, Message] = {}
     for start in range(0, len(messages), width):
         rows = range(start, min(start + width, len(messages)))
-        positions = [data.order[row] for row in rows]
+        positions = [order[row] for row in rows]
         pass_replies = _train_pass(
             shared, rows, [messages[i] for i in positions], [contexts[i] for i in positions]
         )

@@ -18,6 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, Reco
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
+from beyond_averaging.client import vectorized
 from beyond_averaging.client.app import app as client_app
 from beyond_averaging.client.sensitivity import compute_sensitivity
 from beyond_averaging.client.vectorized import (
@@ -284,6 +285,26 @@ def test_cohort_replies_match_the_clientapp_record_for_record_over_two_rounds(
             got_state = got_context.state["elastic-sensitivity"].to_torch_state_dict()  # type: ignore[union-attr]
             for name, value in want_state.items():
                 torch.testing.assert_close(got_state[name], value, atol=1e-7, rtol=0)
+
+
+def test_a_cohort_sampled_in_another_order_reuses_its_data_and_answers_each_message() -> None:
+    # A strategy samples the same nodes in a new order each round (random.sample): the cohort's
+    # data must not be rebuilt for it, and every reply must still belong to its own message.
+    model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    contexts = {node: node_context(node) for node in range(1, COHORT.num_clients + 1)}
+    first = train_instructions(1, model)
+    train_cohort(first, [contexts[m.metadata.dst_node_id] for m in first])
+    cohort_data = vectorized._last_cohort[0]
+    second = [train_instructions(2, model)[i] for i in (2, 0, 3, 1)]
+    replies = train_cohort(second, [contexts[m.metadata.dst_node_id] for m in second])
+    assert vectorized._last_cohort[0] is cohort_data
+    for message, got in zip(second, replies, strict=True):
+        want = client_app(message, node_context(message.metadata.dst_node_id))
+        assert got.metadata.reply_to_message_id == message.metadata.message_id
+        want_arrays = want.content["arrays"].to_torch_state_dict()  # type: ignore[union-attr]
+        got_arrays = got.content["arrays"].to_torch_state_dict()  # type: ignore[union-attr]
+        for name, value in want_arrays.items():
+            torch.testing.assert_close(got_arrays[name], value, atol=1e-6, rtol=0)
 
 
 def test_float16_sensitivity_upload_is_sent_as_the_clientapp_sends_it() -> None:
