@@ -681,31 +681,6 @@ def reply_record_sizes(strategy: str, settings: Mapping[str, Any]) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------ compose files
-@dataclass(frozen=True)
-class _Override:
-    """A value tagged ``!override`` in a compose file: it replaces the merged value."""
-
-    value: Any
-
-
-class _Reset:
-    """A value tagged ``!reset``: the key is removed from the merged file."""
-
-
-class _ComposeLoader(yaml.SafeLoader):  # type: ignore[misc]
-    """YAML as Compose reads it: anchors and merge keys, plus the ``!override``/``!reset`` tags."""
-
-
-def _construct_override(loader: yaml.SafeLoader, node: yaml.Node) -> _Override:
-    if isinstance(node, yaml.SequenceNode):
-        return _Override(loader.construct_sequence(node, deep=True))
-    if isinstance(node, yaml.MappingNode):
-        return _Override(loader.construct_mapping(node, deep=True))
-    return _Override(loader.construct_scalar(node))
-
-
-_ComposeLoader.add_constructor("!override", _construct_override)
-_ComposeLoader.add_constructor("!reset", lambda loader, node: _Reset())
 _VARIABLE = re.compile(r"\$\{(?P<name>\w+)(?:(?P<colon>:?)-(?P<default>[^}]*))?\}")
 
 
@@ -731,18 +706,13 @@ def merge_compose(base: Any, overlay: Any) -> Any:
     """Merge an overlay file into a base as ``docker compose -f base -f overlay`` does.
 
     Mappings merge key by key, sequences (ports, volumes) are concatenated without duplicates,
-    scalars are replaced; ``!override`` replaces whatever was there and ``!reset`` removes it.
+    scalars are replaced. (This project's files use no ``!override`` / ``!reset`` tag.)
     """
-    if isinstance(overlay, _Override):
-        return overlay.value
     if isinstance(base, dict) and isinstance(overlay, dict):
-        merged = dict(base)
-        for key, value in overlay.items():
-            if isinstance(value, _Reset):
-                merged.pop(key, None)
-            else:
-                merged[key] = merge_compose(base.get(key), value)
-        return merged
+        return {
+            **base,
+            **{key: merge_compose(base.get(key), value) for key, value in overlay.items()},
+        }
     if isinstance(base, list) and isinstance(overlay, list):
         return base + [item for item in overlay if item not in base]
     return overlay
@@ -759,7 +729,7 @@ def published_ports(
     """
     merged: Any = {}
     for path in files:
-        merged = merge_compose(merged, yaml.load(path.read_text(encoding="utf-8"), _ComposeLoader))
+        merged = merge_compose(merged, yaml.safe_load(path.read_text(encoding="utf-8")))
     ports = interpolate(merged["services"][service].get("ports", []), env)
     published = []
     for entry in ports:

@@ -2,10 +2,9 @@
 
 - compose.yaml (insecure: no TLS, any SuperNode may join, anyone reaching the Control API may
   run code on the SuperLink) publishes its Fleet and Control APIs on 127.0.0.1 unless the user
-  opts in with ``BA_BIND_ADDRESS`` / ``BA_CONTROL_BIND_ADDRESS``; the TLS overlay publishes the
-  Fleet API on every interface (only registered SuperNodes connect) and keeps the Control API on
-  loopback (TLS authenticates no user there). Checked on the compose files as Compose merges them
-  (``!override`` replaces a list); the container tests check the published ports for real;
+  opts in with ``BA_BIND_ADDRESS`` / ``BA_CONTROL_BIND_ADDRESS``, with or without the TLS
+  overlay (which adds no second binding of the ports). Checked on the compose files as Compose
+  merges them (port lists of several files are concatenated);
 - a run's folder is created 0700 and every file in it (metrics, summary, checkpoint, final model,
   owner lock) 0600, whatever the umask lets through;
 - docs/deployment.md states the exit status a refused SuperNode really has: Flower logs
@@ -51,13 +50,14 @@ def test_the_fleet_api_is_exposed_only_when_the_user_opts_in() -> None:
     assert both == {FLEET: "0.0.0.0", CONTROL: "10.0.0.5"}
 
 
-def test_the_tls_overlay_exposes_the_fleet_api_and_keeps_control_on_loopback() -> None:
+def test_the_tls_overlay_exposes_the_fleet_api_where_the_user_opts_in_only() -> None:
     files = ["compose.yaml", "compose.tls.yaml"]
-    assert host_addresses(files, {}) == {FLEET: "0.0.0.0", CONTROL: "127.0.0.1"}
-    # one publication per port: the overlay replaces the list, it does not add a second binding
+    assert host_addresses(files, {}) == {FLEET: "127.0.0.1", CONTROL: "127.0.0.1"}
+    opted = host_addresses(files, {"BA_BIND_ADDRESS": "0.0.0.0"})
+    assert opted == {FLEET: "0.0.0.0", CONTROL: "127.0.0.1"}
+    # one publication per port: a second binding of the same host port would fail to start
     ports = published_ports([REPO / name for name in files], {}, SUPERLINK)
     assert sorted(container for _, _, container in ports) == [FLEET, CONTROL]
-    assert host_addresses(files, {"BA_BIND_ADDRESS": "192.0.2.7"})[FLEET] == "192.0.2.7"
 
 
 @pytest.fixture
