@@ -173,6 +173,8 @@ class Supervisor:
             status = self._wait(child)
             self._signal_child(signal.SIGKILL)  # what the SuperNode left of its group
             reader.join(timeout=5.0)
+            if os.getpid() == 1:  # a container's init: orphans of the SuperNode come here
+                reap_orphans()
             if self.stopping.is_set():
                 break
             lived = time.monotonic() - started
@@ -183,6 +185,19 @@ class Supervisor:
             )
             self.stopping.wait(wait)
         return 128 - status if status < 0 else status
+
+
+def reap_orphans() -> None:
+    """Collect ended processes re-parented to this one, as a container's PID 1 inherits the
+    SuperExec and ClientApps of a SuperNode that ended (its own child is waited for already;
+    elsewhere, ``waitpid(-1)`` would take other children's statuses, so only PID 1 calls it)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no child left
+            return
+        if pid == 0:  # children left, none ended
+            return
 
 
 def main(argv: Sequence[str] | None = None) -> int:
