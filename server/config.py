@@ -141,8 +141,21 @@ class RunConfig(BaseModel):
     update_norm_factor: float = Field(
         10.0, ge=0.0, description="drop updates above this x the round's median norm; 0: off"
     )
-    robust_aggregation: Literal["none", "trimmed-mean", "median"] = "none"
-    trim_fraction: float = Field(0.1, ge=0.0, lt=0.5, description="trimmed-mean cut per end")
+    update_clip_factor: float = Field(
+        2.0, ge=0.0, description="scale updates down to this x the round's median norm; 0: off"
+    )
+    direction_outlier_factor: float = Field(
+        2.0, ge=0.0, description="drop updates pointing against the others' mean; 0: off"
+    )
+    max_claim_factor: float = Field(
+        10.0, ge=0.0, description="no weight above this x the round's median weight; 0: off"
+    )
+    robust_aggregation: Literal[
+        "none", "trimmed-mean", "median", "krum", "multi-krum", "fltrust"
+    ] = "none"
+    trim_fraction: float = Field(
+        0.1, ge=0.0, lt=0.5, description="trimmed-mean cut per end; Krum's Byzantine share"
+    )
     max_reply_bytes: int = Field(
         0, ge=0, description="larger replies are dropped undecoded; 0: from the model's bytes"
     )
@@ -154,12 +167,11 @@ class RunConfig(BaseModel):
                 f"min-train-replies = {self.min_train_replies} exceeds num-clients = "
                 f"{self.num_clients}: allowed is 1..num-clients"
             )
-        if self.robust_aggregation != "none" and self.strategy != "fedavg":
+        if self.robust_aggregation == "fltrust" and self.strategy != "fedlaw":
             raise ValueError(
-                f"robust-aggregation = '{self.robust_aggregation}' composes with strategy = "
-                f"'fedavg' only (any server-optimizer), not with '{self.strategy}': it replaces "
-                "the data-size-weighted mean, which Elastic scales by zeta, FedLAW re-weights "
-                "and FedGMA masks. Use strategy = 'fedavg' or robust-aggregation = 'none'"
+                f"robust-aggregation = 'fltrust' scores updates against the server's own update "
+                f"on FedLAW's proxy set, so it needs strategy = 'fedlaw', not "
+                f"'{self.strategy}'. Use 'median', 'trimmed-mean', 'krum' or 'multi-krum'"
             )
         if self.strategy == "fedlaw" and self.proxy_per_class == 0 and not self.proxy_dir:
             raise ValueError(

@@ -203,3 +203,54 @@ def pseudo_gradient(
 def is_floating(array: npt.NDArray[Any]) -> bool:
     """Whether a tensor takes part in gradient-like updates (integer counters never do)."""
     return bool(np.issubdtype(array.dtype, np.floating))
+
+
+def scaled_weights(
+    weights: npt.NDArray[np.floating[Any]] | Sequence[float],
+    scales: npt.NDArray[np.floating[Any]] | Sequence[float] | None,
+) -> npt.NDArray[np.float64]:
+    """p_k * s_k: the weights under which a weighted sum of updates u_k sums s_k u_k instead.
+
+    ``scales`` None (or all 1) gives the weights unchanged. With them
+    :func:`pseudo_gradient` is sum_k p_k s_k (w - theta_k): the mean update of the clipped
+    replies w + s_k u_k.
+    """
+    weights_arr = np.asarray(weights, dtype=np.float64)
+    if scales is None:
+        return weights_arr
+    scales_arr = np.asarray(scales, dtype=np.float64)
+    if scales_arr.shape != weights_arr.shape:
+        raise ValueError(f"{weights_arr.size} weights but {scales_arr.size} scales")
+    product: npt.NDArray[np.float64] = weights_arr * scales_arr
+    return product
+
+
+def scaled_mean(
+    global_arrays: Mapping[str, ArrayLike],
+    client_arrays: Sequence[Mapping[str, ArrayLike]],
+    weights: npt.NDArray[np.floating[Any]] | Sequence[float],
+    scales: npt.NDArray[np.floating[Any]] | Sequence[float] | None,
+    keys: Sequence[str] | None = None,
+) -> NDArrayDict:
+    """sum_k p_k (w + s_k (theta_k - w)): the weighted mean of the clients' models after each
+    update was scaled by s_k (``strategies.influence.clip_scales``), in each tensor's dtype.
+
+    Equal to sum_k p_k s_k theta_k + (sum_k p_k (1 - s_k)) w: one weighted sum over the K
+    replies and the global model, no scaled copy of any reply. Only floating tensors are scaled
+    (integer counters take the plain weighted mean). With every scale 1 this is
+    :func:`weighted_mean` itself, bit for bit. A scale above 1 lengthens an update (FLTrust's
+    rescaling to the server update's norm).
+    """
+    selected = list(global_arrays.keys()) if keys is None else list(keys)
+    weights_arr = np.asarray(weights, dtype=np.float64)
+    if scales is None or bool(np.all(np.asarray(scales) == 1.0)):
+        return weighted_mean(client_arrays, weights_arr, keys=selected)
+    scaled = scaled_weights(weights_arr, scales)
+    rest = float(weights_arr.sum() - scaled.sum())
+    floating = [k for k in selected if is_floating(as_numpy(global_arrays[k]))]
+    counters = [k for k in selected if k not in set(floating)]
+    result = weighted_mean(client_arrays, weights_arr, keys=counters) if counters else {}
+    if floating:
+        with_global = [*client_arrays, global_arrays]
+        result.update(weighted_mean(with_global, [*scaled, rest], keys=floating))
+    return {key: result[key] for key in selected}

@@ -61,6 +61,18 @@ from beyond_averaging.tasks.protocol import (
 )
 
 from .aggregate import NDArrayDict, normalise_weights
+from .influence import (
+    RECORD_NORM_FACTOR_SCALE,
+    bound_claims,
+    cap_weights,
+    clip_scales,
+    direction_cosines,
+    direction_outliers,
+    max_over_median,
+    norm_outliers,
+    record_norms,
+    update_norms,
+)
 from .metrics import (
     MetricsAggregationFn,
     aggregate_metrics,
@@ -69,20 +81,14 @@ from .metrics import (
     reply_weight,
 )
 from .privacy import calling_privacy_wrapper, check_privacy_composition
-from .robust import RobustAggregation, check_robust
+from .robust import GENERIC_METHODS, SELECTIONS, RobustAggregation, check_robust, krum_selection
 from .validation import (
-    RECORD_NORM_FACTOR_SCALE,
     REPLY_OVERSIZED_ERROR_CODE,
-    cap_weights,
     check_reply_size,
     check_reply_weight,
     common_key_set,
     default_reply_byte_limit,
-    max_over_median,
     model_rejection,
-    norm_outliers,
-    record_norms,
-    update_norms,
 )
 from .wire import ReplyRejected as ReplyRejected  # re-exported: rules raise it too
 from .wire import decode_record, npy_view
@@ -90,6 +96,15 @@ from .wire import decode_record, npy_view
 #: Default of ``update_norm_factor``: above every max/median ratio of honest replies measured on
 #: digits, Dirichlet(0.1) and (0.5) (docs/reliability.md, ``benchmarks/reply_norms.py``).
 DEFAULT_UPDATE_NORM_FACTOR = 10.0
+#: Defaults of the Byzantine bounds, chosen by the attack table (docs/reliability.md, "Byzantine
+#: clients"; ``benchmarks/specs/attacks.toml``): the smallest bounds that held the attacks of
+#: the table where any defence held, without costing the honest evidence runs.
+DEFAULT_UPDATE_CLIP_FACTOR = 2.0
+DEFAULT_DIRECTION_OUTLIER_FACTOR = 2.0
+DEFAULT_MAX_CLAIM_FACTOR = 10.0
+#: Below this median direction cosine on the first checked round, the clients are too
+#: heterogeneous for the direction check to single out a Byzantine reply: the run warns.
+HETEROGENEITY_COSINE = 0.3
 
 
 class MissingRecordError(RuntimeError):
@@ -107,6 +122,11 @@ class ClientReply:
     num_examples: float
     metrics: dict[str, float]
     records: dict[str, NDArrayDict] = field(default_factory=dict)
+    #: s_k in (0, 1]: the rule aggregates w + s_k (theta_k - w) in place of theta_k (update
+    #: clipping, :func:`strategies.influence.clip_scales`); 1 leaves the model as sent.
+    update_scale: float = 1.0
+    #: Per required record, the factor its tensors are scaled by (clipped as updates are).
+    record_scales: dict[str, float] = field(default_factory=dict)
 
 
 #: ``fn(server_round, global_arrays, valid_replies, weights) -> metrics``: called after each
@@ -143,6 +163,9 @@ class ProjectOptions(TypedDict, total=False):
     seed: int
     max_client_weight: float
     update_norm_factor: float
+    update_clip_factor: float
+    direction_outlier_factor: float
+    max_claim_factor: float
     robust_aggregation: RobustAggregation
     trim_fraction: float
     max_reply_bytes: int
@@ -206,18 +229,33 @@ class ContractStrategy(Strategy):
         is dropped (``norm-outlier``), and one whose required record's norm exceeds
         ``RECORD_NORM_FACTOR_SCALE`` times the factor times that record's median
         (``norm-outlier-<record>``); 0 turns both off.
-    robust_aggregation : {"none", "trimmed-mean", "median"}
-        Coordinate-wise robust mean instead of the weighted mean, for rules that compose with it
-        (``robust_composes``; FedAvg and its server optimizers).
+    update_clip_factor : float
+        Each update is scaled down, its direction kept, to at most this factor times the
+        round's median update norm (and each required record to this factor times its median
+        norm) before the rule aggregates it; 0 turns clipping off.
+    direction_outlier_factor : float
+        A reply whose update points against the other replies' mean (cosine below -0.1 and more
+        than this many robust standard deviations below the round's median cosine) is dropped
+        (``direction-outlier``); 0 turns the check off
+        (:func:`strategies.influence.direction_outliers`).
+    max_claim_factor : float
+        No reply's weight (``weighted_by_key``) counts for more than this factor times the
+        round's median weight; 0 turns the bound off.
+    robust_aggregation : {"none", "trimmed-mean", "median", "krum", "multi-krum"}
+        A Byzantine-robust aggregation in the rule's own terms (each rule's docs say what it
+        is): the coordinate-wise trimmed mean or median of the updates in place of their
+        weighted mean, or Krum / Multi-Krum's selection of the replies the rule aggregates
+        (:mod:`strategies.robust`). FedLAW also takes ``"fltrust"``.
     trim_fraction : float
-        Share of clients left out at each end of every coordinate by ``trimmed-mean``.
+        Share of clients left out at each end of every coordinate by ``trimmed-mean``, and the
+        share Krum and Multi-Krum assume Byzantine (f = floor(trim_fraction x K)).
     max_reply_bytes : int
         A reply holding more bytes is dropped before decoding (``oversized``); 0: four times
         the model's bytes per record sent back, plus 1 MiB.
     """
 
-    #: Whether ``robust_aggregation`` may replace this rule's weighted mean.
-    robust_composes: ClassVar[bool] = False
+    #: The ``robust_aggregation`` values this rule has a robust form for.
+    robust_methods: ClassVar[tuple[str, ...]] = GENERIC_METHODS
 
     #: Extra ArrayRecords every reply must carry, with the hint shown when they are missing.
     required_records: ClassVar[Mapping[str, str]] = {}
@@ -242,6 +280,9 @@ class ContractStrategy(Strategy):
         seed: int = 0,
         max_client_weight: float = 1.0,
         update_norm_factor: float = DEFAULT_UPDATE_NORM_FACTOR,
+        update_clip_factor: float = DEFAULT_UPDATE_CLIP_FACTOR,
+        direction_outlier_factor: float = DEFAULT_DIRECTION_OUTLIER_FACTOR,
+        max_claim_factor: float = DEFAULT_MAX_CLAIM_FACTOR,
         robust_aggregation: RobustAggregation = "none",
         trim_fraction: float = 0.1,
         max_reply_bytes: int = 0,
@@ -253,6 +294,16 @@ class ContractStrategy(Strategy):
             trim_fraction,
             max_reply_bytes,
         )
+        for name, factor in (
+            ("update_clip_factor", update_clip_factor),
+            ("direction_outlier_factor", direction_outlier_factor),
+            ("max_claim_factor", max_claim_factor),
+        ):
+            if not (math.isfinite(factor) and factor >= 0.0):
+                raise ValueError(f"{name} = {factor}: allowed is a finite value >= 0 (0: off)")
+        self.update_clip_factor = update_clip_factor
+        self.direction_outlier_factor = direction_outlier_factor
+        self.max_claim_factor = max_claim_factor
         for name, fraction in (
             ("fraction_train", fraction_train),
             ("fraction_evaluate", fraction_evaluate),
@@ -322,13 +373,10 @@ class ContractStrategy(Strategy):
         if max_reply_bytes < 0:
             raise ValueError(f"max_reply_bytes = {max_reply_bytes!r}: allowed is an integer >= 0")
         check_robust(robust_aggregation, trim_fraction)
-        if robust_aggregation != "none" and not self.robust_composes:
+        if robust_aggregation not in self.robust_methods:
             raise ValueError(
-                f"robust_aggregation = {robust_aggregation!r} does not compose with "
-                f"{type(self).__name__}: it replaces the data-size-weighted mean, which this rule "
-                "changes in its own way (Elastic's zeta-scaled update, FedLAW's learned weights, "
-                "FedGMA's masks). Use it with FedAvg (any server optimizer), or set "
-                "robust_aggregation = 'none'"
+                f"robust_aggregation = {robust_aggregation!r} has no robust form in "
+                f"{type(self).__name__}: use one of {self.robust_methods}"
             )
         self.max_client_weight = max_client_weight
         self.update_norm_factor = update_norm_factor
@@ -336,8 +384,13 @@ class ContractStrategy(Strategy):
         self.trim_fraction = trim_fraction
         self.max_reply_bytes = max_reply_bytes
         self.reply_byte_limit = max_reply_bytes
-        self._largest_update = 0.0
+        self._median_update = 0.0
+        #: Replies the last round's influence bounds dropped as Byzantine suspects (norm or
+        #: direction outliers); FedGMA's hard mask counts them in its quorum as abstentions.
+        self.last_suspects = 0
+        self._direction_checked = False  # the heterogeneity warning is decided once, round 1
         self._update_norm_ratio: float | None = None
+        self._influence_figures: dict[str, float | int] = {}
 
     # ------------------------------------------------------------------ what subclasses provide
     @abstractmethod
@@ -547,9 +600,18 @@ class ContractStrategy(Strategy):
         accepted: list[tuple[ClientReply, RecordDict]],
         dropped: Counter[str],
     ) -> list[tuple[ClientReply, RecordDict]]:
-        """Drop replies whose records share no key with the rest, or whose norms are outliers.
+        """Stage 3 of a reply's path (:mod:`strategies.influence`), in this order:
 
-        Keeps the largest update norm of the kept replies for the model check.
+        1. drop replies whose records share no key with the rest, whose update or record norm is
+           a ``norm-outlier`` (``update_norm_factor``), or whose update is a
+           ``direction-outlier`` (``direction_outlier_factor``);
+        2. Krum / Multi-Krum keep their selection (``robust_aggregation``, ``krum-rejected``);
+        3. bound each kept reply's weight (``max_claim_factor``) and scale its update and
+           records down to ``update_clip_factor`` x the round's median norm (direction kept).
+
+        Keeps the median update norm of the kept replies for the model check, and the round's
+        figures (``replies-clipped``, ``claims-bounded``, ``direction-cosine-min``) for its
+        metrics.
         """
         rejected: dict[int, ReplyRejected] = {}
         for name in self.required_records:
@@ -567,14 +629,15 @@ class ContractStrategy(Strategy):
         # What the filter compares, logged every round (filter on or off): how close honest
         # clients come to the factor is read from any run's metrics.jsonl.
         self._update_norm_ratio = max_over_median(updates)
+        needs_records = self.update_norm_factor > 0.0 or self.update_clip_factor > 0.0
+        norms = {
+            "update": updates,
+            **{
+                name: record_norms([r.records[name] for r, _ in accepted])
+                for name in (self.required_records if needs_records else ())
+            },
+        }
         if self.update_norm_factor > 0.0 and accepted:
-            norms = {
-                "update": updates,
-                **{
-                    name: record_norms([r.records[name] for r, _ in accepted])
-                    for name in self.required_records
-                },
-            }
             for name, values in norms.items():
                 median = float(np.median(values))
                 factor = self.update_norm_factor * (
@@ -591,6 +654,9 @@ class ContractStrategy(Strategy):
                             f"{self.update_norm_factor:g})",
                         ),
                     )
+        self._influence_figures = {}
+        self._drop_direction_outliers(accepted, updates, rejected)
+        self._drop_unselected(accepted, rejected)
         for index, rejection in sorted(rejected.items()):
             dropped[rejection.reason] += 1
             log(
@@ -601,9 +667,109 @@ class ContractStrategy(Strategy):
                 rejection.detail,
             )
         kept = [index for index in range(len(accepted)) if index not in rejected]
-        # The model check bounds the new model by the largest update that was aggregated.
-        self._largest_update = float(updates[kept].max()) if kept else 0.0
-        return [accepted[index] for index in kept]
+        self.last_suspects = sum(
+            rejection.reason.startswith(("norm-outlier", "direction-outlier"))
+            for rejection in rejected.values()
+        )
+        # The model check bounds the new model by the median update that was aggregated.
+        self._median_update = float(np.median(updates[kept])) if kept else 0.0
+        return self._bounded([accepted[i] for i in kept], {n: v[kept] for n, v in norms.items()})
+
+    def _drop_direction_outliers(
+        self,
+        accepted: list[tuple[ClientReply, RecordDict]],
+        updates: np.ndarray[Any, np.dtype[np.float64]],
+        rejected: dict[int, ReplyRejected],
+    ) -> None:
+        """Flag the replies whose update points against the others' (among those not flagged)."""
+        candidates = [index for index in range(len(accepted)) if index not in rejected]
+        if self.direction_outlier_factor <= 0.0 or len(candidates) < 3:
+            return
+        cosines = direction_cosines(
+            self.global_arrays, [accepted[i][0].arrays for i in candidates], updates[candidates]
+        )
+        median = float(np.median(cosines))
+        self._influence_figures["direction-cosine-min"] = float(cosines.min())
+        self._influence_figures["direction-cosine-median"] = median
+        self._warn_if_heterogeneous(median)
+        for position in np.flatnonzero(direction_outliers(cosines, self.direction_outlier_factor)):
+            rejected.setdefault(
+                candidates[int(position)],
+                ReplyRejected(
+                    "direction-outlier",
+                    f"its update's cosine with the other replies' mean is "
+                    f"{cosines[position]:.3f}, far below the round's median {median:.3f} "
+                    f"(direction-outlier-factor = {self.direction_outlier_factor:g})",
+                ),
+            )
+
+    def _warn_if_heterogeneous(self, median_cosine: float) -> None:
+        """Once, on the first round the direction check runs: warn when the clients' updates
+        already disagree there, where the check cannot tell a Byzantine reply from an honest
+        one (measured on digits: median cosine 0.65-0.97 in the first rounds of IID clients,
+        -0.23 to 0.2 under Dirichlet(0.1) label skew)."""
+        if self._direction_checked:
+            return
+        self._direction_checked = True
+        if median_cosine < HETEROGENEITY_COSINE:
+            log(
+                WARNING,
+                "the clients' updates disagree from the first round (median cosine with the "
+                "others' mean %.2f < %.2f), as under strong label skew: here the default bounds "
+                "cannot tell a reply pointing against the rest from an honest one, so a minority "
+                "of Byzantine clients can still cost much accuracy; clipping and the claim bound "
+                "still limit each reply's say (docs/reliability.md, 'Byzantine clients')",
+                median_cosine,
+                HETEROGENEITY_COSINE,
+            )
+
+    def _drop_unselected(
+        self, accepted: list[tuple[ClientReply, RecordDict]], rejected: dict[int, ReplyRejected]
+    ) -> None:
+        """Krum / Multi-Krum: flag the replies their selection leaves out."""
+        candidates = [index for index in range(len(accepted)) if index not in rejected]
+        if self.robust_aggregation not in SELECTIONS or not candidates:
+            return
+        chosen = krum_selection(
+            self.global_arrays,
+            [accepted[i][0].arrays for i in candidates],
+            self.robust_aggregation,
+            self.trim_fraction,
+        )
+        for position, index in enumerate(candidates):
+            if position not in chosen:
+                rejected[index] = ReplyRejected(
+                    "krum-rejected",
+                    f"not among the {len(chosen)} replies {self.robust_aggregation} keeps of "
+                    f"{len(candidates)} (trim-fraction = {self.trim_fraction:g})",
+                )
+
+    def _bounded(
+        self,
+        kept: list[tuple[ClientReply, RecordDict]],
+        norms: Mapping[str, np.ndarray[Any, np.dtype[np.float64]]],
+    ) -> list[tuple[ClientReply, RecordDict]]:
+        """The kept replies with their claims bounded and their update / record scales set."""
+        if not kept:
+            return kept
+        claims = np.array([reply.num_examples for reply, _ in kept])
+        bounded = bound_claims(claims, self.max_claim_factor)
+        factor = self.update_clip_factor
+        scales = {name: clip_scales(values, factor) for name, values in norms.items()}
+        self._influence_figures["claims-bounded"] = int(np.sum(bounded < claims))
+        self._influence_figures["replies-clipped"] = int(np.sum(scales["update"] < 1.0))
+        return [
+            (
+                dataclasses.replace(
+                    reply,
+                    num_examples=float(bounded[i]),
+                    update_scale=float(scales["update"][i]),
+                    record_scales={n: float(scales[n][i]) for n in scales if n != "update"},
+                ),
+                content,
+            )
+            for i, (reply, content) in enumerate(kept)
+        ]
 
     def _client_metrics(
         self, server_round: int, contents: list[RecordDict], aggregate: MetricsAggregationFn
@@ -675,6 +841,7 @@ class ContractStrategy(Strategy):
         }
         if self._update_norm_ratio is not None:
             metrics["update-norm-ratio"] = self._update_norm_ratio
+        metrics.update(self._influence_figures)
         client_metrics = self._client_metrics(
             server_round, valid_contents, self.train_metrics_aggr_fn
         )
@@ -694,7 +861,7 @@ class ContractStrategy(Strategy):
         started = time.perf_counter()
         new_arrays = self.aggregate(server_round, self.global_arrays, valid)
         self.last_aggregation_seconds = time.perf_counter() - started
-        refusal = model_rejection(new_arrays, self.global_arrays, self._largest_update)
+        refusal = model_rejection(new_arrays, self.global_arrays, self._median_update)
         if refusal is not None:
             log(
                 WARNING,

@@ -44,10 +44,20 @@ from .aggregate import (
     as_numpy_dict,
     normalise_weights,
     pseudo_gradient,
+    scaled_mean,
+    scaled_weights,
     weighted_mean,
 )
 from .base import ClientReply, ContractStrategy, ProjectOptions, ReplyRejected
 from .metrics import MetricsAggregationFn
+from .robust import (
+    COORDINATE_WISE,
+    SELECTIONS,
+    RobustAggregation,
+    aggregate_robust,
+    robust_mean,
+    robust_update,
+)
 from .server_optimizer import ServerOptimizer, ServerOptimizerName
 
 #: The authors' older code adds this to the per-tensor max, so that an all-zero sensitivity tensor
@@ -113,6 +123,11 @@ def elastic_update(
     client_sensitivities: Sequence[Mapping[str, Any]],
     weights: Sequence[float] | npt.NDArray[Any],
     tau: float = 0.5,
+    *,
+    scales: Sequence[float] | npt.NDArray[Any] | None = None,
+    sensitivity_scales: Sequence[float] | npt.NDArray[Any] | None = None,
+    robust: RobustAggregation = "none",
+    trim_fraction: float = 0.1,
 ) -> tuple[NDArrayDict, NDArrayDict, NDArrayDict]:
     """The pieces of an elastic step: zeta * D, the average of the other tensors, and zeta.
 
@@ -129,6 +144,15 @@ def elastic_update(
         Client example counts n_k (normalised here to p_k).
     tau : float
         Elasticity in [0, 1]; zeta lies in [tau, 1 + tau].
+    scales, sensitivity_scales : Sequence[float], optional
+        Clipping (:func:`strategies.influence.clip_scales`): client k's update counts as
+        s_k (theta_k - w) and its sensitivity as s'_k Omega_k. None: all ones.
+    robust : {"none", "trimmed-mean", "median"}
+        The robust form: D is the coordinate-wise robust mean of the (clipped) updates, Omega
+        the robust mean of the sensitivities, the other tensors the robust mean of the models;
+        zeta is then computed from Omega as usual. Data-size weights are not used.
+    trim_fraction : float
+        Share left out at each end by ``trimmed-mean``.
 
     Returns
     -------
@@ -150,11 +174,32 @@ def elastic_update(
     keys = _check_sensitivities(global_np, client_sensitivities)
     scaled = set(keys)
     unscaled = [key for key in global_np if key not in scaled]
-    average = weighted_mean(client_arrays, probabilities, keys=unscaled) if unscaled else {}
-    # float64 accumulation of any input dtype (float16 included), without a converted copy of
-    # every client's sensitivity.
-    omega = weighted_mean(client_sensitivities, probabilities, keys=keys, dtype=np.float64)
-    update = pseudo_gradient(global_np, client_arrays, probabilities, keys=keys)
+    if robust in COORDINATE_WISE:
+        others = {key: global_np[key] for key in unscaled}
+        average = (
+            aggregate_robust(others, client_arrays, robust, trim_fraction, None, scales)
+            if unscaled
+            else {}
+        )
+        omega = robust_mean(client_sensitivities, keys, robust, trim_fraction)
+        update = robust_update(global_np, client_arrays, keys, robust, trim_fraction, scales)
+    else:
+        average = (
+            scaled_mean(global_np, client_arrays, probabilities, scales, keys=unscaled)
+            if unscaled
+            else {}
+        )
+        # float64 accumulation of any input dtype (float16 included), without a converted copy
+        # of every client's sensitivity.
+        omega = weighted_mean(
+            client_sensitivities,
+            scaled_weights(probabilities, sensitivity_scales),
+            keys=keys,
+            dtype=np.float64,
+        )
+        update = pseudo_gradient(
+            global_np, client_arrays, scaled_weights(probabilities, scales), keys=keys
+        )
     zeta: NDArrayDict = {}
     for key in keys:
         zeta[key] = elastic_zeta(omega.pop(key), tau)
@@ -333,7 +378,12 @@ class ElasticAggregation(ContractStrategy):
     def aggregate(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
-        """Zeta-scale the mean update with the replies' sensitivities, then take a server step."""
+        """Zeta-scale the mean update with the replies' sensitivities, then take a server step.
+
+        Robust form (``robust_aggregation``): the coordinate-wise robust mean update and
+        sensitivity in place of the weighted ones, then zeta as usual (:func:`elastic_update`);
+        Krum / Multi-Krum left only their selection in ``replies``.
+        """
         carried = Counter(key for reply in replies for key in reply.records[SENSITIVITY_RECORD])
         keys = sorted(key for key, count in carried.items() if count == len(replies))
         partial = sorted(key for key, count in carried.items() if count < len(replies))
@@ -351,6 +401,12 @@ class ElasticAggregation(ContractStrategy):
             [{key: reply.records[SENSITIVITY_RECORD][key] for key in keys} for reply in replies],
             np.array([reply.num_examples for reply in replies], dtype=np.float64),
             self.tau,
+            scales=[reply.update_scale for reply in replies],
+            sensitivity_scales=[
+                reply.record_scales.get(SENSITIVITY_RECORD, 1.0) for reply in replies
+            ],
+            robust="none" if self.robust_aggregation in SELECTIONS else self.robust_aggregation,
+            trim_fraction=self.trim_fraction,
         )
         self._zeta_metrics = _zeta_summary(zeta)
         stepped = {**average, **self.optimizer.step(global_arrays, scaled_update)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from logging import INFO
-from typing import Any, ClassVar, Unpack
+from typing import Any, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -26,11 +26,13 @@ from .aggregate import (
     is_floating,
     normalise_weights,
     pseudo_gradient,
+    scaled_mean,
+    scaled_weights,
     weighted_mean,
 )
 from .base import ClientReply, ContractStrategy, ProjectOptions
 from .metrics import MetricsAggregationFn
-from .robust import aggregate_robust
+from .robust import COORDINATE_WISE, aggregate_robust
 from .server_optimizer import ServerOptimizer, ServerOptimizerName
 
 
@@ -39,6 +41,7 @@ def aggregate_fedavg(
     client_arrays: Sequence[Mapping[str, Any]],
     weights: Sequence[float] | npt.NDArray[Any],
     optimizer: ServerOptimizer | None = None,
+    scales: Sequence[float] | npt.NDArray[Any] | None = None,
 ) -> NDArrayDict:
     """FedAvg: p-weighted mean of client models, or a server-optimizer step along w - mean.
 
@@ -52,16 +55,21 @@ def aggregate_fedavg(
         Client example counts n_k (normalised here to p_k).
     optimizer : ServerOptimizer, optional
         None, or plain SGD with lr 1, returns the weighted mean itself.
+    scales : Sequence[float], optional
+        s_k in (0, 1]: client k counts as w + s_k (theta_k - w), its update clipped
+        (:func:`strategies.influence.clip_scales`); None is all ones.
     """
     probabilities = normalise_weights(weights)
     if optimizer is None or (optimizer.name == "sgd" and optimizer.lr == 1.0):
-        return weighted_mean(client_arrays, probabilities, keys=list(global_arrays))
+        return scaled_mean(global_arrays, client_arrays, probabilities, scales)
     global_np = as_numpy_dict(global_arrays)
     float_keys = [key for key, value in global_np.items() if is_floating(value)]
     # Integer buffers (BatchNorm's counter) are averaged; only floating tensors take the step.
     counters = [key for key in global_np if key not in set(float_keys)]
     average = weighted_mean(client_arrays, probabilities, keys=counters) if counters else {}
-    update = pseudo_gradient(global_np, client_arrays, probabilities, keys=float_keys)
+    update = pseudo_gradient(
+        global_np, client_arrays, scaled_weights(probabilities, scales), keys=float_keys
+    )
     stepped = {**average, **optimizer.step(global_np, update)}
     return {key: stepped[key] for key in global_np}  # the model's tensor order
 
@@ -82,9 +90,6 @@ class FedAvg(ContractStrategy):
     (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
     (:class:`~strategies.base.ProjectOptions`) are keyword-only.
     """
-
-    #: The trimmed mean and the median replace its weighted mean (see strategies/robust.py).
-    robust_composes: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -163,24 +168,29 @@ class FedAvg(ContractStrategy):
     def aggregate(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
-        """Weighted mean (or server-optimizer step) over the valid replies.
+        """Weighted mean (or server-optimizer step) over the valid replies, their updates clipped.
 
-        With ``robust_aggregation`` the coordinate-wise trimmed mean or median replaces the
-        weighted mean (the server optimizer then steps along w - robust mean).
+        Robust form: with ``robust_aggregation`` "trimmed-mean" or "median" the coordinate-wise
+        robust mean of the (clipped) updates replaces their weighted mean, and the server
+        optimizer steps along it; "krum" / "multi-krum" left only their selection in
+        ``replies`` (:class:`~strategies.base.ContractStrategy`), averaged as usual.
         """
-        if self.robust_aggregation != "none":
+        scales = [reply.update_scale for reply in replies]
+        if self.robust_aggregation in COORDINATE_WISE:
             return aggregate_robust(
                 global_arrays,
                 [reply.arrays for reply in replies],
                 self.robust_aggregation,
                 self.trim_fraction,
                 self.optimizer,
+                scales,
             )
         return aggregate_fedavg(
             global_arrays,
             [reply.arrays for reply in replies],
             np.array([reply.num_examples for reply in replies], dtype=np.float64),
             self.optimizer,
+            scales,
         )
 
 

@@ -69,10 +69,20 @@ from .aggregate import (
     is_floating,
     normalise_weights,
     pseudo_gradient,
+    scaled_mean,
+    scaled_weights,
     weighted_mean,
 )
 from .base import ClientReply, ContractStrategy, ProjectOptions
 from .metrics import MetricsAggregationFn
+from .robust import (
+    COORDINATE_WISE,
+    SELECTIONS,
+    RobustAggregation,
+    aggregate_robust,
+    robust_mean,
+    robust_update,
+)
 from .server_optimizer import ServerOptimizer
 
 MaskVariant = Literal["hard", "soft"]
@@ -131,9 +141,9 @@ def _check_same_keys(name: str, dicts: Sequence[Mapping[str, Any]]) -> list[str]
 
 
 def hard_mask(
-    gradients: Sequence[Mapping[str, Any]], threshold: float = 0.8
+    gradients: Sequence[Mapping[str, Any]], threshold: float = 0.8, abstentions: int = 0
 ) -> dict[str, npt.NDArray[np.bool_]]:
-    """The AND-mask: True where |sum_k sign(g_k)| >= threshold * K.
+    """The AND-mask: True where |sum_k sign(g_k)| >= threshold * (K + abstentions).
 
     Parameters
     ----------
@@ -141,6 +151,10 @@ def hard_mask(
         One dict per client (numpy arrays or torch tensors), all over the same keys.
     threshold : float
         p in [0, 1]: the share of the K clients whose net sign vote must agree.
+    abstentions : int
+        Replies of the round that vote for no sign: those the influence bounds dropped as
+        Byzantine suspects (``norm-outlier``, ``direction-outlier``). They still count in the
+        quorum, so that leaving a dissenting reply out never makes agreement easier.
 
     Returns
     -------
@@ -151,7 +165,8 @@ def hard_mask(
     keys = _check_same_keys("gradient", gradients)
     # Vote counts are integers, so ">= threshold * K" is ">= ceil(threshold * K)"; sums of
     # +-1 and 0 are exact in float64.
-    votes_needed = math.ceil(threshold * len(gradients) - _AGREEMENT_TOLERANCE)
+    voters = len(gradients) + abstentions
+    votes_needed = math.ceil(threshold * voters - _AGREEMENT_TOLERANCE)
     ones = np.ones(len(gradients))
     return {
         key: np.abs(blockwise_sum(gradients, ones, key, _shape(gradients, key), _SignVote()))
@@ -244,11 +259,18 @@ def _masked_gradient_mean(
     gradients: Sequence[Mapping[str, Any]],
     probabilities: npt.NDArray[np.float64],
     threshold: float,
+    robust: RobustAggregation = "none",
+    trim_fraction: float = 0.1,
+    abstentions: int = 0,
 ) -> tuple[dict[str, npt.NDArray[np.float64]], float]:
-    masks = hard_mask(gradients, threshold)
+    masks = hard_mask(gradients, threshold, abstentions)
     # The mask is one per coordinate, shared by all clients, so sum_k p_k mask(g_k) equals
     # mask * sum_k p_k g_k: one weighted mean, then one multiplication.
-    masked = weighted_mean(gradients, probabilities, keys=list(masks), dtype=np.float64)
+    masked = (
+        robust_mean(gradients, list(masks), robust, trim_fraction)
+        if robust in COORDINATE_WISE
+        else weighted_mean(gradients, probabilities, keys=list(masks), dtype=np.float64)
+    )
     for key, mask in masks.items():
         masked[key] *= mask
     kept = sum(int(mask.sum()) for mask in masks.values())
@@ -294,8 +316,22 @@ def fedgma_step(
     threshold: float = 0.8,
     server_lr: float = 1.0,
     mask: MaskVariant = "hard",
+    scales: Sequence[float] | npt.NDArray[Any] | None = None,
+    gradient_scales: Sequence[float] | npt.NDArray[Any] | None = None,
+    robust: RobustAggregation = "none",
+    trim_fraction: float = 0.1,
+    abstentions: int = 0,
 ) -> GMAStep:
-    """One FedGMA aggregation, with the mean mask value (see :func:`aggregate_fedgma`)."""
+    """One FedGMA aggregation, with the mean mask value (see :func:`aggregate_fedgma`).
+
+    ``scales`` / ``gradient_scales`` clip the updates and the gradients
+    (:func:`strategies.influence.clip_scales`): client k's model counts as
+    w + s_k (theta_k - w), its gradient as s'_k g_k. ``robust`` ("trimmed-mean" or "median")
+    is FedGMA's robust form: the robust mean of the (clipped) models (hard) or updates (soft),
+    and, hard, of the gradients, in place of the weighted means; the masks are the sign votes
+    as usual (one vote per client, whatever it claims or sends). ``abstentions`` (hard): the
+    round's replies dropped as Byzantine suspects, counted in the quorum (:func:`hard_mask`).
+    """
     if mask not in MASK_VARIANTS:
         raise ValueError(f"mask = {mask!r}: allowed is 'hard' or 'soft'")
     if not (math.isfinite(server_lr) and server_lr >= 0.0):
@@ -306,7 +342,13 @@ def fedgma_step(
     # The hard variant steps from the average; the soft one steps its parameters from w, so
     # only its buffers (normalisation statistics, counters) need the average.
     averaged = list(global_np) if mask == "hard" else [k for k in global_np if k not in float_keys]
-    average = weighted_mean(client_arrays, probabilities, keys=averaged) if averaged else {}
+    kept = {key: global_np[key] for key in averaged}
+    if not averaged:
+        average: NDArrayDict = {}
+    elif robust in COORDINATE_WISE:
+        average = aggregate_robust(kept, client_arrays, robust, trim_fraction, None, scales)
+    else:
+        average = scaled_mean(kept, client_arrays, probabilities, scales)
     if mask == "hard":
         if client_gradients is None or len(client_gradients) != len(client_arrays):
             raise ValueError(
@@ -321,12 +363,25 @@ def fedgma_step(
                 f"gradient keys {not_float[:5]} are not floating parameters of the global model "
                 "(normalisation buffers and integer tensors are averaged, never stepped)"
             )
-        grad, mask_mean = _masked_gradient_mean(client_gradients, probabilities, threshold)
+        grad, mask_mean = _masked_gradient_mean(
+            client_gradients,
+            scaled_weights(probabilities, gradient_scales),
+            threshold,
+            robust,
+            trim_fraction,
+            abstentions,
+        )
         stepped = ServerOptimizer("sgd", server_lr).step(average, grad)
         return GMAStep({**average, **stepped}, mask_mean)
     # The soft mask and the mean update straight from the models: D_k = w - theta_k is never
     # materialised per client (K float64 models), each sum reads the client tensors once.
-    mean_update = pseudo_gradient(global_np, client_arrays, probabilities, keys=float_keys)
+    mean_update = (
+        robust_update(global_np, client_arrays, float_keys, robust, trim_fraction, scales)
+        if robust in COORDINATE_WISE
+        else pseudo_gradient(
+            global_np, client_arrays, scaled_weights(probabilities, scales), keys=float_keys
+        )
+    )
     masks = {
         key: _agreement_mask(
             blockwise_sum(
@@ -486,7 +541,11 @@ class FedGMA(ContractStrategy):
     def aggregate(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
-        """Weighted model average plus the masked server step, over the valid replies."""
+        """Weighted model average plus the masked server step, over the valid replies.
+
+        Robust form (``robust_aggregation``): see :func:`fedgma_step`; Krum / Multi-Krum left
+        only their selection in ``replies``.
+        """
         result = fedgma_step(
             global_arrays,
             [reply.arrays for reply in replies],
@@ -495,6 +554,11 @@ class FedGMA(ContractStrategy):
             threshold=self.threshold,
             server_lr=self.server_lr,
             mask=self.mask_variant,
+            scales=[reply.update_scale for reply in replies],
+            gradient_scales=[reply.record_scales.get(GRADIENT_RECORD, 1.0) for reply in replies],
+            robust="none" if self.robust_aggregation in SELECTIONS else self.robust_aggregation,
+            trim_fraction=self.trim_fraction,
+            abstentions=self.last_suspects,
         )
         self.last_mask_mean = result.mask_mean
         return result.arrays

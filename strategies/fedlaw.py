@@ -66,27 +66,42 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from logging import INFO, WARNING
-from typing import Any, Literal, Unpack, get_args
+from typing import Any, ClassVar, Literal, Unpack, get_args
 
 import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as functional
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common import log
+from flwr.serverapp import Grid
 from torch import nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _NormBase
 
 from beyond_averaging.tasks.datasets import LabeledData
-from beyond_averaging.tasks.protocol import ARRAYS_RECORD, CONFIG_RECORD, NUM_EXAMPLES_KEY
+from beyond_averaging.tasks.protocol import (
+    ARRAYS_RECORD,
+    CONFIG_RECORD,
+    NUM_EXAMPLES_KEY,
+    ClientTask,
+)
 
-from .aggregate import NDArrayDict, as_numpy, normalise_weights, weighted_mean
+from .aggregate import (
+    NDArrayDict,
+    as_numpy,
+    is_floating,
+    normalise_weights,
+    scaled_mean,
+    weighted_mean,
+)
 from .base import ClientReply, ContractStrategy, ProjectOptions
 from .metrics import MetricsAggregationFn
 from .proxy_data import ProxySetError, count_shared_samples, proxy_arrays, to_labeled_data
+from .robust import COORDINATE_WISE, GENERIC_METHODS, aggregate_robust, fltrust_scores
 
 LearnWhat = Literal["both", "shrink", "clients"]
 LEARN_CHOICES: tuple[str, ...] = get_args(LearnWhat)
@@ -401,6 +416,8 @@ def learn_aggregation_weights(
     lr_gamma: float = 0.5,
     device: torch.device | None = None,
     running_buffers: Mapping[str, torch.Tensor] | None = None,
+    scales: Sequence[float] | npt.NDArray[Any] | None = None,
+    global_params: Mapping[str, Any] | None = None,
 ) -> tuple[float, list[float]]:
     """Learn FedLAW's shrinking factor gamma and client weights lambda on the proxy set.
 
@@ -441,6 +458,11 @@ def learn_aggregation_weights(
         (``fedlaw-bn = "authors"``). Every forward pass updates them in place (momentum update,
         counter + 1), as the authors' train-mode server model does. Default: fresh tensors
         holding the clients' mean, left for the caller to discard.
+    scales, global_params : optional
+        Clipped clients (:func:`strategies.influence.clip_scales`): client k's model counts as
+        theta'_k = w + s_k (theta_k - w), w = ``global_params``, in place of theta_k. The sum
+        sum_k lambda_k theta'_k is computed as sum_k lambda_k s_k theta_k +
+        (sum_k lambda_k (1 - s_k)) w, differentiable in lambda, with no scaled copy of any model.
 
     Returns
     -------
@@ -462,6 +484,15 @@ def learn_aggregation_weights(
     buffer_names = [name for name, _ in model.named_buffers()]
     clients = _client_tensors(model, client_params, parameter_names, target)
     dtype = clients[parameter_names[0]][0].dtype
+    clipped = scales is not None and bool(np.any(np.asarray(scales) != 1.0))
+    scale_vector = torch.ones(len(client_params), dtype=dtype, device=target)
+    if clipped:
+        if global_params is None:
+            raise ValueError("scales need global_params (w), the point the updates are scaled to")
+        scale_vector = torch.as_tensor(np.asarray(scales), dtype=dtype, device=target)
+        reference = _client_tensors(model, [global_params], parameter_names, target)
+        for name in parameter_names:
+            clients[name] = [*clients[name], reference[name][0]]
     # BatchNorm in batch-statistics mode normalises with the batch's statistics and only
     # updates its running ones in place. By default those are FedAvg's mean of the clients'
     # values in fresh tensors (nothing reads them afterwards); in the authors' mode the caller's.
@@ -483,6 +514,10 @@ def learn_aggregation_weights(
         def loss_of_batch(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             scale = torch.exp(gamma_log)
             lambdas = torch.softmax(client_logits, dim=0)
+            if clipped:  # lambda_k s_k per client, then the weight left to w
+                lambdas = torch.cat(
+                    [lambdas * scale_vector, (lambdas * (1.0 - scale_vector)).sum().reshape(1)]
+                )
             weighted = {
                 name: scale * weighted_sum(lambdas, clients[name]) for name in parameter_names
             }
@@ -598,8 +633,13 @@ def aggregate_fedlaw(
     *,
     device: torch.device | None = None,
     server_buffers: Mapping[str, npt.NDArray[Any]] | None = None,
+    scales: Sequence[float] | npt.NDArray[Any] | None = None,
+    global_params: Mapping[str, Any] | None = None,
 ) -> NDArrayDict:
     """The FedLAW global model: ``gamma * sum_k lambda_k theta_k`` over the full client models.
+
+    With ``scales`` (and ``global_params`` w) the parameters are gamma * sum_k lambda_k
+    theta'_k, theta'_k = w + s_k (theta_k - w) (see :func:`learn_aggregation_weights`).
 
     Parameters (BatchNorm's affine ones included) are the gamma-scaled lambda-weighted sum.
     Buffers: with ``server_buffers`` (``fedlaw-bn = "authors"``) every buffer is the server's
@@ -617,7 +657,14 @@ def aggregate_fedlaw(
     names = list(model.state_dict())
     parameter_names = [name for name, _ in model.named_parameters()]
     buffer_names = [name for name, _ in model.named_buffers()]
-    state = weighted_mean(client_params, gamma * weights, keys=parameter_names)
+    if scales is not None and bool(np.any(np.asarray(scales) != 1.0)):
+        if global_params is None:
+            raise ValueError("scales need global_params (w), the point the updates are scaled to")
+        state = scaled_mean(
+            global_params, client_params, gamma * weights, scales, keys=parameter_names
+        )
+    else:
+        state = weighted_mean(client_params, gamma * weights, keys=parameter_names)
     if server_buffers is not None:
         state.update({name: np.asarray(server_buffers[name]) for name in buffer_names})
     else:
@@ -632,6 +679,55 @@ def weights_are_usable(gamma: float, lambdas: Sequence[float]) -> bool:
     return bool(
         math.isfinite(gamma) and gamma > 0.0 and np.all(np.isfinite(values)) and np.all(values >= 0)
     )
+
+
+# ----------------------------------------------------------------------------- FLTrust
+def proxy_update(
+    model: nn.Module,
+    global_arrays: Mapping[str, Any],
+    proxy_batches: Sequence[ProxyBatch],
+    task: ClientTask,
+    server_round: int,
+    *,
+    device: torch.device | None = None,
+) -> NDArrayDict:
+    """g_0 = theta_0 - w: the server's own update on the proxy set, FLTrust's root-set update.
+
+    The global model trained by SGD from w on the proxy samples with the clients' local-training
+    settings of the round (``task``: epochs, batch size, learning rate with its decay, momentum,
+    weight decay), as FLTrust's server trains on its root data set as the clients train on
+    theirs. A plain SGD loop here, not the ClientApp's training loop: strategies do not import
+    the client package. Floating tensors only, in float64; ``model`` is not modified.
+    """
+    target = device if device is not None else next(model.parameters()).device
+    scratch = copy.deepcopy(model).to(target)
+    scratch.load_state_dict(
+        {key: torch.from_numpy(np.array(as_numpy(value))) for key, value in global_arrays.items()}
+    )
+    scratch.train()
+    features = torch.cat([batch[0] for batch in proxy_batches]).to(target)
+    labels = torch.cat([batch[1] for batch in proxy_batches]).to(target)
+    optimizer = torch.optim.SGD(
+        scratch.parameters(),
+        lr=task.round_learning_rate(server_round),
+        momentum=task.momentum,
+        weight_decay=task.weight_decay,
+    )
+    generator = torch.Generator().manual_seed(task.seed * 100_003 + server_round)
+    for _ in range(task.local_epochs):
+        order = torch.randperm(len(labels), generator=generator).to(target)
+        for start in range(0, len(labels), task.batch_size):
+            rows = order[start : start + task.batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss: Any = functional.cross_entropy(scratch(features[rows]), labels[rows])
+            loss.backward()
+            optimizer.step()
+    trained = scratch.state_dict()
+    return {
+        key: trained[key].detach().cpu().numpy().astype(np.float64) - as_numpy(value)
+        for key, value in global_arrays.items()
+        if is_floating(as_numpy(value))
+    }
 
 
 # ----------------------------------------------------------------------------- Flower strategy
@@ -679,6 +775,9 @@ def _warn_if_shared(
 
 class FedLAW(ContractStrategy):
     """FedLAW on the project's strategy base: learns gamma and lambda on a server proxy set.
+
+    Robust forms: see :meth:`aggregate`; ``robust_aggregation = "fltrust"`` is FedLAW's alone
+    (it needs the proxy set).
 
     Needs nothing from clients beyond ``arrays`` and ``num-examples``, so any stock Flower
     ClientApp works with it. Each round writes ``fedlaw-gamma``, ``fedlaw-lambdas`` (in reply
@@ -735,6 +834,8 @@ class FedLAW(ContractStrategy):
     ProxySetError
         The proxy set is empty, lacks a class or is smaller than one batch.
     """
+
+    robust_methods: ClassVar[tuple[str, ...]] = (*GENERIC_METHODS, "fltrust")
 
     def __init__(
         self,
@@ -826,6 +927,8 @@ class FedLAW(ContractStrategy):
         # fedlaw-bn = "authors": the server model's own buffers, carried across rounds.
         self._server_buffers: dict[str, torch.Tensor] | None = None
         self._metrics: dict[str, float | int | list[float]] = {}
+        self._task: ClientTask | None = None  # fltrust: the clients' training of this round
+        self._fltrust_trust: list[float] = []
 
     def privacy_noise_gap(self) -> str | None:
         """The weights and gamma are learned from the replies (see :mod:`strategies.privacy`)."""
@@ -867,9 +970,61 @@ class FedLAW(ContractStrategy):
     def aggregate(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
-        """Learn gamma and lambda on the proxy set, then build gamma * sum_k lambda_k theta_k."""
+        """Learn gamma and lambda on the proxy set, then build gamma * sum_k lambda_k theta_k.
+
+        The clients' models are the clipped ones, w + s_k (theta_k - w). Robust forms
+        (``robust_aggregation``), each a choice of what FedLAW learns its weights over:
+
+        - "krum" / "multi-krum": the replies Krum keeps (the base left only those);
+        - "trimmed-mean" / "median": one model, the coordinate-wise robust mean of the (clipped)
+          clients; lambda over a single model is 1, so FedLAW learns gamma for it (its global
+          weight shrinking): a lambda over the clients would hand back the say the robust mean
+          took from each of them;
+        - "fltrust": FLTrust's trust scores against the server's own update on the proxy set
+          (:func:`proxy_update`, :func:`strategies.robust.fltrust_scores`): replies of trust 0
+          are left out, the others rescaled to the server update's length and weighted by their
+          trust, FLTrust's aggregate, from which FedLAW learns gamma and lambda.
+        """
         client_params = [reply.arrays for reply in replies]
         counts = [reply.num_examples for reply in replies]
+        scales = [reply.update_scale for reply in replies]
+        node_ids: list[float] = [reply.node_id for reply in replies]  # ints, typed for metrics
+        robust = self.robust_aggregation
+        if robust in COORDINATE_WISE:
+            robust_model = aggregate_robust(
+                global_arrays, client_params, robust, self.trim_fraction, None, scales
+            )
+            client_params, counts, scales, node_ids = [robust_model], [1.0], [1.0], [-1]
+        elif robust == "fltrust":
+            if self._task is None:
+                raise ValueError(
+                    "robust_aggregation = 'fltrust' trains the global model on the proxy set "
+                    "with the clients' local-training settings, read from the train config; "
+                    "this round's config had none (this project's ClientTask keys)"
+                )
+            g0 = proxy_update(
+                self.model,
+                global_arrays,
+                self.proxy_batches,
+                self._task,
+                server_round,
+                device=self.device,
+            )
+            trust, fl_scales = fltrust_scores(global_arrays, client_params, g0)
+            self._fltrust_trust = [float(value) for value in trust]
+            trusted = [index for index in range(len(replies)) if trust[index] > 0.0]
+            if not trusted:
+                log(
+                    WARNING,
+                    "round %d: FLTrust trusts no reply (every update points away from the "
+                    "server's proxy-set update): the global model stays as it is",
+                    server_round,
+                )
+                return {key: np.array(value) for key, value in global_arrays.items()}
+            client_params = [client_params[i] for i in trusted]
+            counts = [float(trust[i]) for i in trusted]
+            scales = [float(fl_scales[i]) for i in trusted]
+            node_ids = [node_ids[i] for i in trusted]
         data_weights = normalise_weights(counts).tolist()
         running = self._running_buffers(global_arrays)
         gamma, lambdas = learn_aggregation_weights(
@@ -886,6 +1041,8 @@ class FedLAW(ContractStrategy):
             lr_gamma=self.lr_gamma,
             device=self.device,
             running_buffers=running,
+            scales=scales,
+            global_params=global_arrays,
         )
         fallback = not weights_are_usable(gamma, lambdas)
         if fallback:
@@ -916,9 +1073,12 @@ class FedLAW(ContractStrategy):
             "fedlaw-lambdas": [float(value) for value in lambdas],
             "fedlaw-data-weights": data_weights,
             "fedlaw-fallback": int(fallback),
-            # One list, aligned with the lambdas, not a key per node: node ids change every run.
-            "fedlaw-node-ids": [reply.node_id for reply in replies],
+            # One list, aligned with the lambdas, not a key per node: node ids change every run
+            # (-1: the robust mean of the replies).
+            "fedlaw-node-ids": node_ids,
         }
+        if robust == "fltrust":
+            self._metrics["fltrust-trust"] = self._fltrust_trust
         server_buffers = None
         if running is not None:
             # A fallback round keeps the statistics from before its (non-finite) forward passes.
@@ -936,7 +1096,23 @@ class FedLAW(ContractStrategy):
             self.proxy_batches,
             device=self.device,
             server_buffers=server_buffers,
+            scales=scales,
+            global_params=global_arrays,
         )
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """As the base; with ``fltrust``, the round's client task is kept for the server update."""
+        if self.robust_aggregation == "fltrust":
+            try:
+                self._task = ClientTask.from_config(config)
+            except (KeyError, ValueError, TypeError) as error:
+                raise ValueError(
+                    f"robust_aggregation = 'fltrust' needs the clients' local-training settings "
+                    f"in the train config (this project's ClientTask keys): {error}"
+                ) from None
+        return super().configure_train(server_round, arrays, config, grid)
 
     def _running_buffers(self, global_arrays: NDArrayDict) -> dict[str, torch.Tensor] | None:
         """fedlaw-bn = "authors": a working copy of the server's buffers (first round: the

@@ -1,23 +1,33 @@
-"""Coordinate-wise robust averaging of client models: trimmed mean and median.
+"""Byzantine-robust aggregation: coordinate-wise trimmed mean and median, Krum and Multi-Krum.
 
 With K client values x_1..x_K of one coordinate, sorted, and t = floor(trim_fraction * K):
 
 - ``trimmed-mean``: the mean of x_(t+1) .. x_(K-t) (the t smallest and t largest left out);
-- ``median``: the middle value (the mean of the two middle ones for even K).
+- ``median``: the middle value (the mean of the two middle ones for even K);
+- ``krum`` / ``multi-krum`` (Blanchard et al., NeurIPS 2017; El Mhamdi et al., ICML 2018): with
+  f = floor(trim_fraction * K) assumed Byzantine, each client's score is the sum of its squared
+  distances to its max(1, K - f - 2) nearest other clients (as Flower's ``Krum``); ``krum`` keeps
+  the client of lowest score, ``multi-krum`` the K - f of lowest scores. The rule then aggregates
+  the kept replies as usual (their data-size weights included, as Flower's ``MultiKrum``).
 
-Both ignore the data-size weights: a client that claims many examples gets no more say than one
-that claims few, and up to t (trimmed mean) or fewer than half (median) arbitrary clients move a
-coordinate only within the honest clients' range. The price: data-size weighting is lost (with
-unequal data the result is not the FedAvg optimum's average), and statistically some efficiency on
-honest data. Because the trimmed mean and the median commute with shifting and negating all
-values, the robust mean update w - robust(theta_k) equals robust(w - theta_k) coordinate by
-coordinate, so it composes with a server optimizer exactly as the weighted mean update does.
+The coordinate-wise rules ignore the data-size weights: a client that claims many examples gets no
+more say than one that claims few, and up to t (trimmed mean) or fewer than half (median)
+arbitrary clients move a coordinate only within the honest clients' range. The price: data-size
+weighting is lost (with unequal data the result is not the FedAvg optimum's average), and some
+efficiency on honest data. Because the trimmed mean and the median commute with shifting and
+negating all values, the robust mean update w - robust(theta_k) equals robust(w - theta_k)
+coordinate by coordinate, so a rule that works on updates (Elastic's zeta, FedGMA's mask, a
+server optimizer) takes it exactly where it took the weighted mean update.
+
+Memory: every function streams over the clients block by block (:func:`client_blocks`): K slices
+of at most ``ROBUST_BLOCK_ELEMENTS / K`` elements of one tensor at a time, never a stacked copy
+of a tensor, let alone of the model, per client.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -26,8 +36,19 @@ import numpy.typing as npt
 from .aggregate import NDArrayDict, as_numpy, as_numpy_dict, is_floating
 from .server_optimizer import ServerOptimizer
 
-RobustAggregation = Literal["none", "trimmed-mean", "median"]
+RobustAggregation = Literal["none", "trimmed-mean", "median", "krum", "multi-krum", "fltrust"]
 ROBUST_CHOICES: tuple[str, ...] = get_args(RobustAggregation)
+#: The methods every rule has a robust form for; ``fltrust`` needs a server data set (FedLAW's
+#: proxy set, :mod:`strategies.fedlaw`).
+GENERIC_METHODS: tuple[str, ...] = ("none", "trimmed-mean", "median", "krum", "multi-krum")
+#: Rules that replace the mean coordinate by coordinate.
+COORDINATE_WISE: tuple[str, ...] = ("trimmed-mean", "median")
+#: Rules that keep a subset of the replies, which the rule then aggregates as usual.
+SELECTIONS: tuple[str, ...] = ("krum", "multi-krum")
+
+#: Elements of the (K, block) float64 stack one robust step holds at a time (32 MiB): K slices of
+#: one tensor, whatever the model's size.
+ROBUST_BLOCK_ELEMENTS = 1 << 22
 
 
 def check_robust(method: str, trim_fraction: float) -> None:
@@ -37,14 +58,19 @@ def check_robust(method: str, trim_fraction: float) -> None:
     if not 0.0 <= trim_fraction < 0.5:
         raise ValueError(
             f"trim_fraction = {trim_fraction}: allowed is [0, 0.5) (the share of clients left "
-            "out at each end of every coordinate)"
+            "out at each end of every coordinate, and Krum's assumed Byzantine share)"
         )
+
+
+def byzantine_count(trim_fraction: float, count: int) -> int:
+    """f = floor(trim_fraction * K): the clients a robust rule is built to withstand."""
+    return math.floor(trim_fraction * count)
 
 
 def trimmed_mean(stacked: npt.NDArray[Any], trim_fraction: float) -> npt.NDArray[np.float64]:
     """Mean over axis 0 after leaving out the floor(trim_fraction * K) smallest and largest."""
     count = stacked.shape[0]
-    trimmed = math.floor(trim_fraction * count)
+    trimmed = byzantine_count(trim_fraction, count)
     if count - 2 * trimmed < 1:
         raise ValueError(f"trim_fraction = {trim_fraction} leaves no value of {count}")
     values = np.asarray(stacked, dtype=np.float64)
@@ -61,30 +87,153 @@ def coordinate_median(stacked: npt.NDArray[Any]) -> npt.NDArray[np.float64]:
     return median
 
 
+def client_blocks(
+    client_arrays: Sequence[Mapping[str, Any]],
+    key: str,
+    reference: Any = None,
+    scales: npt.NDArray[np.float64] | Sequence[float] | None = None,
+) -> Iterator[tuple[slice, npt.NDArray[np.float64]]]:
+    """(where, stack): the clients' tensor ``key``, flattened, as (K, block) float64 stacks.
+
+    ``where`` is the block's slice of the flattened tensor. With ``reference`` (the global
+    tensor w) the rows are the updates theta_k - w, times ``scales[k]`` when given. Blocks hold
+    at most ``ROBUST_BLOCK_ELEMENTS`` values in all, so the memory is flat in the model's size.
+
+    Raises
+    ------
+    ValueError
+        When the clients' tensors ``key`` differ in size.
+    """
+    flats = [as_numpy(arrays[key]).reshape(-1) for arrays in client_arrays]
+    size = flats[0].size
+    if any(flat.size != size for flat in flats):
+        raise ValueError(f"the clients' tensors {key!r} differ in size")
+    origin = None if reference is None else as_numpy(reference).reshape(-1)
+    factors = None if scales is None else np.asarray(scales, dtype=np.float64)[:, None]
+    step = max(1, ROBUST_BLOCK_ELEMENTS // len(flats))
+    stack = np.empty((len(flats), min(step, size)), dtype=np.float64)
+    for start in range(0, size, step):
+        where = slice(start, min(start + step, size))
+        block = stack[:, : where.stop - where.start]
+        for row, flat in enumerate(flats):
+            block[row] = flat[where]
+        if origin is not None:
+            block -= origin[where]
+            if factors is not None:
+                block *= factors
+        yield where, block
+
+
+def _robust_of(stack: npt.NDArray[np.float64], method: str, trim_fraction: float) -> Any:
+    return coordinate_median(stack) if method == "median" else trimmed_mean(stack, trim_fraction)
+
+
 def robust_mean(
     client_arrays: Sequence[Mapping[str, Any]],
     keys: Sequence[str],
     method: RobustAggregation,
     trim_fraction: float = 0.1,
 ) -> NDArrayDict:
-    """The coordinate-wise trimmed mean or median of the clients' tensors ``keys``, in float64.
-
-    One key at a time: K stacked float64 copies of one tensor, never of the whole model.
-    """
-    check_robust(method, trim_fraction)
-    if method == "none" or not client_arrays:
-        raise ValueError(f"robust_mean needs a robust method and clients, got {method!r}")
+    """The coordinate-wise trimmed mean or median of the clients' tensors ``keys``, in float64."""
+    _check_coordinate_wise(method, trim_fraction, client_arrays)
     result: NDArrayDict = {}
     for key in keys:
-        stacked = np.stack([as_numpy(arrays[key]) for arrays in client_arrays]).astype(
-            np.float64, copy=False
-        )
-        result[key] = (
-            coordinate_median(stacked)
-            if method == "median"
-            else trimmed_mean(stacked, trim_fraction)
-        )
+        out = np.empty(as_numpy(client_arrays[0][key]).shape, dtype=np.float64)
+        flat = out.reshape(-1)
+        for where, stack in client_blocks(client_arrays, key):
+            flat[where] = _robust_of(stack, method, trim_fraction)
+        result[key] = out
     return result
+
+
+def robust_update(
+    global_arrays: Mapping[str, Any],
+    client_arrays: Sequence[Mapping[str, Any]],
+    keys: Sequence[str],
+    method: RobustAggregation,
+    trim_fraction: float = 0.1,
+    scales: npt.NDArray[np.float64] | Sequence[float] | None = None,
+) -> NDArrayDict:
+    """D = robust_k(w - theta_k) per key, in float64: the robust mean update (a pseudo-gradient).
+
+    With ``scales`` the updates are s_k (w - theta_k), the clipped replies'
+    (``strategies.influence.clip_scales``). Equal to w - robust(theta) without them (see the
+    module docstring).
+    """
+    _check_coordinate_wise(method, trim_fraction, client_arrays)
+    result: NDArrayDict = {}
+    for key in keys:
+        current = as_numpy(global_arrays[key])
+        out = np.empty(current.shape, dtype=np.float64)
+        flat = out.reshape(-1)
+        for where, stack in client_blocks(client_arrays, key, current, scales):
+            # rows are s_k (theta_k - w): the robust mean update is minus their robust mean
+            flat[where] = _robust_of(stack, method, trim_fraction)
+        np.negative(out, out=out)
+        result[key] = out
+    return result
+
+
+def _check_coordinate_wise(
+    method: str, trim_fraction: float, client_arrays: Sequence[Mapping[str, Any]]
+) -> None:
+    check_robust(method, trim_fraction)
+    if method not in COORDINATE_WISE or not client_arrays:
+        raise ValueError(
+            f"a coordinate-wise robust mean needs {COORDINATE_WISE} and clients, got {method!r}"
+        )
+
+
+def update_gram(
+    global_arrays: Mapping[str, Any],
+    client_arrays: Sequence[Mapping[str, Any]],
+    keys: Sequence[str] | None = None,
+) -> npt.NDArray[np.float64]:
+    """G[i, j] = <theta_i - w, theta_j - w> over ``keys`` (default: the floating tensors).
+
+    On updates rather than models: squared distances G_ii + G_jj - 2 G_ij of models of a large
+    norm would lose their digits to cancellation.
+    """
+    global_np = as_numpy_dict(global_arrays)
+    selected = [k for k, v in global_np.items() if is_floating(v)] if keys is None else list(keys)
+    gram = np.zeros((len(client_arrays), len(client_arrays)), dtype=np.float64)
+    for key in selected:
+        for _, stack in client_blocks(client_arrays, key, global_np[key]):
+            gram += stack @ stack.T
+    return gram
+
+
+def krum_scores(gram: npt.NDArray[np.float64], byzantine: int) -> npt.NDArray[np.float64]:
+    """Each client's sum of squared distances to its max(1, K - f - 2) nearest other clients."""
+    count = gram.shape[0]
+    diagonal = np.diag(gram)
+    distances = np.maximum(diagonal[:, None] + diagonal[None, :] - 2.0 * gram, 0.0)
+    np.fill_diagonal(distances, np.inf)  # a client is not its own neighbour
+    nearest = min(max(1, count - byzantine - 2), max(count - 1, 1))
+    if count == 1:
+        return np.zeros(1)
+    scores: npt.NDArray[np.float64] = np.sort(distances, axis=1)[:, :nearest].sum(axis=1)
+    return scores
+
+
+def krum_selection(
+    global_arrays: Mapping[str, Any],
+    client_arrays: Sequence[Mapping[str, Any]],
+    method: RobustAggregation,
+    trim_fraction: float = 0.1,
+) -> list[int]:
+    """Indices of the replies Krum (one) or Multi-Krum (K - f) keeps, in reply order.
+
+    Ties go to the earlier reply (a stable sort), as Flower's ``argsort`` gives them.
+    """
+    check_robust(method, trim_fraction)
+    if method not in SELECTIONS:
+        raise ValueError(f"krum_selection needs 'krum' or 'multi-krum', got {method!r}")
+    count = len(client_arrays)
+    byzantine = byzantine_count(trim_fraction, count)
+    scores = krum_scores(update_gram(global_arrays, client_arrays), byzantine)
+    keep = 1 if method == "krum" else max(1, count - byzantine)
+    return sorted(int(i) for i in np.argsort(scores, kind="stable")[:keep])
 
 
 def aggregate_robust(
@@ -93,25 +242,62 @@ def aggregate_robust(
     method: RobustAggregation,
     trim_fraction: float = 0.1,
     optimizer: ServerOptimizer | None = None,
+    scales: npt.NDArray[np.float64] | Sequence[float] | None = None,
 ) -> NDArrayDict:
-    """FedAvg with the robust mean: w_new = robust(theta), or a server step along w - robust(theta).
+    """FedAvg with the robust mean: w_new = robust(theta), or a server step along the robust
+    mean update D (:func:`robust_update`).
 
     Integer buffers (BatchNorm's counter) take the robust mean rounded back; floating tensors the
-    robust mean itself (``optimizer`` None or SGD with lr 1) or the optimizer's step along the
-    robust mean update. The result has the global model's keys, order and dtypes.
+    robust mean itself (``optimizer`` None or SGD with lr 1, no clipping) or w - D, or the
+    optimizer's step along D. ``scales`` clip the updates first. The result has the global
+    model's keys, order and dtypes.
     """
     global_np = as_numpy_dict(global_arrays)
-    robust = robust_mean(client_arrays, list(global_np), method, trim_fraction)
+    floating = [key for key, value in global_np.items() if is_floating(value)]
+    counters = [key for key in global_np if key not in set(floating)]
     plain = optimizer is None or (optimizer.name == "sgd" and optimizer.lr == 1.0)
+    unscaled = scales is None or bool(np.all(np.asarray(scales) == 1.0))
     result: NDArrayDict = {}
-    update: NDArrayDict = {}
-    for key, current in global_np.items():
-        if is_floating(current) and not plain:
-            update[key] = np.subtract(current, robust[key], dtype=np.float64)
-        elif is_floating(current):
-            result[key] = robust[key].astype(current.dtype)
-        else:
-            result[key] = np.rint(robust[key]).astype(current.dtype)
-    if update and optimizer is not None:
-        result.update(optimizer.step(global_np, update))
+    if counters:
+        averaged = robust_mean(client_arrays, counters, method, trim_fraction)
+        result.update({k: np.rint(averaged[k]).astype(global_np[k].dtype) for k in counters})
+    if plain and unscaled:  # robust(theta) itself, not w - robust(w - theta): no round-off
+        robust = robust_mean(client_arrays, floating, method, trim_fraction)
+        result.update({k: robust[k].astype(global_np[k].dtype) for k in floating})
+    elif floating:
+        update = robust_update(global_np, client_arrays, floating, method, trim_fraction, scales)
+        step = optimizer if optimizer is not None else ServerOptimizer("sgd", 1.0)
+        result.update(step.step(global_np, update))
     return {key: result[key] for key in global_np}
+
+
+def fltrust_scores(
+    global_arrays: Mapping[str, Any],
+    client_arrays: Sequence[Mapping[str, Any]],
+    server_update: Mapping[str, Any],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """FLTrust's trust and rescaling (Cao et al., NDSS 2021) of each reply against g_0.
+
+    With u_k = theta_k - w over the keys of ``server_update`` (g_0, the server's own update on
+    its root data): trust TS_k = ReLU(cos(u_k, g_0)) and scale s_k = ||g_0|| / ||u_k||, so that
+    w + s_k u_k has the server update's length. FLTrust's aggregate is then
+    w + sum_k TS_k s_k u_k / sum_k TS_k. A zero update gets trust 0 and scale 1; a zero g_0 gives
+    every reply trust 0. One streaming pass over the replies (:func:`client_blocks`).
+    """
+    count = len(client_arrays)
+    dots, squares = np.zeros(count), np.zeros(count)
+    reference_squares = 0.0
+    for key, value in server_update.items():
+        direction = as_numpy(value).reshape(-1).astype(np.float64, copy=False)
+        reference_squares += float(direction @ direction)
+        for where, stack in client_blocks(client_arrays, key, global_arrays[key]):
+            dots += stack @ direction[where]
+            squares += np.einsum("ij,ij->i", stack, stack)
+    norms, reference = np.sqrt(squares), math.sqrt(reference_squares)
+    denominator = norms * reference
+    cosines = np.divide(dots, denominator, out=np.zeros(count), where=denominator > 0.0)
+    trust: npt.NDArray[np.float64] = np.maximum(cosines, 0.0)
+    scales: npt.NDArray[np.float64] = np.divide(
+        reference, norms, out=np.ones(count), where=norms > 0.0
+    )
+    return trust, scales

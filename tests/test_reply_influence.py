@@ -9,6 +9,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from beyond_averaging.strategies.influence import (
+    cap_weights,
+    max_over_median,
+    norm_outliers,
+    record_norms,
+    update_norms,
+)
 from beyond_averaging.strategies.robust import (
     aggregate_robust,
     check_robust,
@@ -16,15 +23,7 @@ from beyond_averaging.strategies.robust import (
     trimmed_mean,
 )
 from beyond_averaging.strategies.server_optimizer import ServerOptimizer
-from beyond_averaging.strategies.validation import (
-    REPLY_VALUE_LIMIT,
-    cap_weights,
-    max_over_median,
-    model_rejection,
-    norm_outliers,
-    record_norms,
-    update_norms,
-)
+from beyond_averaging.strategies.validation import REPLY_VALUE_LIMIT, model_rejection
 
 
 def iterative_cap(weights: list[float], cap: float) -> list[float]:
@@ -180,7 +179,7 @@ def test_robust_options_outside_their_range_are_clear_errors(method: str, trim: 
 def test_a_finite_model_near_the_previous_one_is_committed() -> None:
     previous = {"w": np.ones(100, np.float32), "n": np.array(3, np.int64)}
     new = {"w": np.full(100, 3.0, np.float32), "n": 4}
-    assert model_rejection(new, previous, largest_update=20.0) is None
+    assert model_rejection(new, previous, median_update=20.0) is None
 
 
 @pytest.mark.parametrize(
@@ -189,13 +188,13 @@ def test_a_finite_model_near_the_previous_one_is_committed() -> None:
         (np.nan, "NaN or Inf"),
         (np.inf, "NaN or Inf"),
         (REPLY_VALUE_LIMIT * 10, "magnitude"),
-        (1e6, "norm"),  # in range, but 1e4 x the previous model plus the largest update
+        (1e6, "norm"),  # in range, but 1e4 x the previous model plus the median update
     ],
 )
 def test_a_broken_or_exploding_model_is_rejected_with_the_reason(value: float, why: str) -> None:
     previous = {"w": np.ones(100, np.float64)}
     new = np.ones(100, np.float64)
     new[7] = value
-    reason = model_rejection({"w": new}, previous, largest_update=1.0)
+    reason = model_rejection({"w": new}, previous, median_update=1.0)
     assert reason is not None
     assert why in reason

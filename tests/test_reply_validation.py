@@ -281,13 +281,18 @@ def test_a_non_finite_or_exploding_model_is_not_committed(
     assert "not committed" in caplog.text
 
 
-def test_robust_aggregation_is_refused_by_rules_it_does_not_compose_with() -> None:
-    with pytest.raises(ValueError, match="does not compose with ElasticAggregation"):
-        ElasticAggregation(robust_aggregation="median")
-    with pytest.raises(ValueError, match="does not compose with FedGMA"):
-        FedGMA(robust_aggregation="trimmed-mean")
-    with pytest.raises(ConfigError, match="composes with strategy = 'fedavg' only"):
-        parse_run_config({"strategy": "elastic", "robust-aggregation": "median"})
+def test_fltrust_is_refused_by_rules_without_a_server_data_set() -> None:
+    with pytest.raises(ValueError, match="no robust form in ElasticAggregation"):
+        ElasticAggregation(robust_aggregation="fltrust")
+    with pytest.raises(ValueError, match="no robust form in FedGMA"):
+        FedGMA(robust_aggregation="fltrust")
+    with pytest.raises(ConfigError, match="needs strategy = 'fedlaw'"):
+        parse_run_config({"strategy": "fedavg", "robust-aggregation": "fltrust"})
+    # every other robust form composes with every rule
+    for method in ("median", "trimmed-mean", "krum", "multi-krum"):
+        assert ElasticAggregation(robust_aggregation=method).robust_aggregation == method
+        assert FedGMA(robust_aggregation=method).robust_aggregation == method
+        parse_run_config({"strategy": "elastic", "robust-aggregation": method})
 
 
 def test_run_options_reach_the_strategy() -> None:
@@ -297,6 +302,9 @@ def test_run_options_reach_the_strategy() -> None:
             "trim-fraction": 0.2,
             "max-client-weight": 0.4,
             "update-norm-factor": 5.0,
+            "update-clip-factor": 3.0,
+            "direction-outlier-factor": 1.5,
+            "max-claim-factor": 4.0,
             "max-reply-bytes": 4096,
         }
     )
@@ -307,6 +315,8 @@ def test_run_options_reach_the_strategy() -> None:
     assert (strategy.robust_aggregation, strategy.trim_fraction) == ("trimmed-mean", 0.2)
     assert (strategy.max_client_weight, strategy.update_norm_factor) == (0.4, 5.0)
     assert strategy.max_reply_bytes == 4096
+    assert (strategy.update_clip_factor, strategy.direction_outlier_factor) == (3.0, 1.5)
+    assert strategy.max_claim_factor == 4.0
 
 
 def test_robust_fedavg_strategy_ignores_one_wild_client() -> None:

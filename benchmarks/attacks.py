@@ -1,0 +1,423 @@
+"""Byzantine clients against every rule and defence: the attack table of docs/reliability.md.
+
+One cell is one in-process federation (the real ClientApp on every node, the real strategy's
+``configure_train`` / ``aggregate_train``, no transport, as ``benchmarks/reply_norms.py``) in which
+the first ``attackers`` nodes are Byzantine. They collude and are omniscient: an
+:class:`AttackGrid` (the project's forwarding Grid, ``server.bounded_pull.DelegatingGrid``) lets
+every node train honestly, then rewrites the attackers' replies from the round's honest replies.
+Attacks (u_k = theta_k - w an honest update, the attacker's own or all of them; the same map is
+applied to a FedGMA ``gradient`` record, the sensitivity is left honest):
+
+- ``sign-flip``: ``w - 5 u_a`` with the attacker's true num-examples; ``sign-flip-1e12``: the same
+  claiming 1e12 examples;
+- ``noise``: ``w + v``, v a Gaussian direction with norm 3 ||u_a||;
+- ``boost``: ``w + 5 u_a`` (a scaled same-direction update);
+- ``alie``: ``w + mu - z sigma`` (Baruch et al., NeurIPS 2019), mu and sigma the per-coordinate
+  mean and standard deviation of every sampled client's honest update, all attackers sending the
+  same; s = floor(n / 2 + 1) - m, z = Phi^-1((n - s) / n);
+- ``label-flip``: honest training on labels y -> C - 1 - y (data poisoning, at the client).
+
+Strategies are this project's rules under their run options (the defences are run options:
+``update-clip-factor``, ``direction-outlier-factor``, ``max-claim-factor``, ``robust-aggregation``)
+or, with the setting ``flower = "<class>"``, Flower's own ``FedAvg``, ``FedMedian``,
+``FedTrimmedAvg`` (beta = ``trim-fraction``), ``Krum``, ``MultiKrum`` and ``Bulyan``
+(``num_malicious_nodes`` = the number of attackers), all driven by the same round loop
+(:func:`run_attacked`).
+
+The table is a spec of the experiment runner (``benchmarks/specs/attacks.toml``): this module is
+its ``runtime``, called with one run's settings (the run configuration plus ``attack``,
+``attackers`` and ``flower``), and writes the run folder in the app's format (``metrics.jsonl``
+with the test accuracy after every round, ``summary.json``)::
+
+    nice -n 10 .venv/bin/python -m benchmarks.runner benchmarks/specs/attacks.toml --publish
+    .venv/bin/python -m benchmarks.attacks benchmarks/specs/attacks.toml   # the condensed table
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.serverapp import strategy as flower_strategies
+from flwr.supercore.task_identity import TaskIdentity
+
+from benchmarks.report import read_run
+from benchmarks.spec import load_spec
+from beyond_averaging.client import app as client_module
+from beyond_averaging.server.app import client_task, data_spec
+from beyond_averaging.server.bounded_pull import DelegatingGrid
+from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.inprocess import InProcessGrid
+from beyond_averaging.server.recorder import RunRecorder
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.tasks.evaluation import DeviceData, evaluate
+from beyond_averaging.tasks.federation import load_server_splits
+from beyond_averaging.tasks.models import build_model
+from beyond_averaging.tasks.protocol import (
+    ARRAYS_RECORD,
+    GRADIENT_RECORD,
+    METRICS_RECORD,
+    NUM_EXAMPLES_KEY,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "attacks"
+
+Update = dict[str, npt.NDArray[np.float64]]
+
+
+# ----------------------------------------------------------------------------- attacks
+def alie_z(num_clients: int, num_attackers: int) -> float:
+    """z of "a little is enough": s = floor(n/2 + 1) - m, z = Phi^-1((n - s) / n)."""
+    supporters = math.floor(num_clients / 2 + 1) - num_attackers
+    return statistics.NormalDist().inv_cdf((num_clients - supporters) / num_clients)
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What the colluding attackers know in one round: every sampled client's honest update."""
+
+    updates: Sequence[Update]  # one per reply, in reply order (float64, floating keys)
+    attacker_positions: Sequence[int]
+    rng: np.random.Generator
+
+
+#: ``attack(view, position) -> malicious update`` for the attacker at ``position``.
+ModelAttack = Callable[[RoundView, int], Update]
+
+
+def _scaled(factor: float) -> ModelAttack:
+    def attack(view: RoundView, position: int) -> Update:
+        return {key: factor * value for key, value in view.updates[position].items()}
+
+    return attack
+
+
+def _noise(factor: float) -> ModelAttack:
+    def attack(view: RoundView, position: int) -> Update:
+        own = view.updates[position]
+        direction = {key: view.rng.standard_normal(value.shape) for key, value in own.items()}
+        scale = factor * _norm(own) / max(_norm(direction), 1e-30)
+        return {key: scale * value for key, value in direction.items()}
+
+    return attack
+
+
+def _alie(view: RoundView, position: int) -> Update:
+    n, m = len(view.updates), len(view.attacker_positions)
+    z = alie_z(n, m)
+    result: Update = {}
+    for key in view.updates[0]:
+        stacked = np.stack([update[key] for update in view.updates])
+        result[key] = stacked.mean(axis=0) - z * stacked.std(axis=0)
+    return result
+
+
+def _norm(update: Mapping[str, npt.NDArray[Any]]) -> float:
+    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in update.values()))
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One attack: a model map, a claimed weight, or label flipping at the client."""
+
+    model: ModelAttack | None = None
+    num_examples: float | None = None
+    flip_labels: bool = False
+
+
+ATTACKS: dict[str, Attack] = {
+    "none": Attack(),
+    "sign-flip": Attack(model=_scaled(-5.0)),
+    "sign-flip-1e12": Attack(model=_scaled(-5.0), num_examples=1e12),
+    "noise": Attack(model=_noise(3.0)),
+    "boost": Attack(model=_scaled(5.0)),
+    "alie": Attack(model=_alie),
+    "label-flip": Attack(flip_labels=True),
+}
+
+
+class AttackGrid(DelegatingGrid):
+    """Rewrites the train replies of ``attackers`` (node ids) from the round's honest replies."""
+
+    def __init__(self, inner: Grid, attackers: Iterable[int], attack: Attack, seed: int) -> None:
+        super().__init__(inner)
+        self.attackers = frozenset(attackers)
+        self.attack = attack
+        self.rng = np.random.default_rng(seed)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """The inner Grid's replies, the attackers' train replies rewritten."""
+        messages = list(messages)
+        replies = list(self.inner.send_and_receive(messages, timeout=timeout))
+        train = [m.metadata.message_type == MessageType.TRAIN for m in messages]
+        if not any(train) or (self.attack.model is None and self.attack.num_examples is None):
+            return replies
+        # Every train message of a round carries the same global model.
+        instruction = next(m for m in messages if m.metadata.message_type == MessageType.TRAIN)
+        global_arrays = {
+            key: value.numpy() for key, value in instruction.content[ARRAYS_RECORD].items()
+        }
+        positions = [
+            i
+            for i, reply in enumerate(replies)
+            if reply.metadata.src_node_id in self.attackers and not reply.has_error()
+        ]
+        if not positions:
+            return replies
+        return self._rewrite(replies, positions, global_arrays)
+
+    def _rewrite(
+        self,
+        replies: list[Message],
+        positions: list[int],
+        global_arrays: dict[str, npt.NDArray[Any]],
+    ) -> list[Message]:
+        floating = [k for k, v in global_arrays.items() if np.issubdtype(v.dtype, np.floating)]
+        honest = [reply for reply in replies if not reply.has_error()]
+        index = {id(reply): i for i, reply in enumerate(honest)}
+        attacker_rows = [index[id(replies[p])] for p in positions]
+
+        def updates_of(record: str, relative: bool) -> list[Update]:
+            out = []
+            for reply in honest:
+                arrays = reply.content.array_records[record]
+                out.append(
+                    {
+                        k: arrays[k].numpy().astype(np.float64)
+                        - (global_arrays[k] if relative else 0.0)
+                        for k in arrays
+                        if k in floating
+                    }
+                )
+            return out
+
+        model_view = RoundView(updates_of(ARRAYS_RECORD, True), attacker_rows, self.rng)
+        has_gradient = GRADIENT_RECORD in honest[0].content.array_records
+        gradient_view = (
+            RoundView(updates_of(GRADIENT_RECORD, False), attacker_rows, self.rng)
+            if has_gradient
+            else None
+        )
+        for position, row in zip(positions, attacker_rows, strict=True):
+            content = replies[position].content  # rewritten in place
+            if self.attack.model is not None:
+                bad = self.attack.model(model_view, row)
+                arrays = content.array_records[ARRAYS_RECORD]
+                content[ARRAYS_RECORD] = ArrayRecord(
+                    {
+                        key: Array(
+                            (global_arrays[key] + bad[key]).astype(arrays[key].numpy().dtype)
+                            if key in bad
+                            else arrays[key].numpy()
+                        )
+                        for key in arrays
+                    }
+                )
+                if gradient_view is not None:
+                    gradient = self.attack.model(gradient_view, row)
+                    content[GRADIENT_RECORD] = ArrayRecord(
+                        {key: Array(value.astype(np.float32)) for key, value in gradient.items()}
+                    )
+            if self.attack.num_examples is not None:
+                metrics = dict(content.metric_records[METRICS_RECORD])
+                metrics[NUM_EXAMPLES_KEY] = self.attack.num_examples
+                content[METRICS_RECORD] = MetricRecord(metrics)
+        return replies
+
+
+# ----------------------------------------------------------------------------- label flipping
+def label_flipping_app(flipped_partitions: frozenset[int]) -> ClientApp:
+    """The project's ClientApp, training the ``flipped_partitions`` on labels C - 1 - y."""
+    flipping = ClientApp()
+
+    @flipping.train()
+    def train(message: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        if partition not in flipped_partitions:
+            return client_module.train(message, context)
+        with _flipped_labels():
+            return client_module.train(message, context)
+
+    @flipping.evaluate()
+    def evaluate_local(message: Message, context: Context) -> Message:
+        return client_module.evaluate_local(message, context)
+
+    return flipping
+
+
+@contextlib.contextmanager
+def _flipped_labels() -> Iterator[None]:
+    # The ClientApp reads its partition through client.app.device_partition; for the call of a
+    # flipping node that function returns the same samples with labels C - 1 - y.
+    honest = client_module.device_partition
+
+    def flipped(spec: Any, partition_id: int, device: torch.device) -> DeviceData:
+        data = honest(spec, partition_id, device)
+        return dataclasses.replace(data, labels=data.num_classes - 1 - data.labels)
+
+    client_module.device_partition = flipped  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        client_module.device_partition = honest
+
+
+# ----------------------------------------------------------------------------- one run
+#: Flower's strategies the table compares with, by class name.
+FLOWER_STRATEGIES = ("FedAvg", "FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan")
+
+
+def flower_strategy(name: str, attackers: int, trim_fraction: float) -> Any:
+    """Flower's own strategy ``name``, told the number of attackers where it takes one."""
+    if name not in FLOWER_STRATEGIES:
+        raise ValueError(f"flower = {name!r}: use one of {FLOWER_STRATEGIES}")
+    common: dict[str, Any] = {"fraction_evaluate": 0.0}
+    if name == "FedTrimmedAvg":
+        common["beta"] = trim_fraction
+    if name in ("Krum", "MultiKrum", "Bulyan"):
+        common["num_malicious_nodes"] = attackers
+    if name == "MultiKrum":  # El Mhamdi et al.'s m = n - f; Flower's default 1 is Krum
+        common["num_nodes_to_select"] = 0  # replaced per round below
+    return getattr(flower_strategies, name)(**common)
+
+
+def run_attacked(settings: Mapping[str, Any]) -> None:
+    """One run of the attack table: a federation whose first ``attackers`` nodes are Byzantine.
+
+    ``settings`` is a run configuration (``run-name`` and ``output-dir`` name the run folder)
+    plus ``attack`` (a name of :data:`ATTACKS`), ``attackers`` (how many of the first nodes
+    attack; 0 or attack ``none``: an honest run) and optionally ``flower`` (a class of
+    :data:`FLOWER_STRATEGIES` in place of the configured rule).
+
+    Raises
+    ------
+    ValueError
+        An unknown attack or Flower strategy, or a run configuration the app refuses.
+    """
+    own = {"attack", "attackers", "flower"}
+    attack_name = str(settings.get("attack", "none"))
+    if attack_name not in ATTACKS:
+        raise ValueError(f"attack = {attack_name!r}: use one of {sorted(ATTACKS)}")
+    attack = ATTACKS[attack_name]
+    flower = str(settings.get("flower", ""))
+    config = parse_run_config({k: v for k, v in settings.items() if k not in own})
+    attackers = 0 if attack_name == "none" else int(settings.get("attackers", 0))
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    torch.manual_seed(config.seed)
+    device = torch.device("cpu")
+    test_set, proxy_set = load_server_splits(data_spec(config))
+    model = build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
+    recorder = RunRecorder(
+        config.output_dir,
+        config.run_name,
+        {**config.to_run_config(), "attack": attack_name, "attackers": attackers, "flower": flower},
+    )
+    try:
+        strategy = (
+            flower_strategy(flower, int(settings.get("attackers", 0)), config.trim_fraction)
+            if flower
+            else build_strategy(config, ServerResources(model, proxy_set, device, test_set))
+        )
+        client_app = (
+            label_flipping_app(frozenset(range(attackers)))
+            if attack.flip_labels
+            else client_module.app
+        )
+        inner = InProcessGrid(client_app, config.num_clients, config.to_run_config())
+        node_ids = sorted(inner.get_node_ids())
+        grid = AttackGrid(inner, node_ids[:attackers], attack, config.seed)
+        test = DeviceData.from_labeled(test_set, device)
+        arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        task = client_task(config).to_config()
+        loss, accuracy = evaluate(model, test, device)
+        recorder.log_round({"round": 0, "test-accuracy": accuracy, "test-loss": loss})
+        for server_round in range(1, config.num_server_rounds + 1):
+            started = time.perf_counter()
+            if flower == "MultiKrum":
+                strategy.num_nodes_to_select = max(1, len(node_ids) - int(settings["attackers"]))
+            messages = strategy.configure_train(server_round, arrays, ConfigRecord(task), grid)
+            replies = list(grid.send_and_receive(messages))
+            new_arrays, _ = strategy.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                arrays = new_arrays
+            model.load_state_dict(arrays.to_torch_state_dict())
+            loss, accuracy = evaluate(model, test, device)
+            figures = {} if flower else dict(strategy.last_round_metrics)
+            recorder.log_round(
+                {
+                    **figures,
+                    "round": server_round,
+                    "test-accuracy": accuracy,
+                    "test-loss": loss,
+                    "round-seconds": time.perf_counter() - started,
+                    "aggregated": int(new_arrays is not None),
+                }
+            )
+    except BaseException as error:
+        recorder.write_summary("failed", error=f"{type(error).__name__}: {error}")
+        raise
+    recorder.write_summary("completed")
+
+
+# ----------------------------------------------------------------------------- condensed table
+def condensed_table(spec_path: Path, metric_rounds: int = 1) -> str:
+    """Per federation, one row per method and one column per attack: the test accuracy (%) of
+    the final round (``metric_rounds`` > 1: the mean of that many last rounds), seeds averaged,
+    and the largest loss against the method's own honest run. From the spec's run folders."""
+    spec = load_spec(spec_path)
+    found = [data for data in (read_run(run) for run in spec.runs()) if data is not None]
+    cells: dict[tuple[str, str, str], list[float]] = {}
+    for data in found:
+        labels = data.run.labels
+        curve = list(data.curve("test-accuracy").values())
+        value = 100.0 * float(np.mean(curve[-metric_rounds:]))
+        key = (labels["federation"], labels["method"], labels["attack"])
+        cells.setdefault(key, []).append(value)
+    attacks = next(a.labels for a in spec.axes if a.name == "attack")
+    methods = next(a.labels for a in spec.axes if a.name == "method")
+    lines = []
+    for federation in next(a.labels for a in spec.axes if a.name == "federation"):
+        lines += [f"**{federation}**", ""]
+        lines.append("| method | " + " | ".join(attacks) + " | worst loss (pts) |")
+        lines.append("|---" * (len(attacks) + 2) + "|")
+        for method in methods:
+            values = {a: cells.get((federation, method, a)) for a in attacks}
+            shown = [f"{np.mean(v):.1f}" if v else "-" for v in values.values()]
+            honest = values.get("none")
+            losses = [np.mean(honest) - np.mean(v) for a, v in values.items() if v and a != "none"]
+            worst = f"{max(losses):.1f}" if honest and losses else "-"
+            lines.append(f"| {method} | " + " | ".join(shown) + f" | {worst} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the condensed table of an attack spec from its run folders."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.attacks", description=__doc__)
+    parser.add_argument("spec", type=Path, help="benchmarks/specs/attacks*.toml")
+    parser.add_argument("--last", type=int, default=1, help="mean of this many last rounds")
+    options = parser.parse_args(argv)
+    print(condensed_table(options.spec, options.last))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Byzantine clients in a real federation (benchmarks/attacks.py's attacker, digits, in process).
+
+One of four IID clients sends w - 5 (theta - w), its honest update sign-flipped and five times
+as long, with its true number of examples: under the default run options every rule ends within
+0.05 of its honest run, and with the bounds off the same attacker drives every rule to about
+chance (so the test fails when the defaults stop holding). Claiming 1e12 examples as well,
+``robust-aggregation = "median"`` holds it for every rule.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from benchmarks.attacks import ATTACKS, AttackGrid, alie_z, run_attacked
+from tests.conftest import reply_message
+
+FEDERATION = {
+    "dataset": "digits",
+    "model": "mlp",
+    "num-clients": 4,
+    "partition": "iid",
+    "num-server-rounds": 8,
+    "device": "cpu",
+    "attackers": 1,
+}
+BOUNDS_OFF = {"update-clip-factor": 0.0, "direction-outlier-factor": 0.0, "max-claim-factor": 0.0}
+RULES = ["fedavg", "elastic", "fedlaw", "fedgma"]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Small models on a shared CPU: more threads only add contention (as the runner's runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def final_accuracy(folder: Path, name: str, **settings: Any) -> float:
+    run_attacked({**FEDERATION, **settings, "output-dir": str(folder), "run-name": name})
+    rounds = (folder / name / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return float(json.loads(rounds[-1])["test-accuracy"])
+
+
+@pytest.fixture(scope="module")
+def honest_accuracy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+    """Each rule's honest run under the defaults, shared by the tests of this module."""
+    folder = tmp_path_factory.mktemp("honest")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {rule: final_accuracy(folder, rule, strategy=rule, attack="none") for rule in RULES}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_every_rule_holds_a_sign_flipping_client_under_the_defaults(
+    rule: str, tmp_path: Path, honest_accuracy: dict[str, float]
+) -> None:
+    honest = honest_accuracy[rule]
+    defended = final_accuracy(tmp_path, "defaults", strategy=rule, attack="sign-flip")
+    undefended = final_accuracy(tmp_path, "off", strategy=rule, attack="sign-flip", **BOUNDS_OFF)
+    assert defended >= honest - 0.05, (rule, honest, defended)
+    assert undefended < 0.3, (rule, undefended)  # the attack is real
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_median_form_of_every_rule_holds_a_sign_flipping_client_claiming_1e12_examples(
+    rule: str, tmp_path: Path, honest_accuracy: dict[str, float]
+) -> None:
+    attacked = final_accuracy(
+        tmp_path,
+        "median",
+        strategy=rule,
+        attack="sign-flip-1e12",
+        **{"robust-aggregation": "median"},
+    )
+    assert attacked >= honest_accuracy[rule] - 0.05, (rule, honest_accuracy[rule], attacked)
+
+
+class Replies:
+    """A Grid stand-in that answers every train message with fixed replies."""
+
+    def __init__(self, replies: list[Message]) -> None:
+        self.replies = replies
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
+        return self.replies
+
+
+def test_the_attacker_sends_its_honest_update_sign_flipped_five_times_and_claims_1e12(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for attribute in ("_run_id", "_node_id", "_task_id"):  # a ServerApp's identity, to send
+        monkeypatch.setattr(TaskIdentity, attribute, 1 if attribute == "_run_id" else 0)
+    global_model = {"w": np.array([1.0, 2.0], np.float32)}
+    models = [np.array([2.0, 2.0], np.float32), np.array([1.0, 4.0], np.float32)]
+    replies = []
+    for node, model in enumerate(models, start=1):
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({"w": Array(model)}),
+                "metrics": MetricRecord({"num-examples": 10}),
+            }
+        )
+        replies.append(reply_message(content, node_id=node))
+    request = Message(
+        content=RecordDict({"arrays": ArrayRecord({"w": Array(global_model["w"])})}),
+        message_type="train",
+        dst_node_id=1,
+    )
+    grid = AttackGrid(Replies(replies), [1], ATTACKS["sign-flip-1e12"], seed=0)  # type: ignore[arg-type]
+    out = list(grid.send_and_receive([request]))
+    np.testing.assert_allclose(out[0].content["arrays"]["w"].numpy(), [1.0 - 5.0, 2.0])
+    assert out[0].content["metrics"]["num-examples"] == 1e12
+    np.testing.assert_allclose(out[1].content["arrays"]["w"].numpy(), models[1])  # honest
+
+
+def test_alie_z_follows_the_papers_formula() -> None:
+    # s = floor(n / 2 + 1) - m; z = Phi^-1((n - s) / n)
+    assert alie_z(4, 1) == pytest.approx(0.0)  # s = 2: the benign mean itself
+    assert alie_z(10, 2) == pytest.approx(0.2533, abs=1e-4)  # s = 4: Phi^-1(0.6)
+    assert alie_z(50, 12) == pytest.approx(0.5828, abs=1e-4)  # s = 14: Phi^-1(0.72)
