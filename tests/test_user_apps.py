@@ -1,49 +1,57 @@
-"""The user's experience: the library built as a wheel, installed into a clean virtual environment
-beside Flower, and used by two Flower apps written the way users write them, with the recipes
-copied by this test from the docs pages.
+"""The user's experience: Flower's own quickstart-pytorch with a rule's recipe pasted in from the
+docs, and the library installed from its wheel beside the Flower the user has.
 
-- ``tests/apps/quickstart``: the shape of Flower's examples/quickstart-pytorch (its own package
-  ``qsapp`` with ``task.py``, ``client_app.py``, ``server_app.py``; dict batches {"img", "label"}).
-- ``tests/apps/flat``: the older flat shape (``client.py``, ``server.py`` and a ``tasks/``
-  package: the top-level names that collided with the library before it had one import name);
-  (x, y) tuple batches.
+The apps (``tests/apps/``):
 
-Each app runs every rule for 2 rounds in Flower simulation (``flwr run`` against a simulation
-SuperLink of the clean environment, 4 SuperNodes). A rule's server recipe (``<!-- recipe:
-NAME-server -->`` in docs/) replaces the app's strategy lines and its client recipe, where it has
-one, the app's train function, verbatim: when a docs page changes, these runs use the change.
+- ``quickstart``: Flower's examples/quickstart-pytorch, its ``server_app.py`` and
+  ``client_app.py`` line for line, ``task.py`` too but for synthetic data in CIFAR-10's shapes
+  (dict batches ``{"img", "label"}``);
+- ``flat``: the older flat layout (``server.py``, ``client.py``, a ``tasks/`` package: module
+  names that once collided with the library), the same ServerApp and ClientApp lines, (x, y) tuple
+  batches.
 
-The clean environment: ``python3.11 -m venv`` (no system site-packages), then the wheel and
-``flwr[simulation]>=1.27`` (what Flower's quickstart asks for) under constraints.txt, so torch
-comes from the local wheel cache at the project's tested version. uv installs when the project's
-environment has it (seconds from its cache), pip otherwise. Marked ``userapp``: `.ci/run` runs them
-in a line of their own (`pytest -m userapp`).
+A recipe is a ``diff`` block after ``<!-- recipe: NAME -->`` in docs/: hunks of context (`` ``),
+removed (``-``) and added (``+``) lines, separated by ``@@`` lines, that must match the app's file
+exactly once. A rule is a server recipe and, where the rule needs something from clients, a client
+recipe; each may add or replace at most 3 lines of a file, measured by diffing the patched file
+against the unpatched app. When a docs page changes, every test here uses the change.
+
+Default suite (seconds): the recipes are in the docs once, apply to both apps within the line
+budget, and each rule runs 2 rounds of both patched apps in process (server/inprocess.py).
+
+Marked ``userapp`` (their own line of ``.ci/run``, through ``scripts/flower_matrix.py``): the
+library's wheel in a clean virtual environment per Flower release, installed with the release
+and torch only (no constraints.txt), then both apps x every rule for 2 rounds in Flower's
+simulation (``flwr run`` against one simulation SuperLink per release, 4 virtual SuperNodes), one
+run on a local deployment (SuperLink + 4 SuperNode processes), and ``flwr run`` with Flower's
+defaults, which install the app's dependencies with ``uv sync``. The releases come from
+``BA_USERAPP_FLWR`` (default ``oldest 1.39.0 newest``: ``oldest`` is the floor in pyproject.toml,
+``newest`` the newest below 2 on the package index), the Python from ``BA_USERAPP_PYTHON``
+(default 3.11) and torch from ``BA_USERAPP_TORCH`` (default ``torch==2.13.0``, the local CPU
+wheel). ``BA_USERAPP_REPORT`` names a JSON-lines file each run is recorded in (the matrix command
+turns it into the table of docs/install.md, "Flower versions").
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 import os
 import re
 import shutil
-import subprocess
 import sys
-import time
-import urllib.request
-import uuid
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from flwr.serverapp.strategy import Strategy
 
-from beyond_averaging.server.launch import (
-    LAUNCH_MARKER,
-    flower_environment,
-    free_port,
-    stop_process_tree,
-    write_connection,
-)
+from beyond_averaging.server import inprocess
+from tests.flower_runtime import FlowerInstall, FlowerLink, RunOutcome, checked, clean_log
 
 REPO = Path(__file__).resolve().parent.parent
 APPS = REPO / "tests" / "apps"
@@ -56,28 +64,108 @@ WHEEL_SOURCES = (
     "beyond_averaging",
     *("strategies", "server", "client", "tasks"),
 )
-#: Flower's examples/quickstart-pytorch requires flwr[simulation]>=1.27 beside torch.
+#: Flower's examples/quickstart-pytorch requires these beside flwr[simulation]>=1.27.
 QUICKSTART_FLOWER = "flwr[simulation]>=1.27"
-#: The quickstart's own pins, which the library must resolve beside (torch is what it pins).
 QUICKSTART_PINS = ("torch==2.8.0", "torchvision==0.23.0", "flwr-datasets[vision]>=0.6.0")
-RUN_TIMEOUT_S = 420
-#: Ray gives its raylet a fixed 30 s to register; on a heavily loaded machine that start fails
-#: before any of the app's code runs. Such a run (and only such a run) is started again.
-RAY_START_TIMEOUT = "The current node timed out during startup"
-RAY_START_ATTEMPTS = 3
+#: Lines a recipe may add, and lines it may remove, in each file of the app.
+LINE_BUDGET = 3
+ROUNDS = 2
 NUM_SUPERNODES = 4
+RUN_TIMEOUT_S = 600
 
-_RECIPE = re.compile(r"^<!-- recipe: ([\w-]+) -->\n```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+_BLOCK = re.compile(r"^<!-- recipe: ([\w-]+) -->\n```(\w+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+# ------------------------------------------------------------------------------------ recipes
+@dataclass(frozen=True)
+class Hunk:
+    """Lines to find (context and removed) and what replaces them (context and added)."""
+
+    old: tuple[str, ...]
+    new: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A docs recipe: a change to one file of Flower's quickstart, as diff hunks."""
+
+    name: str
+    hunks: tuple[Hunk, ...]
+
+    @classmethod
+    def parse(cls, name: str, diff: str) -> Recipe:
+        hunks: list[Hunk] = []
+        old: list[str] = []
+        new: list[str] = []
+        for line in [*diff.splitlines(), "@@"]:
+            if line.startswith("@@"):
+                if old or new:
+                    hunks.append(Hunk(tuple(old), tuple(new)))
+                old, new = [], []
+            elif line[:1] in ("-", "+", " ") or not line:
+                marker, text = line[:1], line[1:]
+                if marker != "+":
+                    old.append(text)
+                if marker != "-":
+                    new.append(text)
+            else:
+                raise ValueError(f"recipe {name}: {line!r} is not a diff line (' ', '-', '+', @@)")
+        return cls(name, tuple(hunks))
+
+    def apply(self, source: str, where: str) -> str:
+        """``source`` with every hunk applied; each hunk's lines must occur exactly once."""
+        lines = source.splitlines()
+        for hunk in self.hunks:
+            width = len(hunk.old)
+            starts = [
+                i for i in range(len(lines) - width + 1) if tuple(lines[i : i + width]) == hunk.old
+            ]
+            if len(starts) != 1:
+                raise ValueError(
+                    f"recipe {self.name}: the lines\n" + "\n".join(hunk.old) + f"\noccur "
+                    f"{len(starts)} times in {where}; a recipe's lines must occur exactly once"
+                )
+            lines[starts[0] : starts[0] + width] = hunk.new
+        return "\n".join(lines) + "\n"
+
+
+def docs_blocks() -> dict[str, list[tuple[str, str]]]:
+    """Every marked block in docs/*.md: name -> [(language, code)], a list to catch doubles."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for page in sorted(DOCS.glob("*.md")):
+        for name, language, code in _BLOCK.findall(page.read_text(encoding="utf-8")):
+            found.setdefault(name, []).append((language, code))
+    return found
+
+
+def recipe(name: str) -> Recipe:
+    """The ``diff`` recipe ``name`` from docs/."""
+    blocks = docs_blocks().get(name, [])
+    assert len(blocks) == 1, f"recipe {name!r} is in docs/ {len(blocks)} times"
+    language, code = blocks[0]
+    assert language == "diff", f"recipe {name!r} is a {language} block, not a diff"
+    return Recipe.parse(name, code)
+
+
+def dependency_line(wheel: Path) -> str:
+    """The requirement docs/install.md tells a user to list, pointing at ``wheel``."""
+    blocks = docs_blocks()["app-dependency"]
+    match = re.search(r'"(beyond-averaging @ file://(/\S+))"', blocks[0][1])
+    assert match is not None, "the app-dependency block names no file:// wheel"
+    assert Path(match.group(2)).name == wheel.name, "the docs name another wheel than the build"
+    return match.group(1).replace(match.group(2), str(wheel))
 
 
 @dataclass(frozen=True)
 class Rule:
-    """A rule as a user swaps it in: the recipes it needs and the class it must run."""
+    """A rule as a user swaps it in: its recipes and the strategy class it must run."""
 
     name: str
     strategy_class: str
     server_recipe: str
     client_recipe: str | None
+    #: Optional recipes applied to the server file after ``server_recipe`` (outside its budget).
+    server_extras: tuple[str, ...] = ()
 
 
 RULES = (
@@ -87,324 +175,509 @@ RULES = (
     Rule("fedgma", "FedGMA", "fedgma-server", "fedgma-client"),
     Rule("fedgma-soft", "FedGMASoft", "fedgma-soft-server", None),
 )
+#: FedLAW with its proxy samples also kept out of global_evaluate (docs/fedlaw.md): in process.
+FEDLAW_HOLDOUT = Rule("fedlaw-holdout", "FedLAW", "fedlaw-server", None, ("fedlaw-holdout",))
 
 
 @dataclass(frozen=True)
 class AppShape:
-    """Where an app's server strategy lines and client train function live."""
+    """An app of tests/apps/ and the files a rule's recipes change."""
 
     name: str
     server_module: str
     client_module: str
+    #: The app's own top-level modules (removed from sys.modules between in-process runs).
+    modules: tuple[str, ...]
 
 
 SHAPES = (
-    AppShape("quickstart", "qsapp/server_app.py", "qsapp/client_app.py"),
-    AppShape("flat", "server.py", "client.py"),
+    AppShape(
+        "quickstart",
+        "pytorchexample/server_app.py",
+        "pytorchexample/client_app.py",
+        ("pytorchexample",),
+    ),
+    AppShape("flat", "server.py", "client.py", ("server", "client", "tasks")),
 )
 
 
-def docs_recipes() -> dict[str, list[str]]:
-    """Every marked recipe block in docs/*.md, by name (a list, to catch doubled markers)."""
-    found: dict[str, list[str]] = {}
-    for page in sorted(DOCS.glob("*.md")):
-        for name, code in _RECIPE.findall(page.read_text(encoding="utf-8")):
-            found.setdefault(name, []).append(code)
-    return found
+def patched_files(shape: AppShape, rule: Rule) -> dict[str, tuple[str, str]]:
+    """File -> (unpatched, patched) for the files the rule's recipes change."""
+    changes = {
+        shape.server_module: (rule.server_recipe, *rule.server_extras),
+        shape.client_module: (rule.client_recipe,) if rule.client_recipe else (),
+    }
+    files = {}
+    for module, names in changes.items():
+        if names:
+            before = patched = (APPS / shape.name / module).read_text(encoding="utf-8")
+            for name in names:
+                patched = recipe(name).apply(patched, f"{shape.name}/{module}")
+            files[module] = (before, patched)
+    return files
 
 
-def _replace_region(source: str, marker: str, replacement: str, indent: str) -> str:
-    """Replace the lines between ``# >>> marker`` and ``# <<< marker`` (markers kept)."""
-    pattern = re.compile(
-        rf"^(?P<indent>[ ]*)# >>> {marker}\n.*?^[ ]*# <<< {marker}\n", re.MULTILINE | re.DOTALL
-    )
-    match = pattern.search(source)
-    if match is None:
-        raise AssertionError(f"no '# >>> {marker}' ... '# <<< {marker}' region to replace")
-    body = "".join(
-        f"{indent}{line}\n" if line.strip() else "\n" for line in replacement.splitlines()
-    )
-    region = f"{indent}# >>> {marker}\n{body}{indent}# <<< {marker}\n"
-    return source[: match.start()] + region + source[match.end() :]
+def add_dependency(pyproject: Path, requirement: str) -> None:
+    """Append ``requirement`` to ``[project].dependencies``, as a user edits the file."""
+    text = pyproject.read_text(encoding="utf-8")
+    head, found, rest = text.partition("dependencies = [\n")
+    assert found, f"{pyproject} has no multi-line dependencies list"
+    listing, end, tail = rest.partition("]\n")
+    pyproject.write_text(f'{head}{found}{listing}    "{requirement}",\n{end}{tail}', "utf-8")
 
 
-def write_app(shape: AppShape, rule: Rule, destination: Path) -> Path:
-    """A copy of the app with the rule's recipes from docs/ in place of its FedAvg code."""
+def write_app(
+    shape: AppShape, rule: Rule, destination: Path, dependency: str | None = None
+) -> Path:
+    """A copy of the app with the rule's recipes from docs/ applied (and ``dependency`` listed)."""
     shutil.copytree(APPS / shape.name, destination, ignore=shutil.ignore_patterns("__pycache__"))
-    recipes = docs_recipes()
-    server = destination / shape.server_module
-    server.write_text(
-        _replace_region(
-            server.read_text(encoding="utf-8"), "strategy", recipes[rule.server_recipe][0], "    "
-        ),
-        encoding="utf-8",
-    )
-    if rule.client_recipe is not None:
-        client = destination / shape.client_module
-        client.write_text(
-            _replace_region(
-                client.read_text(encoding="utf-8"), "train", recipes[rule.client_recipe][0], ""
-            ),
-            encoding="utf-8",
-        )
+    for module, (_, patched) in patched_files(shape, rule).items():
+        (destination / module).write_text(patched, encoding="utf-8")
+    if dependency is not None:
+        add_dependency(destination / "pyproject.toml", dependency)
     return destination
 
 
+def changed_lines(before: str, after: str) -> tuple[int, int]:
+    """(added, removed) lines between two versions of a file, by difflib."""
+    diff = list(difflib.unified_diff(before.splitlines(), after.splitlines(), n=0, lineterm=""))
+    added = sum(1 for line in diff if line.startswith("+") and not line.startswith("+++"))
+    removed = sum(1 for line in diff if line.startswith("-") and not line.startswith("---"))
+    return added, removed
+
+
 def test_every_recipe_the_apps_copy_is_in_the_docs_exactly_once() -> None:
-    recipes = docs_recipes()
+    blocks = docs_blocks()
     wanted = {r.server_recipe for r in RULES} | {r.client_recipe for r in RULES if r.client_recipe}
-    assert {name: len(recipes.get(name, [])) for name in sorted(wanted)} == dict.fromkeys(
+    wanted |= {"app-dependency", *FEDLAW_HOLDOUT.server_extras}
+    assert {name: len(blocks.get(name, [])) for name in sorted(wanted)} == dict.fromkeys(
         sorted(wanted), 1
     )
 
 
-def test_a_rule_s_recipes_replace_the_app_s_fedavg_code(tmp_path: Path) -> None:
-    recipes = docs_recipes()
-    app = write_app(SHAPES[0], RULES[1], tmp_path / "app")
-    server = (app / SHAPES[0].server_module).read_text(encoding="utf-8")
-    client = (app / SHAPES[0].client_module).read_text(encoding="utf-8")
-    assert "    strategy = ElasticAggregation(" in server
-    assert "FedAvg(" not in server
-    assert recipes["elastic-client"][0].splitlines()[-1] in client
-    assert client.count("@app.train()") == 1
-    compile(server, "server_app.py", "exec")
-    compile(client, "client_app.py", "exec")
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
+def test_a_rule_changes_at_most_three_lines_of_each_file_of_the_app(
+    shape: AppShape, rule: Rule
+) -> None:
+    files = patched_files(shape, rule)
+    assert shape.server_module in files
+    for module, (before, after) in files.items():
+        added, removed = changed_lines(before, after)
+        assert 0 < added <= LINE_BUDGET, f"{module}: {added} lines added"
+        assert removed <= LINE_BUDGET, f"{module}: {removed} lines removed"
+        compile(after, module, "exec")
+    server = files[shape.server_module][1]
+    assert f"from beyond_averaging import {rule.strategy_class}\n" in server
+    assert "from flwr.serverapp.strategy import FedAvg" not in server
 
 
-# --- the clean environment -------------------------------------------------------------------
+def test_a_recipe_whose_lines_are_not_in_the_file_says_which_and_where() -> None:
+    client_recipe = recipe("elastic-client")
+    server = (APPS / "quickstart" / "pytorchexample" / "server_app.py").read_text("utf-8")
+    with pytest.raises(
+        ValueError,
+        match=r"elastic-client: the lines\nfrom flwr.clientapp import ClientApp\noccur 0 times in "
+        r"server_app.py",
+    ):
+        client_recipe.apply(server, "server_app.py")
 
 
-@dataclass(frozen=True)
-class CleanEnvironment:
-    python: Path
-    bin_dir: Path
-    wheel: Path
-    installer: str
-    install_seconds: float
+def test_the_docs_dependency_line_is_a_direct_reference_to_the_wheel_of_this_version() -> None:
+    version = tomllib.loads((REPO / "pyproject.toml").read_text("utf-8"))["project"]["version"]
+    wheel = Path("/somewhere/dist") / f"beyond_averaging-{version}-py3-none-any.whl"
+    assert dependency_line(wheel) == f"beyond-averaging @ file://{wheel}"
 
 
-def _install(python: Path, requirements: list[str], *extra: str) -> tuple[str, list[str]]:
-    """The installer used and its command: uv from the project's environment, else pip."""
+# ------------------------------------------------------------------------------ in process
+def forget_modules(top_level: tuple[str, ...]) -> None:
+    """Drop the app's modules from sys.modules, so the next app's files are imported afresh."""
+    for name in [n for n in sys.modules if n.split(".")[0] in top_level]:
+        del sys.modules[name]
+
+
+#: The quickstart with every rule (FedLAW with its hold-out line too, which also applies the
+#: 3-line recipe) and the flat app with the rules whose client helpers read its tuple batches; the
+#: userapp matrix runs every pair. FedLAW's learning (100 epochs a round) is the slow one.
+IN_PROCESS = [
+    *[(SHAPES[0], rule) for rule in RULES if rule.name != "fedlaw"],
+    (SHAPES[0], FEDLAW_HOLDOUT),
+    *[(SHAPES[1], rule) for rule in RULES if rule.client_recipe],
+]
+
+
+@pytest.mark.parametrize(
+    ("shape", "rule"), IN_PROCESS, ids=[f"{s.name}-{r.name}" for s, r in IN_PROCESS]
+)
+def test_the_patched_app_runs_the_rule_for_two_rounds_in_process(
+    shape: AppShape, rule: Rule, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Flower's loader imports the app's modules by name, from the app's folder first on sys.path;
+    # the repository's own folders share the flat app's names (client, server, tasks).
+    for name in [n for n in sys.modules if n.split(".")[0] in shape.modules]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)  # the quickstart's ServerApp saves final_model.pt here
+    for task_field in ("_run_id", "_node_id", "_task_id"):  # run_inprocess sets them
+        monkeypatch.setattr(inprocess.TaskIdentity, task_field, None)
+    app = write_app(shape, rule, tmp_path / "app")
+    started: list[tuple[Strategy, Any]] = []
+    flower_start = Strategy.start
+
+    def recording_start(self: Strategy, *args: Any, **kwargs: Any) -> Any:
+        result = flower_start(self, *args, **kwargs)
+        started.append((self, result))
+        return result
+
+    monkeypatch.setattr(Strategy, "start", recording_start)
+    try:
+        inprocess.run_inprocess(app, {"num-server-rounds": ROUNDS}, num_nodes=NUM_SUPERNODES)
+    finally:
+        forget_modules(shape.modules)
+    [(strategy, result)] = started
+    assert type(strategy).__name__ == rule.strategy_class
+    for server_round in range(1, ROUNDS + 1):
+        figures = strategy.aggregation_metrics[server_round]  # type: ignore[attr-defined]
+        assert figures["replies-dropped"] == 0
+        assert figures["replies-valid"] == NUM_SUPERNODES
+        assert math.isfinite(result.train_metrics_clientapp[server_round]["train_loss"])
+    assert sorted(result.evaluate_metrics_serverapp) == list(range(ROUNDS + 1))
+    assert (tmp_path / "final_model.pt").is_file()
+
+
+# ------------------------------------------------------------------- clean environments
+MATRIX_FLOWER = tuple(os.environ.get("BA_USERAPP_FLWR", "oldest 1.39.0 newest").split())
+MATRIX_PYTHON = os.environ.get("BA_USERAPP_PYTHON", "3.11")
+MATRIX_TORCH = os.environ.get("BA_USERAPP_TORCH", "torch==2.13.0")
+REPORT = os.environ.get("BA_USERAPP_REPORT", "")
+
+
+def flower_floor() -> str:
+    """The lowest flwr the library admits: the ``>=`` bound in pyproject's dependencies."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text("utf-8"))["project"]
+    for requirement in project["dependencies"]:
+        match = re.fullmatch(r"flwr\s*>=\s*([\w.]+)\s*,.*", requirement)
+        if match:
+            return match.group(1)
+    raise AssertionError("pyproject.toml's dependencies state no flwr>= floor")
+
+
+def newest_flower() -> str:
+    """The newest flwr release below 2 on the package index (``pip index versions``)."""
+    listing = checked([sys.executable, "-m", "pip", "index", "versions", "flwr"], timeout=300)
+    match = re.search(r"Available versions: (.*)", listing)
+    assert match is not None, listing
+    versions = [v.strip() for v in match.group(1).split(",")]
+    return next(v for v in versions if re.fullmatch(r"1\.\d+\.\d+", v))
+
+
+def requested_flower(name: str) -> str:
+    """``oldest`` / ``newest`` / a version, as the exact version to install."""
+    if name == "oldest":
+        return flower_floor()
+    if name == "newest":
+        return newest_flower()
+    return name
+
+
+def report(**fields: object) -> None:
+    """One line of the matrix's record (``BA_USERAPP_REPORT``) and one of pytest's output."""
+    print(f"\n[userapp] {json.dumps(fields)}")
+    if REPORT:
+        with Path(REPORT).open("a", encoding="utf-8") as record:
+            record.write(json.dumps(fields) + "\n")
+
+
+def uv_executable() -> Path | None:
     uv = Path(sys.executable).parent / "uv"
-    constraints = ["-c", str(REPO / "constraints.txt")]
-    if uv.is_file():
-        links = [
-            a for d in os.environ.get("PIP_FIND_LINKS", "").split() for a in ("--find-links", d)
-        ]
-        command = [str(uv), "pip", "install", "--quiet", "--python", str(python), *links]
-        return "uv", [*command, *constraints, *extra, *requirements]
-    return "pip", [str(python), "-m", "pip", "install", "-q", *constraints, *extra, *requirements]
+    return uv if uv.is_file() else None
 
 
-def _checked(command: list[str], timeout: float, **kwargs: object) -> str:
-    completed = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        **kwargs,  # type: ignore[call-overload]
-    )
-    assert completed.returncode == 0, f"{' '.join(command)} failed:\n{completed.stderr[-4000:]}"
-    return str(completed.stdout)
-
-
-@pytest.fixture(scope="module")
-def clean_environment(tmp_path_factory: pytest.TempPathFactory) -> CleanEnvironment:
-    python311 = shutil.which("python3.11")
-    if python311 is None:
-        pytest.skip("python3.11 is not on PATH: the clean environment needs it")
-    root = tmp_path_factory.mktemp("userapp")
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The library's wheel, built from a copy of the sources it packs."""
+    root = tmp_path_factory.mktemp("wheel")
     source = root / "source"
     source.mkdir()
     for name in WHEEL_SOURCES:
         if (REPO / name).is_dir():
             shutil.copytree(
-                REPO / name,
-                source / name,
-                symlinks=True,
-                ignore=shutil.ignore_patterns("__pycache__"),
+                REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__")
             )
         else:
             shutil.copy2(REPO / name, source / name)
-    started = time.monotonic()
-    _checked(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "-w",
-            str(root / "dist"),
-            str(source),
-        ],
-        timeout=300,
+    command = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(root / "dist")]
+    checked([*command, str(source)], timeout=600)
+    return next((root / "dist").glob("beyond_averaging-*.whl"))
+
+
+@pytest.fixture(scope="module", params=MATRIX_FLOWER)
+def flower(
+    request: pytest.FixtureRequest, wheel: Path, tmp_path_factory: pytest.TempPathFactory
+) -> FlowerInstall:
+    """A clean venv with the wheel, ``flwr[simulation]==<release>`` and torch, no constraints."""
+    version = requested_flower(request.param)
+    installed = FlowerInstall.create(
+        tmp_path_factory.mktemp(f"flwr-{version}") / "venv",
+        requested=request.param,
+        flower_requirement=f"flwr[simulation]=={version}",
+        wheel=wheel,
+        extra_requirements=[MATRIX_TORCH],
+        python_version=MATRIX_PYTHON,
+        uv=uv_executable(),
     )
-    wheel = next((root / "dist").glob("beyond_averaging-*.whl"))
-    wheel_seconds = time.monotonic() - started
-    started = time.monotonic()
-    _checked([python311, "-m", "venv", str(root / "venv")], timeout=120)
-    python = root / "venv" / "bin" / "python"
-    installer, command = _install(python, [str(wheel), QUICKSTART_FLOWER])
-    _checked(command, timeout=900)
-    install_seconds = time.monotonic() - started
-    print(
-        f"\n[userapp] wheel built in {wheel_seconds:.1f} s; clean venv + wheel + "
-        f"{QUICKSTART_FLOWER} installed with {installer} in {install_seconds:.1f} s"
+    report(
+        kind="install",
+        requested=request.param,
+        flwr=installed.version,
+        python=installed.python_version,
+        torch=installed.package_version("torch"),
+        seconds=round(installed.install_seconds, 1),
+        installer="uv" if uv_executable() else "pip",
     )
-    return CleanEnvironment(python, python.parent, wheel, installer, install_seconds)
+    return installed
+
+
+@pytest.fixture(scope="module")
+def simulation(
+    flower: FlowerInstall, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FlowerLink]:
+    """One simulation SuperLink of the release for all its simulation runs."""
+    with FlowerLink(flower, tmp_path_factory.mktemp("simulation"), simulation=True) as link:
+        yield link
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    flower: FlowerInstall, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FlowerLink]:
+    """A local deployment of the release: a SuperLink and 4 SuperNode processes, no Ray."""
+    with FlowerLink(flower, tmp_path_factory.mktemp("deployment"), simulation=False) as link:
+        yield link
+
+
+def check_run(outcome: RunOutcome, rule: Rule) -> list[str]:
+    """What is wrong with a run of a patched app: empty when it trained as the recipe says."""
+    problems = []
+    if not outcome.completed:
+        problems.append(f"status {outcome.status!r}")
+    if outcome.strategy() != rule.strategy_class:
+        problems.append(f"strategy {outcome.strategy()!r}, not {rule.strategy_class}")
+    train = outcome.final_metrics("Aggregated ClientApp-side Train Metrics")
+    if sorted(train) != list(range(1, ROUNDS + 1)) or not all(
+        0 < m.get("train_loss", math.nan) < 100 for m in train.values()
+    ):
+        problems.append(f"train metrics {train}")
+    central = outcome.final_metrics("ServerApp-side Evaluate Metrics")
+    if sorted(central) != list(range(ROUNDS + 1)) or not all(
+        math.isfinite(m.get("loss", math.nan)) for m in central.values()
+    ):
+        problems.append(f"ServerApp-side evaluation {central}")
+    if sorted(outcome.final_metrics("Aggregated ClientApp-side Evaluate Metrics")) != list(
+        range(1, ROUNDS + 1)
+    ):
+        problems.append("no ClientApp-side evaluation in every round")
+    if "Saving final model to disk" not in outcome.log:
+        problems.append("the ServerApp did not reach its end")
+    return problems
+
+
+#: The end of a real run's streamed log (flwr 1.39, quickstart with FedAvg), colour codes kept.
+RECORDED_LOG = """\
+\x1b[92mINFO \x1b[0m:      Starting FedAvg strategy:
+\x1b[92mINFO \x1b[0m:      Final results:
+\x1b[92mINFO \x1b[0m:      \t
+\x1b[92mINFO \x1b[0m:      \tGlobal Arrays:
+\x1b[92mINFO \x1b[0m:      \t\tArrayRecord (0.238 MB)
+\x1b[92mINFO \x1b[0m:      \t
+\x1b[92mINFO \x1b[0m:      \tAggregated ClientApp-side Train Metrics:
+\x1b[92mINFO \x1b[0m:      \t{1: {'train_loss': '2.3140e+00'}, 2: {'train_loss': '2.3006e+00'}}
+\x1b[92mINFO \x1b[0m:      \t
+\x1b[92mINFO \x1b[0m:      \tAggregated ClientApp-side Evaluate Metrics:
+\x1b[92mINFO \x1b[0m:      \t{ 1: {'eval_acc': '1.0000e-01', 'eval_loss': '2.3214e+00'},
+\x1b[92mINFO \x1b[0m:      \t  2: {'eval_acc': '1.0000e-01', 'eval_loss': '2.3480e+00'}}
+\x1b[92mINFO \x1b[0m:      \t
+\x1b[92mINFO \x1b[0m:      \tServerApp-side Evaluate Metrics:
+\x1b[92mINFO \x1b[0m:      \t{ 0: {'accuracy': '1.0000e-01', 'loss': '2.3065e+00'},
+\x1b[92mINFO \x1b[0m:      \t  1: {'accuracy': '1.0900e-01', 'loss': '2.3029e+00'},
+\x1b[92mINFO \x1b[0m:      \t  2: {'accuracy': '1.0100e-01', 'loss': '2.3009e+00'}}
+\x1b[92mINFO \x1b[0m:      \t
+
+Saving final model to disk...
+"""
+
+
+def test_a_run_is_judged_by_its_status_and_the_final_results_flower_logs() -> None:
+    good = RunOutcome(1, "finished:completed", clean_log(RECORDED_LOG), 1.0)
+    assert good.final_metrics("Aggregated ClientApp-side Train Metrics") == {
+        1: {"train_loss": 2.314},
+        2: {"train_loss": 2.3006},
+    }
+    assert check_run(good, RULES[0]) == []
+    one_round = good.log.replace(", 2: {'train_loss': '2.3006e+00'}", "")
+    broken = {
+        "status": RunOutcome(1, "finished:failed", good.log, 1.0),
+        "strategy": RunOutcome(1, "finished:completed", good.log.replace("FedAvg", "X"), 1.0),
+        "train metrics": RunOutcome(1, "finished:completed", one_round, 1.0),
+        "ServerApp-side": RunOutcome(
+            1, "finished:completed", good.log.replace("2.3009e+00", "nan"), 1.0
+        ),
+        "reach its end": RunOutcome(1, "finished:completed", good.log.replace("Saving", ""), 1.0),
+    }
+    for expected, outcome in broken.items():
+        problems = check_run(outcome, RULES[0])
+        assert len(problems) == 1, (expected, problems)
+        assert expected in problems[0]
+
+
+def run_and_check(
+    link: FlowerLink, flower: FlowerInstall, shape: AppShape, rule: Rule, tmp_path: Path
+) -> None:
+    app = write_app(shape, rule, tmp_path / f"{shape.name}-{rule.name}")
+    outcome = link.run(app, {"num-server-rounds": ROUNDS}, timeout=RUN_TIMEOUT_S)
+    problems = check_run(outcome, rule)
+    report(
+        kind="run",
+        requested=flower.requested,
+        flwr=flower.version,
+        python=flower.python_version,
+        runtime="simulation" if link.simulation else "deployment",
+        app=shape.name,
+        rule=rule.name,
+        seconds=round(outcome.seconds, 1),
+        ok=not problems,
+    )
+    assert not problems, f"{'; '.join(problems)}\n{outcome.tail()}"
 
 
 @pytest.mark.userapp
-def test_the_wheel_installs_nothing_but_its_own_package(
-    clean_environment: CleanEnvironment,
-) -> None:
-    listing = _checked(
+def test_the_wheel_installs_nothing_but_its_own_package(flower: FlowerInstall) -> None:
+    listing = checked(
         [
-            str(clean_environment.python),
+            str(flower.python),
             "-c",
-            "import importlib.metadata as m; print('\\n'.join(m.distribution("
-            "'beyond-averaging').read_text('top_level.txt').split()))",
+            "import importlib.metadata as m; print(m.distribution('beyond-averaging')"
+            ".read_text('top_level.txt'))",
         ],
         timeout=120,
     )
     assert listing.split() == ["beyond_averaging"]
-    generic = _checked(
+    generic = checked(
         [
-            str(clean_environment.python),
+            str(flower.python),
             "-c",
             "import importlib.util as u; print([n for n in ('client', 'server', 'strategies', "
             "'tasks') if u.find_spec(n)])",
         ],
         timeout=120,
-        cwd=clean_environment.python.parent,
+        cwd=flower.bin_dir,
     )
     assert generic.strip() == "[]"
 
 
+EVERY_EXPORT = """
+import beyond_averaging as library
+from flwr.serverapp.strategy import Strategy
+missing = [name for name in library.__all__ if not hasattr(library, name)]
+assert not missing, missing
+for name in ("FedAvg", "FedAvgM", "FedAdam", "ElasticAggregation", "FedGMA", "FedGMASoft"):
+    assert isinstance(getattr(library, name)(), Strategy), name
+print(library.__version__)
+"""
+
+
 @pytest.mark.userapp
-def test_the_wheel_resolves_beside_the_quickstart_s_own_pins(
-    clean_environment: CleanEnvironment,
+def test_every_export_imports_and_every_strategy_is_a_strategy_of_this_flower(
+    flower: FlowerInstall,
 ) -> None:
-    uv = Path(sys.executable).parent / "uv"
-    if not uv.is_file():
-        pytest.skip("a dry-run resolution needs uv in the project's environment")
-    completed = subprocess.run(
+    version = checked([str(flower.python), "-c", EVERY_EXPORT], timeout=300, cwd=flower.bin_dir)
+    assert (
+        version.strip()
+        == tomllib.loads((REPO / "pyproject.toml").read_text("utf-8"))["project"]["version"]
+    )
+
+
+@pytest.mark.userapp
+def test_the_wheel_resolves_beside_the_quickstart_s_own_pins(wheel: Path, tmp_path: Path) -> None:
+    uv = uv_executable()
+    if uv is None:
+        pytest.skip("resolving without installing needs uv in the project's environment")
+    requirements = tmp_path / "requirements.in"
+    requirements.write_text("\n".join([str(wheel), QUICKSTART_FLOWER, *QUICKSTART_PINS]) + "\n")
+    resolved = checked(
         [
             str(uv),
             "pip",
-            "install",
-            "--dry-run",
-            "--python",
-            str(clean_environment.python),
-            str(clean_environment.wheel),
-            QUICKSTART_FLOWER,
-            *QUICKSTART_PINS,
+            "compile",
+            "--quiet",
+            "--python-version",
+            MATRIX_PYTHON,
+            str(requirements),
         ],
-        capture_output=True,
-        text=True,
         timeout=600,
-        check=False,
     )
-    if completed.returncode != 0 and re.search(
-        r"(?i)network|connect|dns|timed out", completed.stderr
-    ):
-        pytest.skip(f"no package index to resolve against: {completed.stderr[-300:]}")
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    assert "torch==2.8.0" in completed.stderr + completed.stdout
-
-
-@pytest.fixture(scope="module")
-def superlink(
-    clean_environment: CleanEnvironment, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, str]]:
-    """A simulation SuperLink of the clean environment; stopped with its children by PID."""
-    port = free_port()
-    flwr_home = tmp_path_factory.mktemp("flwr-home")
-    env = flower_environment(flwr_home)
-    env["PATH"] = os.pathsep.join([str(clean_environment.bin_dir), env["PATH"]])
-    env[LAUNCH_MARKER] = f"userapp-{port}-{uuid.uuid4().hex}"
-    env.pop("PYTHONPATH", None)
-    env["VIRTUAL_ENV"] = str(clean_environment.bin_dir.parent)
-    write_connection(flwr_home, port)
-    log = (flwr_home / "superlink.log").open("wb")
-    process = subprocess.Popen(
-        [
-            str(clean_environment.bin_dir / "flower-superlink"),
-            "--insecure",
-            "--simulation",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--disable-runtime-dependency-installation",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=flwr_home,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (flwr_home / "superlink.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1.0):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the SuperLink did not become healthy"
-                time.sleep(0.5)
-        yield env
-    finally:
-        stop_process_tree(process, marker=env[LAUNCH_MARKER])
-        log.close()
+    assert "torch==2.8.0" in resolved
+    assert re.search(r"^flwr==", resolved, re.MULTILINE)
 
 
 @pytest.mark.userapp
 @pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
-def test_the_app_runs_the_rule_for_two_rounds_from_the_docs_recipes(
-    shape: AppShape, rule: Rule, superlink: dict[str, str], tmp_path: Path
+def test_the_app_runs_the_rule_for_two_rounds_in_flower_simulation(
+    flower: FlowerInstall, simulation: FlowerLink, shape: AppShape, rule: Rule, tmp_path: Path
 ) -> None:
-    app = write_app(shape, rule, tmp_path / f"{shape.name}-{rule.name}")
-    result_file = tmp_path / "result.json"
-    command = [
-        str(Path(superlink["PATH"].split(os.pathsep)[0]) / "flwr"),
-        "run",
-        str(app),
-        "ba-local",
-        "--stream",
-        "--run-config",
-        f'result-file="{result_file}"',
-        "--federation-config",
-        f"num-supernodes={NUM_SUPERNODES}",
-        "--federation-config",
-        "client-resources-num-cpus=1",
-    ]
-    started = time.monotonic()
-    for _attempt in range(RAY_START_ATTEMPTS):
-        completed = subprocess.run(
-            command,
-            env=superlink,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-            check=False,
+    run_and_check(simulation, flower, shape, rule, tmp_path)
+
+
+@pytest.mark.userapp
+def test_the_quickstart_runs_elastic_on_a_local_deployment(
+    flower: FlowerInstall, deployment: FlowerLink, tmp_path: Path
+) -> None:
+    # Elastic's clients keep their sensitivity average in context.state across rounds: on a
+    # deployment that state lives in each SuperNode, between ClientApp processes.
+    run_and_check(deployment, flower, SHAPES[0], RULES[1], tmp_path)
+
+
+@pytest.mark.userapp
+def test_flower_s_default_flwr_run_installs_the_documented_dependency_line(
+    flower: FlowerInstall, wheel: Path, tmp_path: Path
+) -> None:
+    """With runtime installation on (Flower's default), the plain name fails as docs/install.md
+    shows and the documented direct reference to the wheel trains."""
+    if not flower.installs_app_dependencies:
+        report(
+            kind="default-install",
+            requested=flower.requested,
+            flwr=flower.version,
+            python=flower.python_version,
+            dependency="none",
+            status="no runtime installation",
+            seconds=0.0,
         )
-        if result_file.is_file() or RAY_START_TIMEOUT not in completed.stdout + completed.stderr:
-            break
-    seconds = time.monotonic() - started
-    log = (completed.stdout + completed.stderr)[-6000:]
-    # `flwr run` exits 0 when the run fails: the ServerApp's result file is the proof it ran.
-    assert result_file.is_file(), f"the run wrote no result ({seconds:.0f} s); its log:\n{log}"
-    result = json.loads(result_file.read_text(encoding="utf-8"))
-    print(f"\n[userapp] {shape.name} x {rule.name}: {seconds:.1f} s")
-    assert result["strategy"] == rule.strategy_class
-    assert sorted(result["train"]) == ["1", "2"], log
-    assert all(0 < m["train_loss"] < 100 for m in result["train"].values())
-    assert sorted(result["evaluate"]) == ["1", "2"], log
-    assert result["final-model-finite"] is True
+        pytest.skip(f"flwr {flower.version} installs no app dependencies at run time")
+    torch_pin = f"torch=={flower.package_version('torch')}"  # uv sync: the local wheel, no CUDA
+    rule = RULES[0]
+    with FlowerLink(flower, tmp_path / "link", simulation=True, install_dependencies=True) as link:
+        plain = write_app(SHAPES[0], rule, tmp_path / "plain", dependency="beyond-averaging")
+        add_dependency(plain / "pyproject.toml", torch_pin)
+        failed = link.run(plain, {"num-server-rounds": ROUNDS}, timeout=RUN_TIMEOUT_S)
+        documented = write_app(SHAPES[0], rule, tmp_path / "wheel", dependency_line(wheel))
+        add_dependency(documented / "pyproject.toml", torch_pin)
+        worked = link.run(documented, {"num-server-rounds": ROUNDS}, timeout=RUN_TIMEOUT_S)
+    for name, outcome in (("plain name", failed), ("direct reference", worked)):
+        report(
+            kind="default-install",
+            requested=flower.requested,
+            flwr=flower.version,
+            python=flower.python_version,
+            dependency=name,
+            status=outcome.status,
+            seconds=round(outcome.seconds, 1),
+        )
+    assert not failed.completed, failed.tail()
+    assert "RuntimeDependencyInstallationError" in failed.log, failed.tail()
+    assert "Exit Code: 608" in failed.log, failed.tail()
+    words = " ".join(failed.log.split())  # uv wraps its message to the terminal's width
+    assert "beyond-averaging was not found in the package registry" in words, failed.tail()
+    assert check_run(worked, rule) == [], worked.tail()
+    assert re.search(r"Installed: \[.*beyond-averaging==", worked.log), worked.tail()

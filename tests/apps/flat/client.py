@@ -1,8 +1,5 @@
-"""The flat app's ClientApp (client.py, the module name older Flower examples used).
-
-The user-app tests replace the train function (between the >>> and <<< lines) by a rule's client
-recipe from docs/ when the rule has one.
-"""
+"""flatapp: the ClientApp in the flat layout of older Flower examples (client.py), line for line
+Flower's quickstart-pytorch client_app.py otherwise, with (x, y) tuple batches from tasks/."""
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -12,20 +9,27 @@ from tasks.model import Net
 from tasks.model import test as test_fn
 from tasks.model import train as train_fn
 
+# Flower ClientApp
 app = ClientApp()
 
 
-# >>> train
 @app.train()
-def train(msg: Message, context: Context) -> Message:
+def train(msg: Message, context: Context):
+    """Train the model on local data."""
+
+    # Load the model and initialize it with the received weights
     model = Net()
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model.to(device)
+
+    # Load the data
     partition_id = context.node_config["partition-id"]
     num_partitions = context.node_config["num-partitions"]
     batch_size = context.run_config["batch-size"]
     trainloader, _ = load_data(partition_id, num_partitions, batch_size)
+
+    # Call the training function
     train_loss = train_fn(
         model,
         trainloader,
@@ -33,23 +37,47 @@ def train(msg: Message, context: Context) -> Message:
         msg.content["config"]["lr"],
         device,
     )
+
+    # Construct and return reply Message
     model_record = ArrayRecord(model.state_dict())
-    metrics = {"train_loss": train_loss, "num-examples": len(trainloader.dataset)}
-    content = RecordDict({"arrays": model_record, "metrics": MetricRecord(metrics)})
+    metrics = {
+        "train_loss": train_loss,
+        "num-examples": len(trainloader.dataset),
+    }
+    metric_record = MetricRecord(metrics)
+    content = RecordDict({"arrays": model_record, "metrics": metric_record})
     return Message(content=content, reply_to=msg)
 
 
-# <<< train
-
-
 @app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
+def evaluate(msg: Message, context: Context):
+    """Evaluate the model on local data."""
+
+    # Load the model and initialize it with the received weights
     model = Net()
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+
+    # Load the data
     partition_id = context.node_config["partition-id"]
     num_partitions = context.node_config["num-partitions"]
-    _, valloader = load_data(partition_id, num_partitions, context.run_config["batch-size"])
-    eval_loss, eval_acc = test_fn(model, valloader, device)
-    metrics = {"eval_loss": eval_loss, "eval_acc": eval_acc, "num-examples": len(valloader.dataset)}
-    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    batch_size = context.run_config["batch-size"]
+    _, valloader = load_data(partition_id, num_partitions, batch_size)
+
+    # Call the evaluation function
+    eval_loss, eval_acc = test_fn(
+        model,
+        valloader,
+        device,
+    )
+
+    # Construct and return reply Message
+    metrics = {
+        "eval_loss": eval_loss,
+        "eval_acc": eval_acc,
+        "num-examples": len(valloader.dataset),
+    }
+    metric_record = MetricRecord(metrics)
+    content = RecordDict({"metrics": metric_record})
+    return Message(content=content, reply_to=msg)

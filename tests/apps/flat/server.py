@@ -1,50 +1,63 @@
-"""The flat app's ServerApp (server.py, the module name older Flower examples used).
+"""flatapp: the ServerApp in the flat layout of older Flower examples (server.py beside client.py
+and a tasks/ package), line for line Flower's quickstart-pytorch server_app.py otherwise, so that
+the docs' recipes apply to both apps."""
 
-The user-app tests replace the strategy lines (between >>> and <<<) by a rule's server recipe
-from docs/, and pass `result-file`: where the run's Result goes as JSON for the test to read.
-"""
-
-import json
-import math
-from pathlib import Path
-
-from flwr.app import ArrayRecord, ConfigRecord, Context
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
-from tasks.data import load_proxy_data
-from tasks.model import Net
+from flwr.serverapp.strategy import FedAvg
+from tasks.data import load_centralized_dataset
+from tasks.model import Net, test
 
+# Create ServerApp
 app = ServerApp()
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    num_rounds = context.run_config["num-server-rounds"]
-    lr = context.run_config["learning-rate"]
-    net = Net()
-    proxy_loader = load_proxy_data()
+    """Main entry point for the ServerApp."""
 
-    # >>> strategy
-    from beyond_averaging import FedAvg
+    # Read run config
+    fraction_evaluate: float = context.run_config["fraction-evaluate"]
+    num_rounds: int = context.run_config["num-server-rounds"]
+    lr: float = context.run_config["learning-rate"]
 
-    strategy = FedAvg(fraction_train=0.5, fraction_evaluate=1.0, min_available_nodes=2)
-    # <<< strategy
+    # Load global model
+    global_model = Net()
+    arrays = ArrayRecord(global_model.state_dict())
 
+    # Initialize FedAvg strategy
+    strategy = FedAvg(fraction_evaluate=fraction_evaluate)
+
+    # Start strategy, run FedAvg for `num_rounds`
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(net.state_dict()),
+        initial_arrays=arrays,
         train_config=ConfigRecord({"lr": lr}),
         num_rounds=num_rounds,
+        evaluate_fn=global_evaluate,
     )
-    final = result.arrays.to_torch_state_dict()
-    summary = {
-        "strategy": type(strategy).__name__,
-        "proxy-samples": len(proxy_loader.dataset),  # type: ignore[arg-type]
-        "train": {str(r): dict(m) for r, m in result.train_metrics_clientapp.items()},
-        "evaluate": {str(r): dict(m) for r, m in result.evaluate_metrics_clientapp.items()},
-        "final-model-finite": all(
-            math.isfinite(float(v.float().abs().sum())) for v in final.values()
-        ),
-    }
-    result_file = str(context.run_config["result-file"])
-    if result_file:
-        Path(result_file).write_text(json.dumps(summary, default=float), encoding="utf-8")
+
+    # Save final model to disk
+    print("\nSaving final model to disk...")
+    state_dict = result.arrays.to_torch_state_dict()
+    torch.save(state_dict, "final_model.pt")
+
+
+def global_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    """Evaluate model on central data."""
+
+    # Load the model and initialize it with the received weights
+    model = Net()
+    model.load_state_dict(arrays.to_torch_state_dict())
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+
+    # Load entire test set
+    test_dataloader = load_centralized_dataset()
+
+    # Evaluate the global model on the test set
+    test_loss, test_acc = test(model, test_dataloader, device)
+
+    # Return the evaluation metrics
+    return MetricRecord({"accuracy": test_acc, "loss": test_loss})

@@ -25,6 +25,6 @@ def load_data(
     return DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(test, batch_size)
 
 
-def load_proxy_data() -> DataLoader[tuple[torch.Tensor, ...]]:
-    """100 labelled samples the server holds (FedLAW's proxy set), apart from every partition."""
-    return DataLoader(_samples(100, seed=10_000), batch_size=50)
+def load_centralized_dataset() -> DataLoader[tuple[torch.Tensor, ...]]:
+    """The server's test set (1,000 samples, apart from every partition), as the quickstart's."""
+    return DataLoader(_samples(1000, seed=10_000), batch_size=128)

@@ -1,1 +1,0 @@
-"""qsapp: a Flower / PyTorch app in the shape of Flower's quickstart-pytorch."""
