@@ -270,24 +270,51 @@ def test_fltrust_leaves_out_a_reply_pointing_against_the_servers_proxy_update() 
     assert figures["fedlaw-node-ids"] == [1, 2]
 
 
-def test_clients_that_disagree_from_the_first_round_get_the_heterogeneity_warning(
+def test_clients_that_disagree_from_the_first_round_turn_the_direction_check_off_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    scattered = [
-        {
-            k: (GLOBAL[k] + np.random.default_rng(i).normal(size=v.shape)).astype(np.float32)
-            for k, v in GLOBAL.items()
-        }
-        for i in range(5)
-    ]
-    strategy = FedAvg()
-    aggregate(strategy, scattered)
+    def scattered(seed: int) -> list[Model]:
+        return [
+            {
+                k: (GLOBAL[k] + np.random.default_rng(seed + i).normal(size=v.shape)).astype(
+                    np.float32
+                )
+                for k, v in GLOBAL.items()
+            }
+            for i in range(5)
+        ]
+
+    strategy = started(FedAvg())
+    first = scattered(0)
+    strategy.aggregate_train(1, [train_reply(m, 10, node_id=i + 1) for i, m in enumerate(first)])
     assert strategy.aggregation_metrics[1]["direction-cosine-median"] < 0.3
-    assert "disagree from the first round" in caplog.text
+    assert "off for this run" in caplog.text
+    assert strategy.state_dict()["reply-bounds"] == {"direction-check": 0}
+    # round 2: a reply pointing straight against another is no longer dropped for it
+    second = scattered(10)
+    second[4] = moved(-5.0, second[0])
+    strategy.aggregate_train(2, [train_reply(m, 10, node_id=i + 1) for i, m in enumerate(second)])
+    assert "dropped-direction-outlier" not in strategy.aggregation_metrics[2]
+    resumed = FedAvg()
+    resumed.load_state_dict(strategy.state_dict())
+    assert resumed.state_dict() == strategy.state_dict()
 
 
-def test_clients_that_agree_get_no_heterogeneity_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_clients_that_agree_keep_the_direction_check_on(caplog: pytest.LogCaptureFixture) -> None:
     strategy = FedAvg()
     aggregate(strategy, [honest(i) for i in range(5)])
     assert strategy.aggregation_metrics[1]["direction-cosine-median"] > 0.3
-    assert "disagree from the first round" not in caplog.text
+    assert "off for this run" not in caplog.text
+    assert strategy.state_dict()["reply-bounds"] == {"direction-check": 1}
+
+
+def test_krum_keeping_one_reply_still_aggregates_under_the_default_quorum() -> None:
+    # min_train_replies defaults to 2: the quorum counts the replies Krum chose from.
+    strategy = FedAvg(robust_aggregation="krum", trim_fraction=0.25)
+    models = [honest(i) for i in range(4)]
+    result = aggregate(strategy, models)
+    figures = strategy.aggregation_metrics[1]
+    assert figures["aggregated"] == 1
+    assert figures["dropped-krum-rejected"] == 3
+    kept = [m for m in models if all(np.allclose(result[k], m[k]) for k in GLOBAL)]
+    assert len(kept) == 1  # the model is one reply's, unchanged
