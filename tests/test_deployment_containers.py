@@ -3,7 +3,8 @@
 One image build (docker/Dockerfile, from the wheelhouse when present) serves every test. Then:
 
 - the insecure stack of compose.yaml (SuperLink + 3 SuperNodes) runs 2 rounds of each strategy of
-  this build through ``flwr run`` from the host; the compose health checks pass;
+  this build through ``flwr run`` from the host; the compose health checks pass; the engine
+  published the Fleet and Control APIs on 127.0.0.1 only;
 - on the same stack a SuperNode is stopped (``docker compose stop``) while a run is under way, and
   the run completes with the two others;
 - the SuperLink is restarted: its state was in memory, so every SuperNode comes back under a new
@@ -233,6 +234,25 @@ def insecure_stack(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def test_compose_health_checks_pass(insecure_stack: Deployment) -> None:
     for service in ["superlink", *(f"supernode-{i}" for i in range(NUM_SUPERNODES))]:
         assert insecure_stack.healthy(service), f"health check of {service} failed"
+
+
+def test_the_insecure_stack_publishes_its_apis_on_loopback_only(insecure_stack: Deployment) -> None:
+    # compose.yaml without BA_BIND_ADDRESS / BA_CONTROL_BIND_ADDRESS: what the engine bound.
+    listing = subprocess.run(
+        ["docker", "port", insecure_stack.stack.container("superlink")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    bindings = {
+        line.split("->")[0].strip(): line.split("->")[1].strip()
+        for line in listing.splitlines()
+        if "->" in line
+    }
+    assert set(bindings) == {"9092/tcp", "9093/tcp"}, listing
+    for container_port, host in bindings.items():
+        assert host.startswith("127.0.0.1:"), f"{container_port} published on {host}"
 
 
 @pytest.mark.parametrize("strategy", strategy_params())
