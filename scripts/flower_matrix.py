@@ -14,7 +14,10 @@ installation. The exit status is pytest's.
 ``oldest`` is the floor of ``flwr`` in pyproject.toml's dependencies, ``newest`` the newest
 release below 2 on the package index. ``--torch`` is the torch requirement of every environment
 (default ``torch==2.13.0``: the CPU wheel the project's machines hold locally, found through
-``PIP_FIND_LINKS``; a looser one makes pip or uv weigh several GB of CUDA wheels).
+``PIP_FIND_LINKS``; a looser one makes pip or uv weigh several GB of CUDA wheels). For a Python
+without a local torch wheel, add the folder that holds one to ``PIP_FIND_LINKS`` (e.g. the
+``WHEELHOUSE`` of scripts/python_matrix.sh), or torch comes from the index as its CUDA build.
+The Python is ``python<version>`` on PATH or pyenv's ``versions/<version>*``.
 """
 
 from __future__ import annotations
@@ -83,10 +86,13 @@ def _default_cell(record: dict[str, Any] | None, should_complete: bool) -> str:
     return f"{record['status']} ({verdict}), {record['seconds']:.0f} s"
 
 
-def matrix_table(records: list[dict[str, Any]]) -> str:
+def matrix_table(records: list[dict[str, Any]], requested: Sequence[str] = ()) -> str:
     """The runs as Markdown: one row per release x runtime x app, one column per rule; then
-    per release its environment and the runs with Flower's default dependency installation."""
+    per release its environment and the runs with Flower's default dependency installation.
+    A requested release without an environment gets a row saying so."""
     installs = [r for r in records if r["kind"] == "install"]
+    installed = {r["requested"] for r in installs}
+    missing = [name for name in requested if name not in installed]
     runs = [r for r in records if r["kind"] == "run"]
     defaults = [r for r in records if r["kind"] == "default-install"]
     lines = [
@@ -105,6 +111,8 @@ def matrix_table(records: list[dict[str, Any]]) -> str:
                     cells = [_run_cell([r for r in mine if r["rule"] == rule]) for rule in RULES]
                     lines.append(f"| {label} | {runtime}, {app} | " + " | ".join(cells) + " |")
                     label = ""
+    for name in missing:
+        lines.append(f"| {name} | no environment: see pytest's output |" + " |" * len(RULES))
     lines += [
         "",
         "| flwr | Python | torch | clean venv + wheel + flwr + torch | default `flwr run`, "
@@ -148,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         returncode = subprocess.run(command, cwd=REPO, env=env, check=False).returncode
         minutes = (time.monotonic() - started) / 60
         records = read_report(report)
-    table = matrix_table(records)
+    table = matrix_table(records, arguments.flwr)
     footer = (
         f"\n{datetime.now(UTC):%Y-%m-%d}, {os.cpu_count()} CPU cores, {platform.machine()}: "
         f"`scripts/flower_matrix.py --flwr {' '.join(arguments.flwr)} "
