@@ -48,7 +48,7 @@ from benchmarks.harness import Stopwatch, hardware
 from benchmarks.report import HOST_FILE, RunData, read_run, write_report
 from benchmarks.spec import REPO, Run, Spec, SpecError, load_spec
 from beyond_averaging.server.checkpoint import CHECKPOINT_FILE, RESUME_FREE_KEYS
-from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.config import SERVER_LR_DEFAULTS, parse_run_config
 from beyond_averaging.server.launch import (
     RUNTIMES,
     launch_runtime,
@@ -74,14 +74,23 @@ def claim(run: Run) -> IO[bytes] | None:
     return stream
 
 
+SERVER_LR_KEY = "server-lr"
+
+
 def differences(run: Run) -> dict[str, tuple[Any, Any]]:
     """Settings (saved -> wanted) in which the run folder's run differs from the spec's run.
 
     Keys the saved run does not know are left out when the spec does not set them: a run saved
     before an option existed ran with what is now its default.
     """
-    saved = read_summary(run.folder / "summary.json").get("config") or {}
-    wanted = parse_run_config(run.settings).to_run_config()
+    saved = dict(read_summary(run.folder / "summary.json").get("config") or {})
+    config = parse_run_config(run.settings)
+    wanted = config.to_run_config()
+    # "auto" and the step it stands for are one setting: runs saved before the option had
+    # "auto" (server-lr 1.0 with SGD) are the runs a spec asks for today.
+    wanted[SERVER_LR_KEY] = config.resolved_server_lr
+    if saved.get(SERVER_LR_KEY) == "auto":
+        saved[SERVER_LR_KEY] = SERVER_LR_DEFAULTS[saved.get("server-optimizer", "sgd")]
     return {
         key: (saved.get(key), value)
         for key, value in wanted.items()

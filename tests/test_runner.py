@@ -213,6 +213,18 @@ def test_a_sweep_runs_each_run_once_and_a_second_call_runs_nothing(
     assert len(fake_launch.calls) == 6
 
 
+def test_a_run_saved_with_the_step_that_server_lr_auto_stands_for_is_not_run_again(
+    tmp_path: Path, fake_launch: FakeLaunch
+) -> None:
+    spec = small_spec(tmp_path)
+    for run in spec.runs():  # saved before "auto" existed: SGD's explicit step 1.0
+        write_run(run.folder, {**run.settings, "server-lr": 1.0}, [0.1, 0.2, 0.3, 0.4])
+    assert all(state(run) == "finished" for run in spec.runs())
+    run = spec.runs()[0]
+    write_run(run.folder, {**run.settings, "server-lr": 0.5}, [0.1, 0.2, 0.3, 0.4])
+    assert state(run) == "conflict"
+
+
 def test_an_interrupted_run_resumes_from_its_checkpoint_and_a_failed_one_without_reruns(
     tmp_path: Path, fake_launch: FakeLaunch
 ) -> None:
