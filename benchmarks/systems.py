@@ -67,6 +67,9 @@ RESULTS_DIR = REPO / "benchmarks" / "results" / "systems"
 BIG_LAYERS = (3072, 2048, 2048, 10)
 UPDATE_SCALE = 1e-2  # spread of the synthetic updates (the figures do not depend on it)
 TARGET_TIME_RATIO = 1.5
+#: Rules whose own math reads every reply more than once (Elastic's sensitivities, FedGMA's
+#: gradients and sign votes) may take up to this many times Flower's FedAvg (issue 23).
+TARGET_TIME_RATIOS = {"elastic": 3.0, "elastic-f16": 3.0, "fedgma": 3.0, "fedgma-soft": 3.0}
 TARGET_BUFFERS_PER_CLIENT = 1.0
 FLOWER, DIAGNOSTICS = "flower-fedavg", "diagnostics"
 #: glibc maps every buffer of at least this size on its own and unmaps it when freed, so the
@@ -343,13 +346,15 @@ def server_table(figures: Sequence[ServerFigure], clients: int, model_bytes: int
     peaks = {rule: [p for p in pair if p is not None] for rule, pair in measured.items()}
     flower_peak = max(peaks.get(FLOWER) or [0])
     lines = [
-        "| rule | aggregate_train s | math s | x Flower FedAvg | within 1.5x | upload / client "
+        "| rule | aggregate_train s | math s | x Flower FedAvg | within target (1.5x; Elastic, "
+        "FedGMA 3x) | upload / client "
         "(MiB) | traced peak (models) | RSS peak growth (models) | extra buffers / client | "
         "<= 1 buffer / client |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in figures:
         ratio = f.seconds / flower.seconds if flower else float("nan")
+        target = TARGET_TIME_RATIOS.get(f.rule, TARGET_TIME_RATIO)
         # Beyond what Flower's FedAvg itself needs (its accumulator and the serialized result).
         extra = (
             (max(peaks[f.rule]) - flower_peak) / model_bytes / clients if peaks[f.rule] else None
@@ -358,7 +363,7 @@ def server_table(figures: Sequence[ServerFigure], clients: int, model_bytes: int
         lines.append(
             f"| {f.rule} | {f.seconds:.3f} | "
             f"{'-' if f.math_seconds is None else f'{f.math_seconds:.3f}'} | {ratio:.2f} | "
-            f"{'yes' if ratio <= TARGET_TIME_RATIO else 'NO'} | {f.upload_bytes / MIB:.1f} | "
+            f"{'yes' if ratio <= target else 'NO'} | {f.upload_bytes / MIB:.1f} | "
             f"{models[0]} | {models[1]} | {'-' if extra is None else f'{extra:.2f}'} | "
             f"{'-' if extra is None else 'yes' if extra <= TARGET_BUFFERS_PER_CLIENT else 'NO'} |"
         )
