@@ -317,8 +317,9 @@ class FlowerLink:
         if not self.install_dependencies:
             env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
         links = find_links()
-        if links:  # uv sync (runtime installation) finds the local wheels pip is told about
-            env.setdefault("UV_FIND_LINKS", " ".join(links))
+        if links:  # uv sync (runtime installation) finds the local wheels pip is told about;
+            # pip's PIP_FIND_LINKS separates folders by spaces, uv's UV_FIND_LINKS by commas
+            env.setdefault("UV_FIND_LINKS", ",".join(links))
         env["PATH"] = os.pathsep.join([str(self.flower.bin_dir), env.get("PATH", "")])
         env["VIRTUAL_ENV"] = str(self.flower.root)
         env["RAY_DEDUP_LOGS"] = "0"

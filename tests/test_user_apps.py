@@ -530,6 +530,27 @@ def test_a_run_is_judged_by_its_status_and_the_final_results_flower_logs() -> No
         assert expected in problems[0]
 
 
+def test_uv_is_told_each_wheel_folder_pip_is_told_about_as_its_own_location(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # pip reads PIP_FIND_LINKS as a space-separated list, uv reads UV_FIND_LINKS as a
+    # comma-separated one: joined by spaces, uv sync looks for one folder named "a b".
+    monkeypatch.setenv("PIP_FIND_LINKS", "/wheels/torch  /wheels/local")
+    monkeypatch.delenv("UV_FIND_LINKS", raising=False)
+    flower = FlowerInstall(
+        requested="newest",
+        version="1.42.0",
+        python_version="3.13.0",
+        root=tmp_path / "venv",
+        install_seconds=0.0,
+        superlink_options=frozenset(),
+        run_takes_connection=True,
+        fleet_on_http_port=True,
+    )
+    env = FlowerLink(flower, tmp_path, simulation=False)._environment()
+    assert env["UV_FIND_LINKS"] == "/wheels/torch,/wheels/local"
+
+
 def run_and_check(
     link: FlowerLink, flower: FlowerInstall, shape: AppShape, rule: Rule, tmp_path: Path
 ) -> None:
