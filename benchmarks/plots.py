@@ -19,8 +19,6 @@ labelled by their folder names)::
 from __future__ import annotations
 
 import argparse
-import json
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on servers and in tests
 
 import matplotlib.pyplot as plt
+
+from benchmarks.report import curve, read_metrics
 
 Metrics = list[dict[str, Any]]
 
@@ -41,29 +41,15 @@ DISTANCE_KEYS = {
     "Chebyshev": "diag-chebyshev-mean",
 }
 INFORMATION_KEYS = {"parameters": "diag-mi-mean", "updates": "diag-update-mi-mean"}
-#: Shared figure look: one size and resolution for every PNG of the project's reports.
+#: Shared figure look: one size and resolution for the diagnostics PNGs.
 FIGURE_SIZE = (7.0, 4.2)
 DPI = 120
 
 
-def read_run_metrics(run_dir: Path) -> Metrics:
-    """The rounds of ``<run_dir>/metrics.jsonl``."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: pass the folder of a run (runs/<name>)")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
-
-
 def series(metrics: Metrics, key: str) -> tuple[list[int], list[float]]:
-    """Rounds and values of ``key`` over the rounds that have a finite number for it."""
-    rounds, values = [], []
-    for entry in metrics:
-        value = entry.get(key)
-        if isinstance(value, int | float) and math.isfinite(value):
-            rounds.append(int(entry["round"]))
-            values.append(float(value))
-    return rounds, values
+    """Rounds and values of ``key``, as ``plot`` takes them (see :func:`report.curve`)."""
+    points = curve(metrics, key, first=0)
+    return list(points), list(points.values())
 
 
 def critical_point(rounds: Sequence[int], coherence: Sequence[float]) -> int | None:
@@ -74,10 +60,11 @@ def critical_point(rounds: Sequence[int], coherence: Sequence[float]) -> int | N
     return None
 
 
-def _save(figure: Any, path: Path) -> Path:
+def save_figure(figure: Any, path: Path, dpi: int = DPI) -> Path:
+    """Lay out, write and close ``figure`` (its folder made if missing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
-    figure.savefig(path, dpi=DPI)
+    figure.savefig(path, dpi=dpi)
     plt.close(figure)
     return path
 
@@ -114,7 +101,7 @@ def plot_coherence(runs: Mapping[str, Metrics], path: Path) -> Path:
     top.legend(fontsize="small")
     bottom.set_ylabel("mean pairwise cosine")
     bottom.set_xlabel("round")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_distances(runs: Mapping[str, Metrics], path: Path) -> Path:
@@ -127,26 +114,21 @@ def plot_distances(runs: Mapping[str, Metrics], path: Path) -> Path:
         axes.set_xlabel("round")
     panels[0].set_ylabel("mean over client pairs")
     panels[0].legend(fontsize="small")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_mutual_information(runs: Mapping[str, Metrics], path: Path) -> Path:
     """Mean pairwise Gaussian mutual information of client parameters (solid) and updates."""
     figure, axes = plt.subplots(figsize=FIGURE_SIZE)
     for label, metrics in runs.items():
-        (line,) = axes.plot(
-            *series(metrics, INFORMATION_KEYS["parameters"]), marker=".", label=f"{label}"
-        )
-        axes.plot(
-            *series(metrics, INFORMATION_KEYS["updates"]),
-            linestyle=":",
-            color=line.get_color(),
-        )
+        parameters, updates = (series(metrics, key) for key in INFORMATION_KEYS.values())
+        (line,) = axes.plot(*parameters, marker=".", label=label)
+        axes.plot(*updates, linestyle=":", color=line.get_color())
     axes.set_xlabel("round")
     axes.set_ylabel("mutual information (nats)")
     axes.set_title("Gaussian MI between clients (solid: parameters, dotted: updates)")
     axes.legend(fontsize="small")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_diagnostics(runs: Mapping[str, Metrics], output_dir: Path, stem: str) -> list[Path]:
@@ -178,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-dir", type=Path, default=Path("docs/results"))
     parser.add_argument("--stem", default="diagnostics", help="file name prefix")
     args = parser.parse_args(argv)
-    runs = {run.name: read_run_metrics(run) for run in args.runs}
+    runs = {run.name: read_metrics(run) for run in args.runs}
     for path in plot_diagnostics(runs, args.output_dir, args.stem):
         print(f"wrote {path}")
     for label, metrics in runs.items():

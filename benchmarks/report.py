@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,14 +36,29 @@ class RunData:
     host: dict[str, Any]
 
     def curve(self, key: str, first: int = 1) -> dict[int, float]:
-        """Round -> value of ``key`` from round ``first`` on (rounds without a number left out)."""
-        return {
-            int(entry["round"]): float(entry[key])
-            for entry in self.rounds
-            if entry.get("round", 0) >= first
-            and isinstance(entry.get(key), int | float)
-            and math.isfinite(entry[key])
-        }
+        """:func:`curve` of this run's rounds."""
+        return curve(self.rounds, key, first)
+
+
+def read_metrics(folder: Path) -> list[dict[str, Any]]:
+    """The rounds of a run folder's ``metrics.jsonl``, one dict per line."""
+    path = Path(folder) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: pass the folder of a run (runs/<name>)")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def curve(rounds: Sequence[Mapping[str, Any]], key: str, first: int = 1) -> dict[int, float]:
+    """Round -> value of ``key`` from round ``first`` on (rounds without a finite number left
+    out: a metric a round did not log, or NaN)."""
+    return {
+        int(entry["round"]): float(entry[key])
+        for entry in rounds
+        if entry.get("round", 0) >= first
+        and isinstance(entry.get(key), int | float)
+        and math.isfinite(entry[key])
+    }
 
 
 def read_run(run: Run) -> RunData | None:
@@ -51,10 +66,21 @@ def read_run(run: Run) -> RunData | None:
     summary = read_summary(run.folder / "summary.json")
     if summary.get("status") != "completed":
         return None
-    lines = (run.folder / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     host_path = run.folder / HOST_FILE
     host = json.loads(host_path.read_text(encoding="utf-8")) if host_path.is_file() else {}
-    return RunData(run, [json.loads(line) for line in lines if line.strip()], summary, host)
+    return RunData(run, read_metrics(run.folder), summary, host)
+
+
+def shown(value: float | None, spec: str) -> str:
+    """``value`` in the format ``spec``, or ``-`` where there is none."""
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table of ``rows`` (cells shown with ``str``) under ``header``."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
 
 
 def _values(data: RunData, column: Column) -> list[float]:
@@ -141,13 +167,9 @@ def cell(spec: Spec, row: Row, rows: Sequence[Row], column: Column) -> str:
     """One table cell: the column's metric over the row's seeds."""
     if column.metric == "paper":
         paper = paper_value(spec, row.labels)
-        return (
-            "-"
-            if paper is None
-            else label_of(paper)
-            if isinstance(paper, str)
-            else f"{paper:.{column.digits}f}"
-        )
+        if paper is None:
+            return "-"
+        return label_of(paper) if isinstance(paper, str) else f"{paper:.{column.digits}f}"
     metric = METRICS[column.metric]
     values = {d.run.labels[SEED_AXIS]: metric(d, column) for d in row.runs}
     if column.vs:
@@ -190,25 +212,24 @@ def table(spec: Spec, runs: Sequence[RunData]) -> str:
     """The markdown table: one row per combination of the axes, seeds pooled."""
     rows = rows_of(spec, runs)
     axes = [a.name for a in spec.axes]
-    header = [*axes, "seeds", "rounds", *(c.title for c in spec.columns)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cells = []
     for row in rows:
         rounds = sorted({max(d.curve("test-accuracy", first=0), default=0) for d in row.runs})
         span = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
-        cells = [row.labels[a] for a in axes] + [str(len(row.runs)), span]
-        cells += [cell(spec, row, rows, column) for column in spec.columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        cells.append(
+            [*(row.labels[a] for a in axes), len(row.runs), span]
+            + [cell(spec, row, rows, column) for column in spec.columns]
+        )
+    return markdown_table([*axes, "seeds", "rounds", *(c.title for c in spec.columns)], cells)
 
 
 def plot(spec: Spec, runs: Sequence[RunData], path: Path) -> Path:
     """Per plot row (a metric key) and panel (labels of ``panels`` axes): the mean per round of
     each row of the table, with a band of ± one sample sd over seeds; the paper's number dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
+    from benchmarks.plots import save_figure  # matplotlib only where a plot is drawn (Agg)
 
     keys = spec.plot.get("rows") or [
         {"key": "test-accuracy", "scale": 100, "label": "test accuracy (%)", "paper": True}
@@ -247,11 +268,7 @@ def plot(spec: Spec, runs: Sequence[RunData], path: Path) -> Path:
             axis.set_ylabel(str(entry.get("label", entry["key"])))
             axis.grid(alpha=0.3)
             axis.legend(fontsize=7)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, dpi=100)
 
 
 def write_report(

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from benchmarks.harness import PeakSampler, Stopwatch, status_bytes
-from benchmarks.plots import critical_point, plot_diagnostics, read_run_metrics
+from benchmarks.plots import critical_point, plot_diagnostics
+from benchmarks.report import read_metrics
 from benchmarks.seed_stats import band, mean_sd, seed_sd
 from benchmarks.spec import REPO, load_spec
 from benchmarks.systems import FLOWER, ClientFigure, ServerFigure, client_table, server_table
@@ -72,7 +73,7 @@ def test_critical_point_is_the_first_round_coherence_crosses_zero() -> None:
 
 def test_diagnostics_figures_are_drawn_from_metrics_jsonl(tmp_path: Path) -> None:
     run_dir = write_metrics(tmp_path / "run", [0.3, 0.1, -0.05, -0.02])
-    paths = plot_diagnostics({"run": read_run_metrics(run_dir)}, tmp_path / "out", "d")
+    paths = plot_diagnostics({"run": read_metrics(run_dir)}, tmp_path / "out", "d")
     assert [p.name for p in paths] == ["d-coherence.png", "d-distances.png", "d-mi.png"]
     for path in paths:
         assert path.read_bytes()[:8] == PNG_MAGIC
@@ -83,7 +84,7 @@ def test_diagnostics_figures_refuse_runs_without_diagnostics(tmp_path: Path) -> 
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text(json.dumps({"round": 0}) + "\n", "utf-8")
     with pytest.raises(ValueError, match="diagnostics=true"):
-        plot_diagnostics({"plain": read_run_metrics(run_dir)}, tmp_path, "x")
+        plot_diagnostics({"plain": read_metrics(run_dir)}, tmp_path, "x")
 
 
 # ----------------------------------------------------------------------------- harness
