@@ -33,7 +33,7 @@ import numpy as np
 from flwr.app import Message
 
 from benchmarks.harness import federation
-from beyond_averaging.strategies.validation import max_over_median
+from beyond_averaging.strategies.influence import max_over_median
 
 #: The strategies whose replies are measured, as run-config overrides.
 STRATEGIES: dict[str, dict[str, Any]] = {
