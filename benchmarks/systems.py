@@ -48,6 +48,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 
 from benchmarks.harness import MIB, Stopwatch, federation, hardware, reset_peak_rss, status_bytes
+from benchmarks.report import markdown_table, shown
 from beyond_averaging.client.sensitivity import compute_sensitivity, to_upload
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import parse_run_config
@@ -72,6 +73,11 @@ TARGET_TIME_RATIO = 1.5
 TARGET_TIME_RATIOS = {"elastic": 3.0, "elastic-f16": 3.0, "fedgma": 3.0, "fedgma-soft": 3.0}
 TARGET_BUFFERS_PER_CLIENT = 1.0
 FLOWER, DIAGNOSTICS = "flower-fedavg", "diagnostics"
+SERVER_HEADER = (
+    "rule | aggregate_train s | math s | x Flower FedAvg | within target (1.5x; Elastic, FedGMA 3x)"
+    " | upload / client (MiB) | traced peak (models) | RSS peak growth (models)"
+    " | extra buffers / client | <= 1 buffer / client"
+)
 #: glibc maps every buffer of at least this size on its own and unmaps it when freed, so the
 #: resident set follows the live buffers (the default threshold grows and hides later ones).
 MMAP_THRESHOLD_BYTES = 128 * 1024
@@ -203,6 +209,16 @@ class ServerFigure:
     peak_traced_bytes: int | None = None
     peak_rss_growth_bytes: int | None = None
 
+    @property
+    def peaks(self) -> tuple[int | None, int | None]:
+        """Traced and resident peak (None: not measured)."""
+        return self.peak_traced_bytes, self.peak_rss_growth_bytes
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The larger peak: tracemalloc misses torch's buffers, the resident set shared pages."""
+        return max((p for p in self.peaks if p is not None), default=None)
+
 
 def time_rules(options: argparse.Namespace) -> list[ServerFigure]:
     """Median seconds of each rule's aggregation on identical replies (one process, in turn)."""
@@ -275,25 +291,15 @@ class ClientFigure:
     records: str
 
 
-def client_settings(options: argparse.Namespace, rule: str = "fedavg") -> dict[str, Any]:
-    """Run configuration of the client figures' federation with one rule's instruction."""
-    return {
-        "dataset": options.dataset,
-        "model": options.model,
-        "partition": options.partition,
-        "num-clients": options.num_clients,
-        "device": "cpu",
-        **RULES[rule],
-    }
-
-
 def time_clients(options: argparse.Namespace) -> tuple[list[ClientFigure], dict[str, Any]]:
     """Seconds and upload bytes of one train round of partition 0's ClientApp per strategy.
 
     The strategies take turns within each repeat (round -1 warms up, untimed), so that a burst of
     load from elsewhere spreads over all of them; each node's Context persists across repeats.
     """
-    federations = {rule: federation(client_settings(options, rule)) for rule in RULES}
+    task = {"dataset": options.dataset, "model": options.model, "partition": options.partition}
+    task |= {"num-clients": options.num_clients, "device": "cpu"}
+    federations = {rule: federation({**task, **overrides}) for rule, overrides in RULES.items()}
     seconds: dict[str, list[float]] = {rule: [] for rule in RULES}
     replies: dict[str, Message] = {}
     for repeat in range(-1, options.repeats):
@@ -342,47 +348,36 @@ def time_sensitivity_pass(config: Any, partition: LabeledData, repeats: int) -> 
 def server_table(figures: Sequence[ServerFigure], clients: int, model_bytes: int) -> str:
     """Markdown table of the server figures (ratios against Flower's FedAvg of the same run)."""
     flower = next((f for f in figures if f.rule == FLOWER), None)
-    measured = {f.rule: (f.peak_traced_bytes, f.peak_rss_growth_bytes) for f in figures}
-    peaks = {rule: [p for p in pair if p is not None] for rule, pair in measured.items()}
-    flower_peak = max(peaks.get(FLOWER) or [0])
-    lines = [
-        "| rule | aggregate_train s | math s | x Flower FedAvg | within target (1.5x; Elastic, "
-        "FedGMA 3x) | upload / client "
-        "(MiB) | traced peak (models) | RSS peak growth (models) | extra buffers / client | "
-        "<= 1 buffer / client |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    flower_peak = (flower.peak_bytes if flower else None) or 0
+    rows = []
     for f in figures:
         ratio = f.seconds / flower.seconds if flower else float("nan")
-        target = TARGET_TIME_RATIOS.get(f.rule, TARGET_TIME_RATIO)
+        within = "yes" if ratio <= TARGET_TIME_RATIOS.get(f.rule, TARGET_TIME_RATIO) else "NO"
+        models = [shown(None if p is None else p / model_bytes, ".2f") for p in f.peaks]
         # Beyond what Flower's FedAvg itself needs (its accumulator and the serialized result).
-        extra = (
-            (max(peaks[f.rule]) - flower_peak) / model_bytes / clients if peaks[f.rule] else None
+        extra = None if f.peak_bytes is None else (f.peak_bytes - flower_peak) / model_bytes
+        extra = None if extra is None else extra / clients
+        buffers = "-" if extra is None else "yes" if extra <= TARGET_BUFFERS_PER_CLIENT else "NO"
+        rows.append(
+            [
+                *(f.rule, f"{f.seconds:.3f}", shown(f.math_seconds, ".3f"), f"{ratio:.2f}", within),
+                *(f"{f.upload_bytes / MIB:.1f}", *models, shown(extra, ".2f"), buffers),
+            ]
         )
-        models = ["-" if p is None else f"{p / model_bytes:.2f}" for p in measured[f.rule]]
-        lines.append(
-            f"| {f.rule} | {f.seconds:.3f} | "
-            f"{'-' if f.math_seconds is None else f'{f.math_seconds:.3f}'} | {ratio:.2f} | "
-            f"{'yes' if ratio <= target else 'NO'} | {f.upload_bytes / MIB:.1f} | "
-            f"{models[0]} | {models[1]} | {'-' if extra is None else f'{extra:.2f}'} | "
-            f"{'-' if extra is None else 'yes' if extra <= TARGET_BUFFERS_PER_CLIENT else 'NO'} |"
-        )
-    return "\n".join(lines) + "\n"
+    return markdown_table(SERVER_HEADER.split(" | "), rows)
 
 
 def client_table(figures: Sequence[ClientFigure]) -> str:
     """Markdown table of the client figures (ratios against FedAvg's client of the same run)."""
     baseline = next(f.seconds for f in figures if f.strategy == "fedavg")
-    lines = [
-        "| strategy | client s / round | x FedAvg client | upload / client (KiB) | records |",
-        "|---|---|---|---|---|",
-    ]
+    header = ["strategy", "client s / round", "x FedAvg client", "upload / client (KiB)", "records"]
+    rows = []
     for f in figures:
-        lines.append(
-            f"| {f.strategy} | {f.seconds:.3f} | {f.seconds / baseline:.2f} | "
-            f"{f.upload_bytes / 1024:.1f} | {f.records} |"
+        ratio = f"{f.seconds / baseline:.2f}"
+        rows.append(
+            [f.strategy, f"{f.seconds:.3f}", ratio, f"{f.upload_bytes / 1024:.1f}", f.records]
         )
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, rows)
 
 
 def sensitivity_upload_table() -> str:
@@ -392,11 +387,7 @@ def sensitivity_upload_table() -> str:
     from flwr.common.serde import array_record_to_proto
 
     digits = load_dataset("digits", seed=0)[0].input_shape
-    rows = [
-        "| model | parameters | arrays (protobuf B) | sensitivity float32: npy / protobuf B | "
-        "sensitivity float16: npy / protobuf B | float16 / float32 |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = []
     for label, shape in ((f"mlp on digits {digits}", digits), ("mlp 784-200-200-10", (784,))):
         model = build_model("mlp", shape, 10, seed=0)
         sensitivity = compute_sensitivity(model, [torch.randn(4, *shape)])
@@ -408,12 +399,14 @@ def sensitivity_upload_table() -> str:
             sizes[dtype] = (payload, array_record_to_proto(record).ByteSize())
         count = sum(value.numel() for value in sensitivity.values())
         rows.append(
-            f"| {label} | {count:,} | {array_record_to_proto(arrays).ByteSize():,} | "
-            f"{sizes['float32'][0]:,} / {sizes['float32'][1]:,} | "
-            f"{sizes['float16'][0]:,} / {sizes['float16'][1]:,} | "
-            f"{sizes['float16'][1] / sizes['float32'][1]:.3f} |"
+            [label, f"{count:,}", f"{array_record_to_proto(arrays).ByteSize():,}"]
+            + [f"{npy:,} / {protobuf:,}" for npy, protobuf in sizes.values()]
+            + [f"{sizes['float16'][1] / sizes['float32'][1]:.3f}"]
         )
-    return "\n".join(rows) + "\n"
+    header = "model | parameters | arrays (protobuf B) | sensitivity float32: npy / protobuf B"
+    return markdown_table(
+        f"{header} | sensitivity float16: npy / protobuf B | float16 / float32".split(" | "), rows
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
