@@ -50,33 +50,26 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord
-from flwr.clientapp import ClientApp
+from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flower_strategies
-from flwr.supercore.task_identity import TaskIdentity
 
-from benchmarks.report import read_run
+from benchmarks.harness import federation
+from benchmarks.report import markdown_table, read_run
 from benchmarks.spec import load_spec
 from beyond_averaging.client import app as client_module
-from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.bounded_pull import DelegatingGrid
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.inprocess import InProcessGrid
 from beyond_averaging.server.recorder import RunRecorder
-from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
-from beyond_averaging.tasks.evaluation import DeviceData, evaluate
-from beyond_averaging.tasks.federation import load_server_splits
-from beyond_averaging.tasks.models import build_model
+from beyond_averaging.server.strategy_factory import build_strategy
+from beyond_averaging.strategies import ContractStrategy
+from beyond_averaging.tasks.evaluation import DeviceData
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     GRADIENT_RECORD,
     METRICS_RECORD,
     NUM_EXAMPLES_KEY,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "attacks"
 
 Update = dict[str, npt.NDArray[np.float64]]
 
@@ -164,75 +157,57 @@ class AttackGrid(DelegatingGrid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """The inner Grid's replies, the attackers' train replies rewritten."""
+        """The inner Grid's replies, the attackers' train replies rewritten in place."""
         messages = list(messages)
         replies = list(self.inner.send_and_receive(messages, timeout=timeout))
-        train = [m.metadata.message_type == MessageType.TRAIN for m in messages]
-        if not any(train) or (self.attack.model is None and self.attack.num_examples is None):
+        train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
+        if not train or (self.attack.model is None and self.attack.num_examples is None):
+            return replies
+        honest = [reply for reply in replies if not reply.has_error()]
+        rows = [i for i, reply in enumerate(honest) if reply.metadata.src_node_id in self.attackers]
+        if not rows:
             return replies
         # Every train message of a round carries the same global model.
-        instruction = next(m for m in messages if m.metadata.message_type == MessageType.TRAIN)
         global_arrays = {
-            key: value.numpy() for key, value in instruction.content[ARRAYS_RECORD].items()
+            k: v.numpy() for k, v in train[0].content.array_records[ARRAYS_RECORD].items()
         }
-        positions = [
-            i
-            for i, reply in enumerate(replies)
-            if reply.metadata.src_node_id in self.attackers and not reply.has_error()
-        ]
-        if not positions:
-            return replies
-        return self._rewrite(replies, positions, global_arrays)
-
-    def _rewrite(
-        self,
-        replies: list[Message],
-        positions: list[int],
-        global_arrays: dict[str, npt.NDArray[Any]],
-    ) -> list[Message]:
         floating = [k for k, v in global_arrays.items() if np.issubdtype(v.dtype, np.floating)]
-        honest = [reply for reply in replies if not reply.has_error()]
-        index = {id(reply): i for i, reply in enumerate(honest)}
-        attacker_rows = [index[id(replies[p])] for p in positions]
 
-        def updates_of(record: str, relative: bool) -> list[Update]:
-            out = []
+        def view(record: str, relative: bool) -> RoundView:
+            """Every honest reply's ``record`` in float64, less the global model if ``relative``."""
+            base = global_arrays if relative else {}
+            updates = []
             for reply in honest:
                 arrays = reply.content.array_records[record]
-                out.append(
+                updates.append(
                     {
-                        k: arrays[k].numpy().astype(np.float64)
-                        - (global_arrays[k] if relative else 0.0)
+                        k: arrays[k].numpy().astype(np.float64) - base.get(k, 0.0)
                         for k in arrays
                         if k in floating
                     }
                 )
-            return out
+            return RoundView(updates, rows, self.rng)
 
-        model_view = RoundView(updates_of(ARRAYS_RECORD, True), attacker_rows, self.rng)
+        models = view(ARRAYS_RECORD, relative=True)
         has_gradient = GRADIENT_RECORD in honest[0].content.array_records
-        gradient_view = (
-            RoundView(updates_of(GRADIENT_RECORD, False), attacker_rows, self.rng)
-            if has_gradient
-            else None
-        )
-        for position, row in zip(positions, attacker_rows, strict=True):
-            content = replies[position].content  # rewritten in place
+        gradients = view(GRADIENT_RECORD, relative=False) if has_gradient else None
+        for row in rows:
+            content = honest[row].content
             if self.attack.model is not None:
-                bad = self.attack.model(model_view, row)
+                bad = self.attack.model(models, row)
                 arrays = content.array_records[ARRAYS_RECORD]
                 content[ARRAYS_RECORD] = ArrayRecord(
                     {
                         key: Array(
-                            (global_arrays[key] + bad[key]).astype(arrays[key].numpy().dtype)
+                            (global_arrays[key] + bad[key]).astype(value.numpy().dtype)
                             if key in bad
-                            else arrays[key].numpy()
+                            else value.numpy()
                         )
-                        for key in arrays
+                        for key, value in arrays.items()
                     }
                 )
-                if gradient_view is not None:
-                    gradient = self.attack.model(gradient_view, row)
+                if gradients is not None:
+                    gradient = self.attack.model(gradients, row)
                     content[GRADIENT_RECORD] = ArrayRecord(
                         {key: Array(value.astype(np.float32)) for key, value in gradient.items()}
                     )
@@ -244,36 +219,22 @@ class AttackGrid(DelegatingGrid):
 
 
 # ----------------------------------------------------------------------------- label flipping
-def label_flipping_app(flipped_partitions: frozenset[int]) -> ClientApp:
-    """The project's ClientApp, training the ``flipped_partitions`` on labels C - 1 - y."""
-    flipping = ClientApp()
-
-    @flipping.train()
-    def train(message: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        if partition not in flipped_partitions:
-            return client_module.train(message, context)
-        with _flipped_labels():
-            return client_module.train(message, context)
-
-    @flipping.evaluate()
-    def evaluate_local(message: Message, context: Context) -> Message:
-        return client_module.evaluate_local(message, context)
-
-    return flipping
-
-
 @contextlib.contextmanager
-def _flipped_labels() -> Iterator[None]:
-    # The ClientApp reads its partition through client.app.device_partition; for the call of a
-    # flipping node that function returns the same samples with labels C - 1 - y.
+def flipped_labels(partitions: frozenset[int]) -> Iterator[None]:
+    """While the block runs, the ClientApp trains ``partitions`` on labels C - 1 - y.
+
+    The ClientApp reads its partition through ``client.app.device_partition``; for the
+    ``partitions`` the replacement returns the same samples with flipped labels.
+    """
     honest = client_module.device_partition
 
-    def flipped(spec: Any, partition_id: int, device: torch.device) -> DeviceData:
+    def partition(spec: Any, partition_id: int, device: torch.device) -> DeviceData:
         data = honest(spec, partition_id, device)
+        if partition_id not in partitions:
+            return data
         return dataclasses.replace(data, labels=data.num_classes - 1 - data.labels)
 
-    client_module.device_partition = flipped  # type: ignore[assignment]
+    client_module.device_partition = partition  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -312,55 +273,41 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
     ValueError
         An unknown attack or Flower strategy, or a run configuration the app refuses.
     """
-    own = {"attack", "attackers", "flower"}
     attack_name = str(settings.get("attack", "none"))
     if attack_name not in ATTACKS:
         raise ValueError(f"attack = {attack_name!r}: use one of {sorted(ATTACKS)}")
-    attack = ATTACKS[attack_name]
-    flower = str(settings.get("flower", ""))
-    config = parse_run_config({k: v for k, v in settings.items() if k not in own})
-    attackers = 0 if attack_name == "none" else int(settings.get("attackers", 0))
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
-    torch.manual_seed(config.seed)
-    device = torch.device("cpu")
-    test_set, proxy_set = load_server_splits(data_spec(config))
-    model = build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
+    attack, flower = ATTACKS[attack_name], str(settings.get("flower", ""))
+    run_settings = {k: v for k, v in settings.items() if k not in ("attack", "attackers", "flower")}
+    config = parse_run_config(run_settings)
+    told = int(settings.get("attackers", 0))  # what Krum and Bulyan assume, even in honest runs
+    attackers = 0 if attack_name == "none" else told
     recorder = RunRecorder(
         config.output_dir,
         config.run_name,
         {**config.to_run_config(), "attack": attack_name, "attackers": attackers, "flower": flower},
     )
+    flipped = frozenset(range(attackers) if attack.flip_labels else ())
     try:
-        strategy = (
-            flower_strategy(flower, int(settings.get("attackers", 0)), config.trim_fraction)
+        fed = federation(
+            run_settings,
+            (lambda *_: flower_strategy(flower, told, config.trim_fraction))
             if flower
-            else build_strategy(config, ServerResources(model, proxy_set, device, test_set))
+            else build_strategy,
         )
-        client_app = (
-            label_flipping_app(frozenset(range(attackers)))
-            if attack.flip_labels
-            else client_module.app
-        )
-        inner = InProcessGrid(client_app, config.num_clients, config.to_run_config())
-        node_ids = sorted(inner.get_node_ids())
-        grid = AttackGrid(inner, node_ids[:attackers], attack, config.seed)
-        test = DeviceData.from_labeled(test_set, device)
-        arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
-        task = client_task(config).to_config()
-        loss, accuracy = evaluate(model, test, device)
+        node_ids = sorted(fed.grid.get_node_ids())
+        fed.grid = AttackGrid(fed.grid, node_ids[:attackers], attack, config.seed)
+        loss, accuracy = fed.evaluate()
         recorder.log_round({"round": 0, "test-accuracy": accuracy, "test-loss": loss})
         for server_round in range(1, config.num_server_rounds + 1):
-            started = time.perf_counter()
+            started, sent = time.perf_counter(), fed.arrays
             if flower == "MultiKrum":
-                strategy.num_nodes_to_select = max(1, len(node_ids) - int(settings["attackers"]))
-            messages = strategy.configure_train(server_round, arrays, ConfigRecord(task), grid)
-            replies = list(grid.send_and_receive(messages))
-            new_arrays, _ = strategy.aggregate_train(server_round, replies)
-            if new_arrays is not None:
-                arrays = new_arrays
-            model.load_state_dict(arrays.to_torch_state_dict())
-            loss, accuracy = evaluate(model, test, device)
-            figures = {} if flower else dict(strategy.last_round_metrics)
+                fed.strategy.num_nodes_to_select = max(1, len(node_ids) - told)  # type: ignore[attr-defined]
+            with flipped_labels(flipped):
+                fed.round(server_round)
+            loss, accuracy = fed.evaluate()
+            figures: dict[str, Any] = {}
+            if isinstance(fed.strategy, ContractStrategy):  # Flower's keep no round metrics
+                figures = dict(fed.strategy.last_round_metrics)
             recorder.log_round(
                 {
                     **figures,
@@ -368,7 +315,7 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
                     "test-accuracy": accuracy,
                     "test-loss": loss,
                     "round-seconds": time.perf_counter() - started,
-                    "aggregated": int(new_arrays is not None),
+                    "aggregated": int(fed.arrays is not sent),
                 }
             )
     except BaseException as error:
@@ -383,29 +330,24 @@ def condensed_table(spec_path: Path, metric_rounds: int = 1) -> str:
     the final round (``metric_rounds`` > 1: the mean of that many last rounds), seeds averaged,
     and the largest loss against the method's own honest run. From the spec's run folders."""
     spec = load_spec(spec_path)
-    found = [data for data in (read_run(run) for run in spec.runs()) if data is not None]
-    cells: dict[tuple[str, str, str], list[float]] = {}
-    for data in found:
-        labels = data.run.labels
+    cells: dict[tuple[str, ...], list[float]] = {}
+    for data in filter(None, map(read_run, spec.runs())):
         curve = list(data.curve("test-accuracy").values())
-        value = 100.0 * float(np.mean(curve[-metric_rounds:]))
-        key = (labels["federation"], labels["method"], labels["attack"])
-        cells.setdefault(key, []).append(value)
-    attacks = next(a.labels for a in spec.axes if a.name == "attack")
-    methods = next(a.labels for a in spec.axes if a.name == "method")
+        key = tuple(data.run.labels[axis] for axis in ("federation", "method", "attack"))
+        cells.setdefault(key, []).append(100.0 * float(np.mean(curve[-metric_rounds:])))
+    axes = {axis.name: axis.labels for axis in spec.axes}
     lines = []
-    for federation in next(a.labels for a in spec.axes if a.name == "federation"):
-        lines += [f"**{federation}**", ""]
-        lines.append("| method | " + " | ".join(attacks) + " | worst loss (pts) |")
-        lines.append("|---" * (len(attacks) + 2) + "|")
-        for method in methods:
-            values = {a: cells.get((federation, method, a)) for a in attacks}
-            shown = [f"{np.mean(v):.1f}" if v else "-" for v in values.values()]
+    for setting in axes["federation"]:
+        rows = []
+        for method in axes["method"]:
+            values = {a: cells.get((setting, method, a)) for a in axes["attack"]}
             honest = values.get("none")
-            losses = [np.mean(honest) - np.mean(v) for a, v in values.items() if v and a != "none"]
-            worst = f"{max(losses):.1f}" if honest and losses else "-"
-            lines.append(f"| {method} | " + " | ".join(shown) + f" | {worst} |")
-        lines.append("")
+            attacked = [v for a, v in values.items() if v and a != "none"]
+            losses = [np.mean(honest) - np.mean(v) for v in attacked] if honest else []
+            shown = [f"{np.mean(v):.1f}" if v else "-" for v in values.values()]
+            rows.append([method, *shown, f"{max(losses):.1f}" if losses else "-"])
+        header = ["method", *axes["attack"], "worst loss (pts)"]
+        lines += [f"**{setting}**", "", markdown_table(header, rows)]
     return "\n".join(lines)
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
 from flwr.supercore.task_identity import TaskIdentity
 
 from beyond_averaging.client.app import app as client_app
@@ -26,7 +28,8 @@ from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
 from beyond_averaging.server.inprocess import InProcessGrid
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
-from beyond_averaging.strategies import ContractStrategy
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.evaluation import DeviceData, evaluate
 from beyond_averaging.tasks.federation import load_server_splits
 from beyond_averaging.tasks.models import build_model
 
@@ -49,14 +52,17 @@ def hardware() -> str:
 
 
 class Stopwatch:
-    """Wall and process-CPU seconds of a ``with`` block (``wall``, ``cpu`` once it is left)."""
+    """Wall, process-CPU and children's CPU seconds of a ``with`` block (``wall``, ``cpu``,
+    ``children_cpu`` once it is left; children: the subprocesses it waited for)."""
 
     def __enter__(self) -> Stopwatch:
         self.wall, self.cpu = time.perf_counter(), time.process_time()
+        self.children_cpu = sum(os.times()[2:4])
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+        self.children_cpu = sum(os.times()[2:4]) - self.children_cpu
 
 
 def status_bytes(field: str, pid: int | str = "self") -> int:
@@ -141,14 +147,15 @@ class Federation:
 
     The real strategy of the run configuration, the real ClientApp behind the one in-process
     Grid (``server.inprocess``): what ``ba-run --runtime inprocess`` runs, with the round loop in
-    the benchmark's hands so that it can read the instructions and replies.
+    the benchmark's hands so that it can read (or rewrite: wrap ``grid``) instructions and replies.
     """
 
     config: RunConfig
     model: torch.nn.Module
-    strategy: ContractStrategy
-    grid: InProcessGrid
+    strategy: Strategy
+    grid: Grid
     arrays: ArrayRecord
+    test_set: LabeledData
 
     def instructions(self, server_round: int) -> list[Message]:
         """The strategy's train instructions of a round, for the current global model."""
@@ -162,16 +169,26 @@ class Federation:
         self.arrays = arrays if arrays is not None else self.arrays
         return replies
 
+    def evaluate(self) -> tuple[float, float]:
+        """Loss and accuracy of the current global model on the server's test split."""
+        self.model.load_state_dict(self.arrays.to_torch_state_dict())
+        cpu = torch.device("cpu")
+        return evaluate(self.model, DeviceData.from_labeled(self.test_set, cpu), cpu)
 
-def federation(settings: Mapping[str, Any]) -> Federation:
-    """A :class:`Federation` of run-config ``settings`` (model and strategy as the ServerApp's)."""
+
+def federation(
+    settings: Mapping[str, Any],
+    strategy: Callable[[RunConfig, ServerResources], Strategy] = build_strategy,
+) -> Federation:
+    """A :class:`Federation` of run-config ``settings``: model and strategy as the ServerApp's,
+    or the strategy ``strategy`` builds (e.g. one of Flower's own)."""
     config = parse_run_config(settings)
     # The ClientApp reads the task identity Flower's runtime sets; a benchmark sets its own.
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
     torch.manual_seed(config.seed)
     test_set, proxy_set = load_server_splits(data_spec(config))
     model = build_model(config.model, test_set.input_shape, test_set.num_classes, seed=config.seed)
-    strategy = build_strategy(config, ServerResources(model, proxy_set, torch.device("cpu")))
+    rule = strategy(config, ServerResources(model, proxy_set, torch.device("cpu"), test_set))
     grid = InProcessGrid(client_app, config.num_clients, config.to_run_config())
     arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
-    return Federation(config, model, strategy, grid, arrays)
+    return Federation(config, model, rule, grid, arrays, test_set)

@@ -43,13 +43,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,6 +57,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness import Stopwatch, hardware
+from benchmarks.report import markdown_table, read_metrics, shown
 from benchmarks.spec import load_spec
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
@@ -119,45 +118,32 @@ class Row:
 
 
 # --- real runs ----------------------------------------------------------------------------
-def time_run(
-    setting: str,
-    runtime: str,
-    backend: str,
-    rounds: int,
-    *,
-    device: str,
-    threads: int,
-    output_dir: Path,
-) -> Row:
+def time_run(setting: str, runtime: str, backend: str, args: argparse.Namespace, runs: Path) -> Row:
     """One run of ``setting`` in ``runtime`` with ``backend``; its seconds per round."""
-    name = f"{setting}-{runtime}-{backend}-{device}-r{rounds}"
-    overrides: dict[str, Any] = {
+    overrides = {
         **SETTINGS[setting],
-        "num-server-rounds": rounds,
-        "device": device,
-        "run-name": name,
-        "output-dir": str(output_dir),
+        "num-server-rounds": args.rounds,
+        "device": args.device,
+        "client-backend": backend,
+        "run-name": f"{setting}-{runtime}-{backend}-{args.device}-r{args.rounds}",
+        "output-dir": str(runs),
     }
-    if backend != "clientapp":
-        overrides["client-backend"] = backend
     with Stopwatch() as clock:
         run_dir = launch_runtime(
-            runtime, REPO, [run_config_argument(overrides)], client_cpus=threads
+            runtime, REPO, [run_config_argument(overrides)], client_cpus=args.threads
         )
-    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    entries = [json.loads(line) for line in lines if line.strip()]
+    entries = read_metrics(run_dir)
     per_round = [float(e["round-seconds"]) for e in entries if int(e["round"]) >= 1]
-    steady = per_round[1:] or per_round
     return Row(
-        setting=setting,
-        runtime=runtime,
-        backend=backend,
-        rounds=rounds,
-        seconds_per_round=statistics.median(steady),
+        setting,
+        runtime,
+        backend,
+        args.rounds,
+        seconds_per_round=statistics.median(per_round[1:] or per_round),
         first_round_seconds=per_round[0],
         wall_seconds=clock.wall,
         final_accuracy=entries[-1].get("test-accuracy"),
-        cpu_seconds_per_round=clock.cpu / rounds if runtime == "inprocess" else None,
+        cpu_seconds_per_round=clock.cpu / args.rounds if runtime == "inprocess" else None,
     )
 
 
@@ -170,22 +156,17 @@ def time_ba_run(output_dir: Path) -> dict[str, Any]:
         "-c",
         run_config_argument({"output-dir": str(output_dir), "run-name": "ba-run-default"}),
     ]
-    seconds, cpu_seconds = [], []
+    clocks = []
     for _ in range(2):  # the first run warms the page cache and the partition cache
-        started = time.perf_counter()
-        cpu_started = resource.getrusage(resource.RUSAGE_CHILDREN)
-        subprocess.run(command, cwd=REPO, check=True, capture_output=True)
-        seconds.append(time.perf_counter() - started)
-        cpu_ended = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu_seconds.append(
-            cpu_ended.ru_utime + cpu_ended.ru_stime - cpu_started.ru_utime - cpu_started.ru_stime
-        )
+        with Stopwatch() as clock:
+            subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+        clocks.append(clock)
     summary = json.loads((output_dir / "ba-run-default" / "summary.json").read_text())
     return {
         "command": "ba-run --runtime inprocess",  # plus an output-dir in a temporary folder
-        "cold-seconds": seconds[0],
-        "warm-seconds": seconds[1],
-        "warm-cpu-seconds": cpu_seconds[1],
+        "cold-seconds": clocks[0].wall,
+        "warm-seconds": clocks[1].wall,
+        "warm-cpu-seconds": clocks[1].children_cpu,
         "final-accuracy": summary["final"]["test-accuracy"],
         "rounds": summary["final"]["round"],
     }
@@ -270,23 +251,21 @@ def _vmapped_round(
 # --- report -------------------------------------------------------------------------------
 def table(rows: Sequence[Row]) -> str:
     """Markdown table of the rows."""
-    lines = [
-        "| setting | runtime | backend | rounds | s / round | x yardstick | yardstick s / round | "
-        "CPU s / round | x yardstick CPU | first round s | run wall s | final accuracy | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ratio = "-" if r.ratio is None else f"{r.ratio:.1f}"
-        yard = "-" if r.yardstick_seconds is None else f"{r.yardstick_seconds:.3f}"
-        accuracy = "-" if r.final_accuracy is None else f"{r.final_accuracy:.4f}"
-        cpu = "-" if r.cpu_seconds_per_round is None else f"{r.cpu_seconds_per_round:.3f}"
-        cpu_ratio = "-" if r.cpu_ratio is None else f"{r.cpu_ratio:.1f}"
-        lines.append(
-            f"| {r.setting} | {r.runtime} | {r.backend} | {r.rounds} | "
-            f"{r.seconds_per_round:.3f} | {ratio} | {yard} | {cpu} | {cpu_ratio} | "
-            f"{r.first_round_seconds:.2f} | {r.wall_seconds:.1f} | {accuracy} | {r.note} |"
-        )
-    return "\n".join(lines) + "\n"
+    header = "setting, runtime, backend, rounds, s / round, x yardstick, yardstick s / round, "
+    header += "CPU s / round, x yardstick CPU, first round s, run wall s, final accuracy, note"
+    return markdown_table(
+        header.split(", "),
+        (
+            [
+                *(r.setting, r.runtime, r.backend, r.rounds, f"{r.seconds_per_round:.3f}"),
+                *(shown(r.ratio, ".1f"), shown(r.yardstick_seconds, ".3f")),
+                *(shown(r.cpu_seconds_per_round, ".3f"), shown(r.cpu_ratio, ".1f")),
+                *(f"{r.first_round_seconds:.2f}", f"{r.wall_seconds:.1f}"),
+                *(shown(r.final_accuracy, ".4f"), r.note),
+            ]
+            for r in rows
+        ),
+    )
 
 
 def report(rows: Sequence[Row], ba_run: Mapping[str, Any] | None, command: str, device: str) -> str:
@@ -344,20 +323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if backend != "clientapp" and runtime != "inprocess":
                         continue  # the cohort backend exists in the in-process runtime only
                     try:
-                        row = time_run(
-                            setting,
-                            runtime,
-                            backend,
-                            args.rounds,
-                            device=args.device,
-                            threads=args.threads,
-                            output_dir=Path(runs),
-                        )
+                        row = time_run(setting, runtime, backend, args, Path(runs))
                     except LaunchError as error:
                         print(f"[speed] {setting}/{runtime}/{backend} failed: {error}")
                         continue
-                    row.yardstick_seconds = yardstick
-                    row.yardstick_cpu_seconds = yardstick_cpu
+                    row.yardstick_seconds, row.yardstick_cpu_seconds = yardstick, yardstick_cpu
                     rows.append(row)
                     print(f"[speed] {asdict(row)} ratio {row.ratio}", flush=True)
         ba_run = time_ba_run(Path(runs)) if args.ba_run else None
