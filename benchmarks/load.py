@@ -48,21 +48,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import MIB, PeakSampler, available_bytes, hardware, status_bytes
+from benchmarks.report import markdown_table, read_metrics
 from beyond_averaging.server.app import client_task
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.launch import LaunchError
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
-from tests.deploy_helpers import (
-    REPO,
-    LocalDeployment,
-    PeakMemory,
-    peak_rss_bytes,
-    read_metrics,
-)
+from tests.deploy_helpers import REPO, LocalDeployment, PeakMemory
 
 RESULTS = REPO / "benchmarks" / "results" / "load"
-PUBLISHED = REPO / "docs" / "results" / "load.md"
+PUBLISHED = REPO / "docs" / "results"
 
 
 def process_table() -> tuple[dict[int, list[int]], dict[int, int], dict[int, str]]:
@@ -124,15 +119,16 @@ def warm_partition_cache(size: int) -> None:
     load_client_partition(DataSpec.from_task(task, size), 0)
 
 
+def _mb(size: float) -> float:
+    return round(size / MIB, 1)
+
+
 def measure(
     size: int, rounds: int, workdir: Path, timeout: float, file_state: bool
 ) -> dict[str, Any]:
     """One federation of ``size`` SuperNodes: start, run ``rounds`` rounds, stop."""
-    row: dict[str, Any] = {
-        "supernodes": size,
-        "rounds": rounds,
-        "superlink-state": "file" if file_state else "memory",
-    }
+    row: dict[str, Any] = {"supernodes": size, "rounds": rounds}
+    row["superlink-state"] = "file" if file_state else "memory"
     # In-memory SuperLink state by default: with its SQLite file, 7 of 10 replies failed here
     # with "database is locked" on a loaded machine; see docs/deployment.md (Load).
     deployment = LocalDeployment(REPO, workdir / f"n{size}", file_state=file_state)
@@ -143,10 +139,8 @@ def measure(
             deployment.start_supernode(partition, size)
         deployment.wait_for_nodes(size, timeout=max(120.0, 5.0 * size))
         row["seconds-to-online"] = round(time.monotonic() - started, 1)
-        row["supernode-idle-rss-mb"] = round(
-            sum(status_bytes("VmRSS", n.process.pid) for n in deployment.supernodes) / size / MIB,
-            1,
-        )
+        idle = sum(status_bytes("VmRSS", node.process.pid) for node in deployment.supernodes)
+        row["supernode-idle-rss-mb"] = _mb(idle / size)
         settings = {
             "num-clients": size,
             "num-server-rounds": rounds,
@@ -163,17 +157,15 @@ def measure(
                 run_dir = deployment.run(settings, timeout=timeout)
             finally:
                 row["run-seconds"] = round(time.monotonic() - run_started, 1)
-                row["superlink-peak-rss-mb"] = round(
-                    peak_rss_bytes(deployment.superlink.pid) / MIB, 1
-                )
+                row["superlink-peak-rss-mb"] = _mb(status_bytes("VmHWM", deployment.superlink.pid))
         metrics = read_metrics(run_dir)
         row["round-seconds"] = [round(float(m["round-seconds"]), 1) for m in metrics[1:]]
         row["replies-valid"] = [m.get("replies-valid") for m in metrics[1:]]
         row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
-        row["serverapp-peak-rss-mb"] = round(server.peak / MIB, 1)
-        row["node-peak-rss-mb-per-node"] = round(nodes.peaks["total"] / size / MIB, 1)
+        row["serverapp-peak-rss-mb"] = _mb(server.peak)
+        row["node-peak-rss-mb-per-node"] = _mb(nodes.peaks["total"] / size)
         for part in NODE_PARTS:
-            row[f"{part}-peak-rss-mb-per-node"] = round(nodes.peaks[part] / size / MIB, 1)
+            row[f"{part}-peak-rss-mb-per-node"] = _mb(nodes.peaks[part] / size)
         row["clientapp-processes-at-once"] = int(nodes.peaks["clientapps"])
         row["load-average"] = [round(v, 1) for v in (min(load), sum(load) / len(load), max(load))]
         row["status"] = "completed"
@@ -196,7 +188,7 @@ def superlink_errors(log: str) -> dict[str, Any]:
 
 def measured_by(meta: dict[str, Any]) -> str:
     """When and with which command the rows were measured (several runs after ``--merge``)."""
-    runs = meta.get("runs") or [{"date": meta["date"], "command": meta["command"]}]
+    runs = meta["runs"]
     return "; ".join(
         f"{run['date']} with `{run['command']}`"
         + (f" ({', '.join(map(str, run['sizes']))} nodes)" if len(runs) > 1 else "")
@@ -207,26 +199,19 @@ def measured_by(meta: dict[str, Any]) -> str:
 def merge_previous(
     rows: list[dict[str, Any]], meta: dict[str, Any], previous: dict[str, Any]
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """This run's rows with the previous saved run's rows of the sizes not measured now."""
+    """This run's rows with the previous saved run's rows of the sizes not measured now; an
+    earlier run keeps the sizes no later run measured again."""
     measured = {row["supernodes"] for row in rows}
     kept = [
         row
         for row in previous["rows"]
         if row["supernodes"] not in measured and row["status"] != "skipped"
     ]
-    earlier = previous["meta"].get("runs") or [
-        {
-            "date": previous["meta"]["date"],
-            "command": previous["meta"]["command"],
-            "sizes": [row["supernodes"] for row in previous["rows"] if row["status"] != "skipped"],
-        }
+    runs = [
+        {**run, "sizes": [size for size in run["sizes"] if size not in measured]}
+        for run in previous["meta"]["runs"]
     ]
-    runs = []
-    for run in earlier:  # an earlier run keeps the sizes no later run measured again
-        sizes = [size for size in run["sizes"] if size not in measured]
-        if sizes:
-            runs.append({**run, "sizes": sizes})
-    runs.append({"date": meta["date"], "command": meta["command"], "sizes": sorted(measured)})
+    runs = [run for run in runs if run["sizes"]] + meta["runs"]
     merged = sorted(kept + rows, key=lambda row: int(row["supernodes"]))
     return merged, {**meta, "runs": runs}
 
@@ -250,43 +235,39 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['superlink-state']}; each SuperNode starts a ClientApp process per message "
         f"(Flower's default isolation). Partition cache: {cache}.",
         "",
-        "| SuperNodes | online after (s) | round seconds | load average min / mean / max | "
-        "ServerApp peak RSS (MB) | SuperLink peak RSS (MB) | per node peak RSS (MB): all = "
-        "SuperNode + SuperExec + ClientApp | valid replies | status |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    cells = []
     for row in rows:
-        if row["status"] == "skipped":
-            lines.append(
-                f"| {row['supernodes']} | - | - | - | - | - | - | - | skipped: {row['why']} |"
-            )
-            continue
         locked = ""
         if row.get("superlink-database-locked"):
             locked = (
                 f'; the SuperLink logged "database is locked" {row["superlink-database-locked"]}'
                 f" times, on {', '.join(row['superlink-locked-calls']) or 'internal writes'}"
             )
-        if row["status"] == "failed":
+        if row["status"] == "skipped":
+            cells.append([row["supernodes"], *["-"] * 7, f"skipped: {row['why']}"])
+        elif row["status"] == "failed":
             first_line = row["error"].splitlines()[0][:300].replace("|", "/")
-            lines.append(
-                f"| {row['supernodes']} | {row.get('seconds-to-online', '-')} | - | - | - | - | - "
-                f"| - | failed: {first_line}{locked} |"
+            online = row.get("seconds-to-online", "-")
+            cells.append([row["supernodes"], online, *["-"] * 6, f"failed: {first_line}{locked}"])
+        else:
+            parts = ("node", "supernode", "superexec", "clientapp")
+            per_node = [row[f"{part}-peak-rss-mb-per-node"] for part in parts]
+            cells.append(
+                [
+                    *(row["supernodes"], row["seconds-to-online"]),
+                    ", ".join(map(str, row["round-seconds"])),
+                    " / ".join(map(str, row["load-average"])),
+                    *(row["serverapp-peak-rss-mb"], row["superlink-peak-rss-mb"]),
+                    "{} = {} + {} + {}".format(*per_node),
+                    *(row["replies-valid"], f"completed{locked}"),
+                ]
             )
-            continue
-        load = " / ".join(map(str, row["load-average"]))
-        parts = (
-            f"{row['node-peak-rss-mb-per-node']} = {row['supernode-peak-rss-mb-per-node']} + "
-            f"{row['superexec-peak-rss-mb-per-node']} + {row['clientapp-peak-rss-mb-per-node']}"
-        )
-        lines.append(
-            f"| {row['supernodes']} | {row['seconds-to-online']} | "
-            f"{', '.join(map(str, row['round-seconds']))} | {load} | "
-            f"{row['serverapp-peak-rss-mb']} | {row['superlink-peak-rss-mb']} | {parts} | "
-            f"{row['replies-valid']} | completed{locked} |"
-        )
+    header = "SuperNodes | online after (s) | round seconds | load average min / mean / max"
+    header += " | ServerApp peak RSS (MB) | SuperLink peak RSS (MB) | per node peak RSS (MB): all"
+    header += " = SuperNode + SuperExec + ClientApp | valid replies | status"
+    lines.append(markdown_table(header.split(" | "), cells))
     lines += [
-        "",
         "Per node: the peak over the run of the summed RSS of every SuperNode with its "
         "processes, divided by the number of nodes; the parts are the peaks of each part's sum "
         "(they need not peak at the same moment, so they may add up to more than the whole).",
@@ -301,9 +282,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[5, 10, 20, 30, 50])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    parser.add_argument(
-        "--reserve-gib", type=float, default=4.0, help="memory left to others on a shared machine"
-    )
+    parser.add_argument("--reserve-gib", type=float, default=4.0, help="memory left to others")
     parser.add_argument(
         "--state",
         choices=("memory", "file"),
@@ -326,19 +305,14 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
     name += "-cold" if args.cold_cache else ""
-    previous_path = RESULTS / f"{name}.json"
-    previous = (
-        json.loads(previous_path.read_text(encoding="utf-8"))
-        if args.merge and previous_path.is_file()
-        else None
-    )
+    saved = RESULTS / f"{name}.json"
+    merge = args.merge and saved.is_file()
+    previous = json.loads(saved.read_text(encoding="utf-8")) if merge else None
     rows: list[dict[str, Any]] = []
-    per_node = 0.0
-    if previous is not None:  # the largest completed size's memory per node
-        completed = [row for row in previous["rows"] if row["status"] == "completed"]
-        if completed:
-            largest = max(completed, key=lambda row: int(row["supernodes"]))
-            per_node = largest["node-peak-rss-mb-per-node"] * MIB
+    per_node = 0.0  # memory per node of the largest size measured
+    for row in sorted((previous or {}).get("rows", []), key=lambda row: int(row["supernodes"])):
+        if row["status"] == "completed":
+            per_node = row["node-peak-rss-mb-per-node"] * MIB
     with tempfile.TemporaryDirectory(prefix="ba-load-") as scratch:
         # A cache of this benchmark's own, inherited by every process it starts.
         os.environ[CACHE_ENV] = str(Path(scratch) / "partitions")
@@ -350,21 +324,23 @@ def main() -> None:
                     f"{per_node / MIB:.0f} MB per node, {max(spare, 0) / 2**30:.1f} GiB spare"
                 )
                 rows.append({"supernodes": size, "status": "skipped", "why": why})
-                print(json.dumps(rows[-1]), flush=True)
-                continue
-            if not args.cold_cache:
-                warm_partition_cache(size)
-            row = measure(size, args.rounds, Path(scratch), args.timeout, args.state == "file")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if row["status"] == "completed":
-                per_node = row["node-peak-rss-mb-per-node"] * MIB
+            else:
+                if not args.cold_cache:
+                    warm_partition_cache(size)
+                rows.append(
+                    measure(size, args.rounds, Path(scratch), args.timeout, args.state == "file")
+                )
+            print(json.dumps(rows[-1]), flush=True)
+            if rows[-1]["status"] == "completed":
+                per_node = rows[-1]["node-peak-rss-mb-per-node"] * MIB
     options = f"--sizes {' '.join(map(str, args.sizes))} --rounds {args.rounds}"
     options += " --state file" if args.state == "file" else ""
     options += " --cold-cache" if args.cold_cache else ""
+    run = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    run["command"] = f"nice -n 10 .venv/bin/python -m benchmarks.load {options}"
+    measured = [row["supernodes"] for row in rows if row["status"] != "skipped"]
     meta = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": f"nice -n 10 .venv/bin/python -m benchmarks.load {options}",
+        "runs": [{**run, "sizes": measured}],
         "machine": hardware(),
         "cpus": os.cpu_count(),
         "memory-gib": round(int(Path("/proc/meminfo").read_text().split()[1]) * 1024 / 2**30, 1),
@@ -373,12 +349,11 @@ def main() -> None:
     }
     if previous is not None:
         rows, meta = merge_previous(rows, meta, previous)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    saved.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    page = markdown(rows, meta)
+    print(page)
     if args.publish:
-        published = PUBLISHED.with_name(f"{name}.md")
-        published.parent.mkdir(parents=True, exist_ok=True)
-        published.write_text(markdown(rows, meta), encoding="utf-8")
-    print(markdown(rows, meta))
+        (PUBLISHED / f"{name}.md").write_text(page, encoding="utf-8")
 
 
 if __name__ == "__main__":
