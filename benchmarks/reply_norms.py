@@ -41,6 +41,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "elastic": {"strategy": "elastic"},
     "fedgma": {"strategy": "fedgma", "gma-mask": "hard"},
 }
+#: The federation (Dirichlet label skew; alpha, seed and rounds are the command's).
+SETTING = {"dataset": "digits", "partition": "dirichlet", "num-clients": 10, "device": "cpu"}
 
 
 def _norm(arrays: dict[str, np.ndarray[Any, Any]], keys: Sequence[str]) -> float:
@@ -89,23 +91,13 @@ def measure(settings: dict[str, Any]) -> list[dict[str, float]]:
     return per_round
 
 
-def summarise(
-    rounds: Sequence[dict[str, float]], name: str, alpha: float, seeds: list[int], count: int
-) -> dict[str, Any]:
-    """Max, median and min of every figure over the given rounds."""
-    summary: dict[str, Any] = {
-        "strategy": name,
-        "dirichlet-alpha": alpha,
-        "seeds": seeds,
-        "rounds": count,
-    }
-    for key in rounds[0]:
-        values = np.array([r[key] for r in rounds])
-        summary[key] = {
-            "max": round(float(np.nanmax(values)), 3),
-            "median": round(float(np.nanmedian(values)), 3),
-            "min": round(float(np.nanmin(values)), 3),
-        }
+def summarise(per_round: Sequence[dict[str, float]], /, **labels: Any) -> dict[str, Any]:
+    """``labels``, then the max, median and min of every figure over the given rounds."""
+    summary: dict[str, Any] = dict(labels)
+    extremes = {"max": np.nanmax, "median": np.nanmedian, "min": np.nanmin}
+    for key in per_round[0]:
+        values = np.array([r[key] for r in per_round])
+        summary[key] = {name: round(float(f(values)), 3) for name, f in extremes.items()}
     return summary
 
 
@@ -122,24 +114,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name in args.strategies:
         for alpha in args.alphas:
+            labels = {"strategy": name, "dirichlet-alpha": alpha}
             rounds: list[dict[str, float]] = []
             for seed in args.seeds:
-                settings = {
-                    **STRATEGIES[name],
-                    "dataset": "digits",
-                    "partition": "dirichlet",
-                    "dirichlet-alpha": alpha,
-                    "num-clients": 10,
+                settings = {**SETTING, **STRATEGIES[name], "dirichlet-alpha": alpha, "seed": seed}
+                settings |= {
                     "fraction-train": args.fraction_train,
-                    "device": "cpu",
-                    "seed": seed,
                     "num-server-rounds": args.rounds,
                 }
                 measured = measure(settings)
                 rounds += measured
                 # One line per run as well, so that an interrupted sweep keeps what it measured.
-                print(json.dumps(summarise(measured, name, alpha, [seed], args.rounds)), flush=True)
-            print(json.dumps(summarise(rounds, name, alpha, args.seeds, args.rounds)), flush=True)
+                line = summarise(measured, **labels, seeds=[seed], rounds=args.rounds)
+                print(json.dumps(line), flush=True)
+            line = summarise(rounds, **labels, seeds=args.seeds, rounds=args.rounds)
+            print(json.dumps(line), flush=True)
     return 0
 
 

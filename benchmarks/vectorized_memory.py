@@ -1,40 +1,26 @@
 """Peak memory of one vectorized round, in copies of the cohort's parameters.
 
-Target (issue 11): a round of the Table 3 setting (Fashion-MNIST, the 784-200-200-10 MLP, 20
-clients, E = 3, batch 128, momentum 0.9) holds at most 2 copies of the cohort's parameters beyond
-the data.
+Target (issue 11): a round of FedLAW's Table 3 setting (``benchmarks.speed``'s ``table3``: 20
+clients of the 784-200-200-10 MLP, E = 3, batch 128, momentum 0.9) holds at most 2 copies of the
+cohort's parameters beyond the data. Each round is the strategy's real instructions to the
+in-process Grid with the cohort backend (``benchmarks.harness.federation``), measured above a
+baseline taken after a first round (the cohort's data, kept across rounds, and torch's one-off
+allocations are in it), as (peak - baseline) / (clients x parameters x 4 bytes):
 
-Each round is the strategy's real instructions to the in-process Grid with the cohort backend
-(``benchmarks.harness.federation``, ``client-backend = "vectorized"``). Two measures, each of one
-round after a first round (so the cohort's data, concatenated on the device and kept across
-rounds, and torch's one-off allocations are in the baseline):
+- **resident size** (round 2): ``VmRSS`` sampled every millisecond, with every large block its
+  own mapping (``MALLOC_MMAP_THRESHOLD_``) and ``malloc_trim`` before the baseline, so that it
+  follows the live blocks; sees everything, the replies' NumPy bytes too. Also by phase: before
+  each pass's local training, that training, and after the last one (replies built).
+- **torch's allocator** (round 3, :mod:`torch.profiler` with ``profile_memory``): exact, not
+  sampled, with the tensors alive at the peak named by the operator that allocated them; does
+  not see the replies.
 
-- **resident size** (round 2): ``VmRSS`` sampled every millisecond by a thread
-  (``benchmarks.harness.PeakSampler``) while :func:`client.vectorized.train_cohort` runs. The
-  process runs with ``MALLOC_MMAP_THRESHOLD_`` set so that every large block is its own mapping,
-  returned to the system when freed, and
-  ``malloc_trim`` is called before the baseline is read: the resident size then follows the live
-  blocks. It sees everything the round allocates, torch's tensors and the replies' NumPy bytes.
-  Also by phase: before each pass's local training (received models stacked, step plans,
-  Elastic's sensitivity pass), that local training, and after the last one (replies built).
-- **torch's allocator** (round 3, under :mod:`torch.profiler` with ``profile_memory``): every CPU
-  tensor allocation and free with the allocator's running total, so the peak is exact, not
-  sampled; and the tensors alive at that peak, named by the operator that allocated them. It does
-  not see the replies (NumPy/Python bytes).
+docs/runtimes.md ("Memory") discusses the figures. ``--clients-per-pass`` (the run option
+``vectorized-clients-per-pass``) trains the cohort in passes of that many clients; the round's
+wall and CPU seconds are printed to show that trade (``benchmarks/speed.py`` is the speed
+benchmark)::
 
-Both are reported as (peak - baseline) / (clients x parameters x 4 bytes).
-
-Usage::
-
-    .venv/bin/python -m benchmarks.vectorized_memory            # Table 3 setting, FedAvg
-    .venv/bin/python -m benchmarks.vectorized_memory --strategy elastic
-    .venv/bin/python -m benchmarks.vectorized_memory --clients-per-pass 5   # 4 passes of 5
-
-``--clients-per-pass`` (the run option ``vectorized-clients-per-pass``) trains the cohort in
-passes of that many clients (longest first): each client's arithmetic is the same, memory holds
-one pass's training state, and the round takes more steps on fewer clients each. The round's
-seconds (wall and process CPU, round 2) are printed to show that trade; they are not a speed
-benchmark (``benchmarks/speed.py`` is).
+    .venv/bin/python -m benchmarks.vectorized_memory --strategy elastic --clients-per-pass 5
 """
 
 from __future__ import annotations
@@ -55,12 +41,11 @@ import torch
 from flwr.app import Message
 
 from benchmarks.harness import MIB, PeakSampler, Stopwatch, federation, status_bytes
-from benchmarks.spec import REPO, load_spec
+from benchmarks.speed import SETTINGS
 from beyond_averaging.client import vectorized
 
-#: FedLAW's Table 3 setting (its spec), one round at a time, trained by the cohort backend.
-SETTING: dict[str, Any] = load_spec(REPO / "benchmarks" / "specs" / "fedlaw-table3.toml").settings
-SETTING |= {"dirichlet-alpha": 0.1, "seed": 8, "device": "cpu", "client-backend": "vectorized"}
+#: FedLAW's Table 3 setting, one round at a time, trained by the cohort backend.
+SETTING = {**SETTINGS["table3"], "device": "cpu", "client-backend": "vectorized"}
 STRATEGIES = ("fedavg", "elastic", "fedgma")  # no extra record, a sensitivity, a gradient
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 _Result = TypeVar("_Result")
