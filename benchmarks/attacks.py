@@ -1,12 +1,11 @@
 """Byzantine clients against every rule and defence: the attack table of docs/reliability.md.
 
-One cell is one in-process federation (the real ClientApp on every node, the real strategy's
-``configure_train`` / ``aggregate_train``, no transport, as ``benchmarks/reply_norms.py``) in which
-the first ``attackers`` nodes are Byzantine. They collude and are omniscient: an
-:class:`AttackGrid` (the project's forwarding Grid, ``server.bounded_pull.DelegatingGrid``) lets
-every node train honestly, then rewrites the attackers' replies from the round's honest replies.
-Attacks (u_k = theta_k - w an honest update, the attacker's own or all of them; the same map is
-applied to a FedGMA ``gradient`` record, the sensitivity is left honest):
+One run is an in-process federation (:func:`benchmarks.harness.federation`: the real ClientApp on
+every node, the real strategy, no transport) whose first ``attackers`` nodes are Byzantine. They
+collude and are omniscient: an :class:`AttackGrid` lets every node train honestly, then rewrites
+the attackers' replies from the round's honest replies. Attacks (u_k = theta_k - w an honest
+update, the attacker's own or all of them; the same map rewrites a FedGMA ``gradient`` record,
+the sensitivity stays honest):
 
 - ``sign-flip``: ``w - 5 u_a`` with the attacker's true num-examples; ``sign-flip-1e12``: the same
   claiming 1e12 examples;
@@ -17,17 +16,10 @@ applied to a FedGMA ``gradient`` record, the sensitivity is left honest):
   same; s = floor(n / 2 + 1) - m, z = Phi^-1((n - s) / n);
 - ``label-flip``: honest training on labels y -> C - 1 - y (data poisoning, at the client).
 
-Strategies are this project's rules under their run options (the defences are run options:
-``update-clip-factor``, ``direction-outlier-factor``, ``max-claim-factor``, ``robust-aggregation``)
-or, with the setting ``flower = "<class>"``, Flower's own ``FedAvg``, ``FedMedian``,
-``FedTrimmedAvg`` (beta = ``trim-fraction``), ``Krum``, ``MultiKrum`` and ``Bulyan``
-(``num_malicious_nodes`` = the number of attackers), all driven by the same round loop
-(:func:`run_attacked`).
-
-The table is a spec of the experiment runner (``benchmarks/specs/attacks.toml``): this module is
-its ``runtime``, called with one run's settings (the run configuration plus ``attack``,
-``attackers`` and ``flower``), and writes the run folder in the app's format (``metrics.jsonl``
-with the test accuracy after every round, ``summary.json``)::
+The defences are this project's run options (``update-clip-factor``, ``direction-outlier-factor``,
+``max-claim-factor``, ``robust-aggregation``); ``flower = "<class>"`` runs one of Flower's own
+strategies instead (:data:`FLOWER_STRATEGIES`). The table is a spec of the experiment runner
+whose ``runtime`` is :func:`run_attacked`::
 
     nice -n 10 .venv/bin/python -m benchmarks.runner benchmarks/specs/attacks.toml --publish
     .venv/bin/python -m benchmarks.attacks benchmarks/specs/attacks.toml   # the condensed table
@@ -59,7 +51,7 @@ from benchmarks.report import markdown_table, read_run
 from benchmarks.spec import load_spec
 from beyond_averaging.client import app as client_module
 from beyond_averaging.server.bounded_pull import DelegatingGrid
-from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.config import RunConfig, parse_run_config
 from beyond_averaging.server.recorder import RunRecorder
 from beyond_averaging.server.strategy_factory import build_strategy
 from beyond_averaging.strategies import ContractStrategy
@@ -112,13 +104,9 @@ def _noise(factor: float) -> ModelAttack:
 
 
 def _alie(view: RoundView, position: int) -> Update:
-    n, m = len(view.updates), len(view.attacker_positions)
-    z = alie_z(n, m)
-    result: Update = {}
-    for key in view.updates[0]:
-        stacked = np.stack([update[key] for update in view.updates])
-        result[key] = stacked.mean(axis=0) - z * stacked.std(axis=0)
-    return result
+    z = alie_z(len(view.updates), len(view.attacker_positions))
+    stacked = {key: np.stack([update[key] for update in view.updates]) for key in view.updates[0]}
+    return {key: value.mean(axis=0) - z * value.std(axis=0) for key, value in stacked.items()}
 
 
 def _norm(update: Mapping[str, npt.NDArray[Any]]) -> float:
@@ -246,17 +234,17 @@ def flipped_labels(partitions: frozenset[int]) -> Iterator[None]:
 FLOWER_STRATEGIES = ("FedAvg", "FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan")
 
 
-def flower_strategy(name: str, attackers: int, trim_fraction: float) -> Any:
+def flower_strategy(name: str, attackers: int, config: RunConfig) -> Any:
     """Flower's own strategy ``name``, told the number of attackers where it takes one."""
     if name not in FLOWER_STRATEGIES:
         raise ValueError(f"flower = {name!r}: use one of {FLOWER_STRATEGIES}")
     common: dict[str, Any] = {"fraction_evaluate": 0.0}
     if name == "FedTrimmedAvg":
-        common["beta"] = trim_fraction
+        common["beta"] = config.trim_fraction
     if name in ("Krum", "MultiKrum", "Bulyan"):
         common["num_malicious_nodes"] = attackers
     if name == "MultiKrum":  # El Mhamdi et al.'s m = n - f; Flower's default 1 is Krum
-        common["num_nodes_to_select"] = 0  # replaced per round below
+        common["num_nodes_to_select"] = max(1, config.num_clients - attackers)
     return getattr(flower_strategies, name)(**common)
 
 
@@ -288,20 +276,14 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
     )
     flipped = frozenset(range(attackers) if attack.flip_labels else ())
     try:
-        fed = federation(
-            run_settings,
-            (lambda *_: flower_strategy(flower, told, config.trim_fraction))
-            if flower
-            else build_strategy,
-        )
+        rule = build_strategy if not flower else lambda c, _: flower_strategy(flower, told, c)
+        fed = federation(run_settings, rule)
         node_ids = sorted(fed.grid.get_node_ids())
         fed.grid = AttackGrid(fed.grid, node_ids[:attackers], attack, config.seed)
         loss, accuracy = fed.evaluate()
         recorder.log_round({"round": 0, "test-accuracy": accuracy, "test-loss": loss})
         for server_round in range(1, config.num_server_rounds + 1):
             started, sent = time.perf_counter(), fed.arrays
-            if flower == "MultiKrum":
-                fed.strategy.num_nodes_to_select = max(1, len(node_ids) - told)  # type: ignore[attr-defined]
             with flipped_labels(flipped):
                 fed.round(server_round)
             loss, accuracy = fed.evaluate()

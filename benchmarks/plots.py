@@ -1,6 +1,4 @@
-"""Client-diagnostics figures of runs (the accuracy plots are the reporter's, benchmarks/report.py).
-
-They read a run's ``metrics.jsonl`` (written with ``diagnostics = true``):
+"""Client-diagnostics figures of runs made with ``diagnostics = true``, from ``metrics.jsonl``:
 
 - coherence: FedLAW's cohort coherence per round (``diag-coherence``, top) and the mean pairwise
   cosine (``diag-cosine-mean``, bottom), with the *critical point* marked: the first round whose
@@ -9,8 +7,7 @@ They read a run's ``metrics.jsonl`` (written with ``diagnostics = true``):
   (one panel each: their scales differ by orders of magnitude);
 - mutual information: mean pairwise Gaussian MI of the client parameters and of their updates.
 
-A spec draws them beside its report with ``[plot] diagnostics = true``
-(``benchmarks/specs/diagnostics-digits.toml``); for any runs (several overlay in each figure,
+A spec draws them beside its report with ``[plot] diagnostics = true``; for any runs (overlaid,
 labelled by their folder names)::
 
     .venv/bin/python -m benchmarks.plots runs/<run-a> runs/<run-b> --output-dir docs/results

@@ -1,19 +1,17 @@
 """Seconds per round of each runtime and client backend, next to a vmapped yardstick.
 
-Two settings:
+Settings: ``table3``, FedLAW's Table 3 setting (Fashion-MNIST, the 784-200-200-10 MLP, 20
+clients all sampled, E = 3, batch 128, Dirichlet 0.1, seed 8; ``specs/fedlaw-table3.toml``) with
+FedAvg, and ``digits``, the default run (``ba-run`` with no options).
 
-- ``table3``: FedLAW's Table 3 setting (Fashion-MNIST, the 784-200-200-10 MLP, 20 clients all
-  sampled, E = 3, batch 128, Dirichlet 0.1, seed 8; ``benchmarks/specs/fedlaw-table3.toml``),
-  FedAvg;
-- ``digits``: the default run (``ba-run`` with no options: 10 clients, 15 rounds of digits).
-
-Each row is one real run of the app through ``server.launch.launch_runtime``, exactly what
-``ba-run --runtime <runtime>`` does, for every runtime (``simulation``: Flower's Ray simulation;
-``inprocess``: the same apps in this process) and client backend (``clientapp``, and in process
-``vectorized``). Seconds per round are the run's own
-``round-seconds`` (time between two central evaluations: client training, replies, aggregation
-and evaluation), as the median of the rounds after the first; the first round (partition loading,
-first-touch costs) and the whole run's wall time, Ray's start included, are shown apart.
+Each row is one real run through ``server.launch.launch_runtime``, what ``ba-run --runtime
+<runtime>`` does, per runtime (``simulation``: Flower's Ray simulation; ``inprocess``) and client
+backend (``clientapp``; in process also ``vectorized``). Seconds per round: the median of the
+run's own ``round-seconds`` (client training, replies, aggregation, evaluation) after the first
+round; the first round (partition loading, first-touch costs) and the run's wall time (Ray's
+start included) are shown apart. In-process rows also give this process's CPU seconds per round
+(the whole run's over the rounds): on a shared machine the wall times carry other processes'
+load, the CPU times do not.
 
 The yardstick, measured in the same process on the same device: the same local training of all
 clients of a round (same partitions, E epochs of SGD with the setting's learning rate, momentum
@@ -22,17 +20,10 @@ client, ``torch.func.vmap`` of ``torch.func.grad`` over the clients, data on the
 Clients are sorted by their number of steps, and each step computes only the clients that still
 have steps, so the yardstick does the work of the sequential loop, batched, and no more. It is a
 speed reference, not a training path: its batches are cut from a per-epoch permutation with every
-batch full (a partial last batch is filled up by wrapping around), and it skips evaluation. The
-ratio column is seconds per round over the yardstick's.
-
-In-process rows also give this process's CPU seconds per round (the whole run's, loading and
-evaluation included, over the rounds) against the yardstick's CPU seconds per round: on a shared
-machine the wall times carry other processes' load and the CPU times do not.
+batch full (a partial last batch is filled up by wrapping around), and it skips evaluation.
 
 ``--ba-run`` also times the default ``ba-run --runtime inprocess`` as a user runs it (a fresh
-process, imports and data loading included), once to warm the caches and once measured.
-
-Usage::
+process, imports and data loading included), once to warm the caches and once measured::
 
     .venv/bin/python -m benchmarks.speed --settings digits table3 --rounds 3 --publish
     .venv/bin/python -m benchmarks.speed --settings table3 --runtimes inprocess --device cuda
@@ -58,7 +49,7 @@ from torch import nn
 
 from benchmarks.harness import Stopwatch, hardware
 from benchmarks.report import markdown_table, read_metrics, shown
-from benchmarks.spec import load_spec
+from benchmarks.spec import REPO, load_spec
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
 from beyond_averaging.server.launch import (
@@ -71,7 +62,6 @@ from beyond_averaging.tasks.evaluation import resolve_device
 from beyond_averaging.tasks.federation import load_client_partition
 from beyond_averaging.tasks.models import build_model
 
-REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "speed"
 PUBLISH = REPO / "docs" / "results"
 BACKENDS = ("clientapp", "vectorized")
@@ -103,7 +93,6 @@ class Row:
     #: included), and the yardstick's; robust to other load on a shared machine.
     cpu_seconds_per_round: float | None = None
     yardstick_cpu_seconds: float | None = None
-    note: str = ""
 
     @property
     def ratio(self) -> float | None:
@@ -252,7 +241,7 @@ def _vmapped_round(
 def table(rows: Sequence[Row]) -> str:
     """Markdown table of the rows."""
     header = "setting, runtime, backend, rounds, s / round, x yardstick, yardstick s / round, "
-    header += "CPU s / round, x yardstick CPU, first round s, run wall s, final accuracy, note"
+    header += "CPU s / round, x yardstick CPU, first round s, run wall s, final accuracy"
     return markdown_table(
         header.split(", "),
         (
@@ -261,7 +250,7 @@ def table(rows: Sequence[Row]) -> str:
                 *(shown(r.ratio, ".1f"), shown(r.yardstick_seconds, ".3f")),
                 *(shown(r.cpu_seconds_per_round, ".3f"), shown(r.cpu_ratio, ".1f")),
                 *(f"{r.first_round_seconds:.2f}", f"{r.wall_seconds:.1f}"),
-                *(shown(r.final_accuracy, ".4f"), r.note),
+                shown(r.final_accuracy, ".4f"),
             ]
             for r in rows
         ),
