@@ -1,37 +1,24 @@
 """How many SuperNodes one SuperLink holds on this machine, for the default model.
 
-For each federation size N (default 5, 10, 20, 30, 50) the benchmark starts a SuperLink and N
-SuperNodes as local processes on loopback (``tests/deploy_helpers.LocalDeployment``: the same
-processes as a deployment, plain gRPC), waits until all N are online, runs the app's default
-configuration (digits, the MLP, every node trains each round) for a few rounds with
-``num-clients = N``, and reports
-
-- seconds until all N nodes were online, and each round's wall time (``round-seconds`` of the
-  run's metrics: send, train on every node, receive, aggregate, evaluate);
-- resident memory: the SuperLink, the ServerApp (peak, ``VmHWM``), and per node the SuperNode
-  process with the processes it starts (the peak of their sum over the run, divided by N), also
-  split into the SuperNode, Flower's SuperExec and the ClientApp processes;
-- the 1-minute load average during the run (min / mean / max): the cores are shared;
-- the run's status and, for a size that fails, the first error and the SuperLink's errors.
+For each federation size N the benchmark starts a SuperLink and N SuperNodes as local processes
+on loopback (``tests/deploy_helpers.LocalDeployment``: a deployment's processes, plain gRPC),
+waits until all N are online, runs the app's default configuration with ``num-clients = N`` for
+a few rounds, and reports the seconds until all were online, each round's ``round-seconds``, the
+resident memory of the SuperLink, the ServerApp (``VmHWM``) and per node (the SuperNode with the
+processes it starts, the peak of their sum over the run over N; also split into SuperNode,
+Flower's SuperExec and ClientApp processes), the 1-minute load average (the cores are shared),
+the status and, for a size that fails, the first error and the SuperLink's errors.
 
 The SuperLink keeps its state in memory, as compose.yaml does; ``--state file`` gives it an
 SQLite file (``--database``), which is what broke first (docs/deployment.md, "Load"). The
 partition cache (``$BA_PARTITION_CACHE``, a scratch folder here) is filled before each run
-unless ``--cold-cache``.
-
-Before each size it checks ``MemAvailable`` against the per-node memory of the previous size
-and skips sizes that would not fit (with the reason), because the machine is shared. Every
-process is stopped by PID (each in its own process group), never by name.
-
-Usage::
+unless ``--cold-cache``. A size whose memory, at the previous size's per node, would not fit in
+``MemAvailable`` is skipped with the reason. Every process is stopped by PID, never by name.
+``--publish`` writes ``docs/results/load.md`` (``load-file.md`` with ``--state file``, ``-cold``
+added with ``--cold-cache``) besides the JSON in ``benchmarks/results/load/``::
 
     nice -n 10 .venv/bin/python -m benchmarks.load                   # 5 10 20 30 50, 2 rounds
-    nice -n 10 .venv/bin/python -m benchmarks.load --sizes 5 10 --rounds 3 --publish
     nice -n 10 .venv/bin/python -m benchmarks.load --sizes 30 --merge --publish  # add a size
-
-``--publish`` writes the table to ``docs/results/load.md`` (``load-file.md`` with
-``--state file``, ``-cold`` added with ``--cold-cache``) besides the JSON in
-``benchmarks/results/load/``.
 """
 
 from __future__ import annotations

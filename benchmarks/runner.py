@@ -57,7 +57,7 @@ from beyond_averaging.server.launch import (
     run_config_argument,
 )
 
-ROUNDS_KEY = "num-server-rounds"
+ROUNDS_KEY, SERVER_LR_KEY = "num-server-rounds", "server-lr"
 
 
 def claim(run: Run) -> IO[bytes] | None:
@@ -72,9 +72,6 @@ def claim(run: Run) -> IO[bytes] | None:
         stream.close()
         return None
     return stream
-
-
-SERVER_LR_KEY = "server-lr"
 
 
 def differences(run: Run) -> dict[str, tuple[Any, Any]]:
@@ -178,13 +175,9 @@ def run_spec(spec: Spec, *, jobs: int = 1, threads: int = 1) -> list[str]:
             outcomes = (future.result() for future in as_completed(futures))
         for done, line in enumerate(outcomes, 1):
             lines.append(line)
-            elapsed = time.monotonic() - started
-            left = elapsed / done * (len(todo) - done)
-            print(
-                f"[runner] {done}/{len(todo)} | {elapsed / 60:.1f} min, ~{left / 60:.1f} min "
-                f"left | {line}",
-                flush=True,
-            )
+            minutes = (time.monotonic() - started) / 60
+            left = f"~{minutes / done * (len(todo) - done):.1f} min left"
+            print(f"[runner] {done}/{len(todo)} | {minutes:.1f} min, {left} | {line}", flush=True)
     return lines
 
 
@@ -210,9 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=Path, help="run folders here instead of the spec's")
     parser.add_argument("--report-only", action="store_true", help="run nothing, only report")
     parser.add_argument("--dry-run", action="store_true", help="list each run and its state")
-    parser.add_argument(
-        "--publish", action="store_true", help="write the report to the spec's page in docs/"
-    )
+    parser.add_argument("--publish", action="store_true", help="report to the spec's page in docs/")
     args = parser.parse_args(argv)
     try:
         spec = load_spec(args.spec, runs_dir=args.runs)

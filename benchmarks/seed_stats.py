@@ -17,20 +17,8 @@ FloatArray = npt.NDArray[np.float64]
 
 
 def seed_sd(values: npt.ArrayLike, axis: int = 0) -> FloatArray:
-    """Sample standard deviation of ``values`` over seeds along ``axis``; NaN for one seed.
-
-    Parameters
-    ----------
-    values : array_like
-        One entry per seed along ``axis``.
-    axis : int
-        The seed axis.
-
-    Returns
-    -------
-    numpy.ndarray
-        float64, ``values``' shape without ``axis`` (0-d for a 1-d input).
-    """
+    """Sample standard deviation of ``values`` over the seeds along ``axis``: float64 of the shape
+    without ``axis`` (0-d for a 1-d input); NaN for one seed."""
     array = np.asarray(values, dtype=np.float64)
     if array.shape[axis] < 2:
         return np.full(np.delete(np.array(array.shape), axis), np.nan)
