@@ -3,32 +3,28 @@
 1. **Server aggregation** of K = 20 clients of an ad-hoc MLP 3072-2048-2048-10 (10,510,346
    float32 parameters): seconds of each rule's ``aggregate_train`` on the same replies (Messages
    holding serialized ArrayRecords, as the SuperLink delivers them), over Flower's built-in
-   ``FedAvg.aggregate_train`` on identical ``arrays`` (target <= 1.5x). The rule's math alone
-   (its ``aggregation-seconds`` metric) is shown too, and so is the diagnostics observer.
+   ``FedAvg.aggregate_train`` on identical ``arrays``; the rule's math alone (its
+   ``aggregation-seconds`` metric) beside it, and the diagnostics observer as a row of its own.
 2. **Peak server memory** of each rule during ``aggregate_train``, in a fresh process per rule
    (one rule's peak never hides another's): tracemalloc's peak (NumPy reports its buffers; torch
    does not) and the growth of the peak resident set (``VmHWM`` reset first; counts torch), in
    model sizes. Per client: the larger, less Flower's FedAvg's own, over K; target <= 1 buffer.
 3. **Bytes uploaded per client and round**: ``len(Array.data)`` summed over a reply's
-   ArrayRecords (the .npy payloads), for the big MLP and for a real reply of the task model;
-   ``--upload-bytes`` prints Elastic's sensitivity record in float32 and float16 (.npy payload and
-   protobuf message) beside the model's.
+   ArrayRecords (the .npy payloads); ``--upload-bytes`` prints Elastic's sensitivity record in
+   float32 and float16 (.npy payload and protobuf message) beside the model's.
 4. **Client seconds per round** of the real ClientApp on a task partition for every strategy's
    instruction (Elastic's sensitivity pass shows as the difference to FedAvg; timed alone too).
 
-Every rule is built from its run configuration by the ServerApp's own ``build_strategy``.
-
-Usage (writes ``benchmarks/results/systems/`` and, with ``--publish``, ``docs/results/``)::
+Every rule is built from its run configuration by the ServerApp's own ``build_strategy``. Writes
+``benchmarks/results/systems/`` and, with ``--publish``, ``docs/results/``::
 
     .venv/bin/python -m benchmarks.systems --clients 20 --repeats 5 --publish
-    .venv/bin/python -m benchmarks.systems --upload-bytes
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import os
 import statistics
@@ -38,7 +34,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -49,6 +45,7 @@ from torch import nn
 
 from benchmarks.harness import MIB, Stopwatch, federation, hardware, reset_peak_rss, status_bytes
 from benchmarks.report import markdown_table, shown
+from benchmarks.spec import REPO
 from beyond_averaging.client.sensitivity import compute_sensitivity, to_upload
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import parse_run_config
@@ -63,7 +60,6 @@ from beyond_averaging.tasks.federation import load_client_partition
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import SENSITIVITY_RECORD
 
-REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results" / "systems"
 BIG_LAYERS = (3072, 2048, 2048, 10)
 UPDATE_SCALE = 1e-2  # spread of the synthetic updates (the figures do not depend on it)
@@ -98,7 +94,7 @@ def big_model(seed: int = 0) -> nn.Module:
     """The >= 10 M parameter MLP of the server figures."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = [nn.Flatten()]
-    for inputs, outputs in itertools.pairwise(BIG_LAYERS):
+    for inputs, outputs in pairwise(BIG_LAYERS):
         layers += [nn.Linear(inputs, outputs), nn.ReLU()]
     return nn.Sequential(*layers[:-1])  # no activation after the output layer
 
@@ -131,10 +127,9 @@ def synthetic_replies(model: nn.Module, clients: int, rule: str) -> list[Message
             noise = rng.standard_normal(value.shape, dtype=np.float32) * np.float32(UPDATE_SCALE)
             model_arrays[key] = Array(value + noise)
             for name in records:  # a sensitivity is non-negative, a gradient is the noise
-                if name == SENSITIVITY_RECORD:
-                    extra[name][key] = Array(np.abs(noise).astype(config.sensitivity_dtype))
-                else:
-                    extra[name][key] = Array(noise)
+                sensitivity = name == SENSITIVITY_RECORD
+                array = np.abs(noise).astype(config.sensitivity_dtype) if sensitivity else noise
+                extra[name][key] = Array(array)
         content["arrays"] = ArrayRecord(model_arrays)
         content["metrics"] = MetricRecord({"num-examples": int(rng.integers(50, 500))})
         for name, arrays in extra.items():
@@ -433,11 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.upload_bytes:
         print(sensitivity_upload_table())
         return 0
+    parameters = sum(inputs * outputs + outputs for inputs, outputs in pairwise(BIG_LAYERS))
+    model_bytes = 4 * parameters  # float32
     with Stopwatch() as clock:
-        model = big_model()
-        parameters = sum(p.numel() for p in model.parameters())
-        model_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
-        del model
         server = time_rules(options)
         if not options.skip_memory:
             measure_memory(options, server)
