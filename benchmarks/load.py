@@ -1,21 +1,17 @@
 """How many SuperNodes one SuperLink holds on this machine, for the default model.
 
-For each federation size N the benchmark starts a SuperLink and N SuperNodes as local processes
-on loopback (``tests/deploy_helpers.LocalDeployment``: a deployment's processes, plain gRPC),
-waits until all N are online, runs the app's default configuration with ``num-clients = N`` for
-a few rounds, and reports the seconds until all were online, each round's ``round-seconds``, the
-resident memory of the SuperLink, the ServerApp (``VmHWM``) and per node (the SuperNode with the
-processes it starts, the peak of their sum over the run over N; also split into SuperNode,
-Flower's SuperExec and ClientApp processes), the 1-minute load average (the cores are shared),
-the status and, for a size that fails, the first error and the SuperLink's errors.
+For each federation size N: a SuperLink and N SuperNodes as local processes on loopback
+(``tests/deploy_helpers.LocalDeployment``), the app's default configuration with ``num-clients =
+N`` for a few rounds; the seconds until all nodes were online, each round's ``round-seconds``,
+the peak resident memory of the SuperLink, the ServerApp and per node (SuperNode, Flower's
+SuperExec and ClientApp processes), the load average, the status and the SuperLink's errors; the
+published page says how each is measured (docs/deployment.md, "Load", discusses them).
 
-The SuperLink keeps its state in memory, as compose.yaml does; ``--state file`` gives it an
-SQLite file (``--database``), which is what broke first (docs/deployment.md, "Load"). The
-partition cache (``$BA_PARTITION_CACHE``, a scratch folder here) is filled before each run
-unless ``--cold-cache``. A size whose memory, at the previous size's per node, would not fit in
-``MemAvailable`` is skipped with the reason. Every process is stopped by PID, never by name.
-``--publish`` writes ``docs/results/load.md`` (``load-file.md`` with ``--state file``, ``-cold``
-added with ``--cold-cache``) besides the JSON in ``benchmarks/results/load/``::
+The SuperLink keeps its state in memory, as compose.yaml does (``--state file``: an SQLite file);
+the partition cache is filled before each run unless ``--cold-cache``. A size that would not fit
+in ``MemAvailable`` at the previous size's memory per node is skipped with the reason. Every
+process is stopped by PID, never by name. ``--publish`` writes ``docs/results/load.md``
+(``load-file.md`` with ``--state file``, ``-cold`` added with ``--cold-cache``)::
 
     nice -n 10 .venv/bin/python -m benchmarks.load                   # 5 10 20 30 50, 2 rounds
     nice -n 10 .venv/bin/python -m benchmarks.load --sizes 30 --merge --publish  # add a size

@@ -87,10 +87,6 @@ def _values(data: RunData, column: Column) -> list[float]:
     return list(data.curve(column.key).values())
 
 
-def _first_reaching(data: RunData, column: Column) -> float | None:
-    return next((float(r) for r, v in data.curve(column.key).items() if v >= column.target), None)
-
-
 def _peak_round(data: RunData, column: Column) -> float | None:
     curve = data.curve(column.key)
     return float(max(curve, key=lambda r: (curve[r], -r))) if curve else None
@@ -133,7 +129,9 @@ METRICS: dict[str, Callable[[RunData, Column], Any]] = {
     "at": lambda d, c: d.curve(c.key, first=0).get(c.round),
     "peak": lambda d, c: max(_values(d, c), default=None),
     "peak-round": _peak_round,
-    "reach": _first_reaching,
+    "reach": lambda d, c: next(
+        (float(r) for r, v in d.curve(c.key).items() if v >= c.target), None
+    ),
     "values": _values,
     "wall-seconds": lambda d, c: float(d.summary.get("wall-seconds", math.nan)),
     "id-accuracy": in_distribution_accuracy,

@@ -1,30 +1,18 @@
 """The experiment runner: run a spec's runs that are not done yet, then write its report.
 
 Every run is the real app (``server.launch.launch_runtime``, what ``ba-run --runtime <runtime>``
-runs; in process by default) into ``<runs>/<run-name>/`` (``metrics.jsonl``, ``summary.json``,
-checkpoints). Before a run, its state decides what happens:
+runs) into ``<runs>/<run-name>/``, or the spec's function ``runtime`` (``"module:function"``,
+called with one run's settings, keys the run configuration does not know included, which it
+checks itself; it writes the run folder in the app's format: ``server.recorder.RunRecorder``).
+A run's state decides what happens to it: *finished* (completed with these settings and rounds):
+skipped; *resumable* (a checkpoint of these settings: interrupted, or asked for more rounds):
+continued from it (``resume-from``); *conflict* (completed with other settings): nothing runs,
+the message names the keys (evidence is never overwritten); otherwise it runs. Each run is
+claimed with a lock beside its folder, so several processes (``--jobs N``, or the same command
+started twice) share one sweep. docs/benchmarks.md ("The runner") says more::
 
-- *finished*: ``summary.json`` says completed, with these settings and rounds: skipped;
-- *resumable*: a checkpoint of these settings (an interrupted run, or a finished one asked for
-  more rounds): continued from it (``resume-from``), not redone;
-- *conflict*: a completed run with other settings: nothing runs; the message names the keys
-  (evidence is never overwritten: delete the folder or pass ``--runs`` for a separate sweep);
-- otherwise it runs.
-
-Each run is claimed with a lock beside its folder, so several processes (``--jobs N``, or the
-same command started twice) share one sweep; the operating system frees a crashed holder's lock.
-
-An experiment the app cannot express names a function as its ``runtime``
-(``"package.module:function"``): it is called with one run's settings (the run configuration,
-``run-name`` and ``output-dir`` included, plus the spec's keys the run configuration does not
-know, which it checks itself) and writes the run folder in the app's format (``metrics.jsonl``,
-``summary.json``: ``server.recorder.RunRecorder``); everything else above applies unchanged.
-
-Usage::
-
-    .venv/bin/python -m benchmarks.runner benchmarks/specs/elastic-vs-fedavg.toml
+    .venv/bin/python -m benchmarks.runner benchmarks/specs/elastic-vs-fedavg.toml --dry-run
     .venv/bin/python -m benchmarks.runner SPEC --jobs 2 --publish      # report to docs/results
-    .venv/bin/python -m benchmarks.runner SPEC --report-only            # redraw from the runs
     .venv/bin/python -m benchmarks.runner SPEC --seeds 0 --set num-server-rounds=3 --runs /tmp/x
 """
 

@@ -265,13 +265,8 @@ def report(rows: Sequence[Row], ba_run: Mapping[str, Any] | None, command: str, 
         f"Hardware: {hardware()}; device `{device}`; load average when written "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.\n",
         f"Command: `{command}`\n",
-        "Written by `benchmarks/speed.py` (its docstring defines every column). s / round: "
-        "median `round-seconds` of the rounds after the first; x yardstick: that over the "
-        "vmapped yardstick's seconds per round, measured in the same process on the same "
-        "device. CPU s / round (in-process rows only): CPU seconds of the benchmark's process "
-        "over the whole run (first round, loading and evaluation included) divided by the "
-        "rounds, against the yardstick's CPU seconds per round: on a shared machine the wall "
-        "times carry other processes' load, the CPU times do not.\n",
+        "Written by `benchmarks/speed.py`, whose docstring defines every column; x yardstick: "
+        "over the vmapped yardstick measured in the same process on the same device.\n",
         table(rows),
     ]
     if ba_run is not None:

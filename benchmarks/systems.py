@@ -1,22 +1,16 @@
-"""Systems figures of every aggregation rule, measured side by side in one run.
+"""Systems figures of every aggregation rule, measured side by side in one run, each rule built
+from its run configuration by the ServerApp's own ``build_strategy``:
 
-1. **Server aggregation** of K = 20 clients of an ad-hoc MLP 3072-2048-2048-10 (10,510,346
-   float32 parameters): seconds of each rule's ``aggregate_train`` on the same replies (Messages
-   holding serialized ArrayRecords, as the SuperLink delivers them), over Flower's built-in
-   ``FedAvg.aggregate_train`` on identical ``arrays``; the rule's math alone (its
-   ``aggregation-seconds`` metric) beside it, and the diagnostics observer as a row of its own.
-2. **Peak server memory** of each rule during ``aggregate_train``, in a fresh process per rule
-   (one rule's peak never hides another's): tracemalloc's peak (NumPy reports its buffers; torch
-   does not) and the growth of the peak resident set (``VmHWM`` reset first; counts torch), in
-   model sizes. Per client: the larger, less Flower's FedAvg's own, over K; target <= 1 buffer.
-3. **Bytes uploaded per client and round**: ``len(Array.data)`` summed over a reply's
-   ArrayRecords (the .npy payloads); ``--upload-bytes`` prints Elastic's sensitivity record in
-   float32 and float16 (.npy payload and protobuf message) beside the model's.
-4. **Client seconds per round** of the real ClientApp on a task partition for every strategy's
-   instruction (Elastic's sensitivity pass shows as the difference to FedAvg; timed alone too).
+1. server seconds of ``aggregate_train`` on K identical serialized replies of a 10.5 M-parameter
+   MLP, against Flower's built-in FedAvg (and the rule's math alone, ``aggregation-seconds``);
+2. peak server memory during ``aggregate_train``, in a fresh process per rule (tracemalloc's
+   peak and the growth of ``VmHWM``), in model sizes and in buffers per client beyond Flower's;
+3. bytes uploaded per client and round (``--upload-bytes``: Elastic's sensitivity record in
+   float32 and float16 beside the model);
+4. client seconds per round of the real ClientApp for every strategy's instruction.
 
-Every rule is built from its run configuration by the ServerApp's own ``build_strategy``. Writes
-``benchmarks/results/systems/`` and, with ``--publish``, ``docs/results/``::
+docs/benchmarks.md ("Systems figures") defines every column. Writes ``benchmarks/results/systems/``
+and, with ``--publish``, ``docs/results/``::
 
     .venv/bin/python -m benchmarks.systems --clients 20 --repeats 5 --publish
 """

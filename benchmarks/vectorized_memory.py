@@ -1,24 +1,15 @@
 """Peak memory of one vectorized round, in copies of the cohort's parameters.
 
-Target (issue 11): a round of FedLAW's Table 3 setting (``benchmarks.speed``'s ``table3``: 20
-clients of the 784-200-200-10 MLP, E = 3, batch 128, momentum 0.9) holds at most 2 copies of the
-cohort's parameters beyond the data. Each round is the strategy's real instructions to the
-in-process Grid with the cohort backend (``benchmarks.harness.federation``), measured above a
-baseline taken after a first round (the cohort's data, kept across rounds, and torch's one-off
-allocations are in it), as (peak - baseline) / (clients x parameters x 4 bytes):
-
-- **resident size** (round 2): ``VmRSS`` sampled every millisecond, with every large block its
-  own mapping (``MALLOC_MMAP_THRESHOLD_``) and ``malloc_trim`` before the baseline, so that it
-  follows the live blocks; sees everything, the replies' NumPy bytes too. Also by phase: before
-  each pass's local training, that training, and after the last one (replies built).
-- **torch's allocator** (round 3, :mod:`torch.profiler` with ``profile_memory``): exact, not
-  sampled, with the tensors alive at the peak named by the operator that allocated them; does
-  not see the replies.
-
+Target (issue 11): a round of FedLAW's Table 3 setting (``benchmarks.speed``'s ``table3``) holds
+at most 2 copies of the cohort's parameters beyond the data. The strategy's real instructions go
+to the in-process Grid with the cohort backend; each figure is (peak - baseline) / (clients x
+parameters x 4 bytes), the baseline taken after a first round: round 2's resident size sampled
+every millisecond (every large block its own mapping, so that it follows the live blocks; also by
+phase: before each pass's local training, that training, the replies), and round 3 under torch's
+profiler (exact, with the tensors alive at the peak by allocating operator; no NumPy bytes).
 docs/runtimes.md ("Memory") discusses the figures. ``--clients-per-pass`` (the run option
-``vectorized-clients-per-pass``) trains the cohort in passes of that many clients; the round's
-wall and CPU seconds are printed to show that trade (``benchmarks/speed.py`` is the speed
-benchmark)::
+``vectorized-clients-per-pass``) trains in passes of that many clients; the round's wall and CPU
+seconds show that trade (``benchmarks/speed.py`` is the speed benchmark)::
 
     .venv/bin/python -m benchmarks.vectorized_memory --strategy elastic --clients-per-pass 5
 """
@@ -35,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from flwr.app import Message
@@ -48,7 +39,6 @@ from beyond_averaging.client import vectorized
 SETTING = {**SETTINGS["table3"], "device": "cpu", "client-backend": "vectorized"}
 STRATEGIES = ("fedavg", "elastic", "fedgma")  # no extra record, a sensitivity, a gradient
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
-_Result = TypeVar("_Result")
 
 
 @dataclass(frozen=True)
@@ -60,14 +50,13 @@ class Allocation:
     any).
     """
 
-    time: float
     size: int
     total: int
     address: int
     operator: str
 
 
-def torch_allocations(fn: Callable[[], _Result]) -> tuple[_Result, list[Allocation]]:
+def torch_allocations(fn: Callable[[], object]) -> list[Allocation]:
     """Run ``fn`` under :mod:`torch.profiler` with ``profile_memory``; its CPU allocator events.
 
     Read from the profiler's Chrome trace (its public output): ``[memory]`` instant events carry
@@ -77,7 +66,7 @@ def torch_allocations(fn: Callable[[], _Result]) -> tuple[_Result, list[Allocati
     """
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as profiler:
-        result = fn()
+        fn()
     with tempfile.TemporaryDirectory() as folder:
         trace = Path(folder) / "trace.json"
         profiler.export_chrome_trace(str(trace))
@@ -109,14 +98,13 @@ def torch_allocations(fn: Callable[[], _Result]) -> tuple[_Result, list[Allocati
         args = event["args"]
         allocations.append(
             Allocation(
-                at,
                 int(args["Bytes"]),
                 int(args["Total Allocated"]),
                 int(args["Addr"]),
                 " > ".join(span[2] for span in stack[-3:]),
             )
         )
-    return result, allocations
+    return allocations
 
 
 def peak_above_start(allocations: Sequence[Allocation]) -> int:
@@ -207,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     del replies
     messages = instructions(3)
-    _, allocations = torch_allocations(lambda: fed.grid.send_and_receive(messages))
+    allocations = torch_allocations(lambda: fed.grid.send_and_receive(messages))
     peak = peak_above_start(allocations)
     print(
         f"torch's allocator, round 3: peak {peak / MIB:.1f} MiB above the start = "

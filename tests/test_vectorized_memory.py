@@ -78,7 +78,7 @@ def test_local_training_allocates_one_step_of_gradients_plus_the_optimiser_state
             keep_last_gradient=keep_last_gradient,
         )
 
-    _, allocations = torch_allocations(train)
+    allocations = torch_allocations(train)
     copy_bytes = cohort_copy_bytes(model)
     assert any(not torch.equal(parameters[n], before[n]) for n in parameters)  # it trained
     peak = peak_above_start(allocations)
@@ -89,7 +89,7 @@ def test_local_training_allocates_one_step_of_gradients_plus_the_optimiser_state
 def test_sensitivity_pass_allocates_one_step_of_gradients_at_most() -> None:
     model, parameters, features, _, plan = cohort()
     previous = {name: torch.zeros_like(value) for name, value in parameters.items()}
-    _, allocations = torch_allocations(
+    allocations = torch_allocations(
         lambda: sensitivity_stacked(model, parameters, features, plan, previous, 0.9)
     )
     copy_bytes = cohort_copy_bytes(model)
