@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import secrets
 import time
 from abc import abstractmethod
 from collections import Counter
@@ -393,6 +394,10 @@ class ContractStrategy(Strategy):
         self.last_suspects = 0
         #: Whether the direction check runs in this run: decided on its first round (None before).
         self._direction_check: bool | None = None
+        #: Draws the coordinates the direction check compares on a large model (with the
+        #: round): secret, so that no client knows them; drawn on the check's first round and
+        #: kept in the checkpoint, so that a resumed run compares the same ones.
+        self._direction_secret: int | None = None
         self._update_norm_ratio: float | None = None
         self._influence_figures: dict[str, float | int] = {}
 
@@ -661,7 +666,7 @@ class ContractStrategy(Strategy):
                         ),
                     )
         self._influence_figures = {}
-        self._drop_direction_outliers(accepted, updates, rejected)
+        self._drop_direction_outliers(server_round, accepted, updates, rejected)
         self._drop_unselected(accepted, rejected)
         for index, rejection in sorted(rejected.items()):
             dropped[rejection.reason] += 1
@@ -683,6 +688,7 @@ class ContractStrategy(Strategy):
 
     def _drop_direction_outliers(
         self,
+        server_round: int,
         accepted: list[tuple[ClientReply, RecordDict]],
         updates: np.ndarray[Any, np.dtype[np.float64]],
         rejected: dict[int, ReplyRejected],
@@ -692,8 +698,13 @@ class ContractStrategy(Strategy):
         off = self.direction_outlier_factor <= 0.0 or self._direction_check is False
         if off or len(candidates) < 3:
             return
+        if self._direction_secret is None:
+            self._direction_secret = secrets.randbits(63)
         cosines = direction_cosines(
-            self.global_arrays, [accepted[i][0].arrays for i in candidates], updates[candidates]
+            self.global_arrays,
+            [accepted[i][0].arrays for i in candidates],
+            updates[candidates],
+            seed=(self._direction_secret, server_round),
         )
         median = float(np.median(cosines))
         self._influence_figures["direction-cosine-min"] = float(cosines.min())
@@ -739,16 +750,21 @@ class ContractStrategy(Strategy):
         return self._direction_check
 
     def _bounds_state(self) -> dict[str, Any]:
-        """The reply bounds' part of :meth:`state_dict`: the direction check's decision, once
-        it is made (nothing before)."""
-        if self._direction_check is None:
-            return {}
-        return {BOUNDS_STATE_KEY: {"direction-check": int(self._direction_check)}}
+        """The reply bounds' part of :meth:`state_dict`: the direction check's decision and
+        secret, once they are made (nothing before)."""
+        bounds = {}
+        if self._direction_check is not None:
+            bounds["direction-check"] = int(self._direction_check)
+        if self._direction_secret is not None:
+            bounds["direction-secret"] = self._direction_secret
+        return {BOUNDS_STATE_KEY: bounds} if bounds else {}
 
     def _load_bounds_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Restore :meth:`_bounds_state` from ``state``; the rest of ``state``, for the rule."""
-        bounds = state.get(BOUNDS_STATE_KEY)
-        self._direction_check = None if bounds is None else bool(bounds["direction-check"])
+        bounds = state.get(BOUNDS_STATE_KEY) or {}
+        check, secret = bounds.get("direction-check"), bounds.get("direction-secret")
+        self._direction_check = None if check is None else bool(check)
+        self._direction_secret = None if secret is None else int(secret)
         return {key: value for key, value in state.items() if key != BOUNDS_STATE_KEY}
 
     def _drop_unselected(

@@ -14,7 +14,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
-from beyond_averaging.strategies import robust
+from beyond_averaging.strategies import influence, robust
 from beyond_averaging.strategies.aggregate import pseudo_gradient, scaled_mean, scaled_weights
 from beyond_averaging.strategies.influence import (
     DIRECTION_FLOOR,
@@ -108,6 +108,64 @@ def test_a_sign_flipped_update_is_a_direction_outlier_and_honest_ones_are_not() 
     np.testing.assert_array_equal(direction_outliers(cosines, 2.0), [False, False, False, True])
     assert not direction_outliers(cosines, 0.0).any()  # 0: off
     assert not direction_outliers(cosines[[0, 3]], 2.0).any()  # two replies: no majority
+
+
+def test_a_model_larger_than_the_budget_is_compared_on_the_drawn_blocks_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(influence, "DIRECTION_STACK_BYTES", 4 * 4 * 100)  # blocks of 100 values
+    rng = np.random.default_rng(5)
+    global_model = {"w": rng.normal(size=(30, 20)), "b": rng.normal(size=350)}
+    clients = [{k: v + rng.normal(size=v.shape) for k, v in global_model.items()} for _ in range(4)]
+    norms = np.array([np.linalg.norm(flat_update(global_model, c)) for c in clients])
+    segments = influence.direction_segments(global_model, clients, 300, (7, 3))
+
+    def spans(seed: tuple[int, int]) -> list[tuple[int, int, int]]:
+        drawn = influence.direction_segments(global_model, clients, 300, seed)
+        return [(origin.size, start, stop) for _, origin, start, stop in drawn]
+
+    assert len(set(spans((7, 3)))) == len(segments)  # distinct blocks
+    assert 300 <= sum(stop - start for _, _, start, stop in segments) < 400
+    assert spans((7, 3)) == spans((7, 3))  # seeded
+    assert spans((7, 4)) != spans((7, 3))  # another round, other blocks
+    every = influence.direction_segments(global_model, clients, 950, (7, 3))
+    assert sum(stop - start for _, _, start, stop in every) == 950  # a model within the budget
+
+    # Independent: the same cosines by hand on exactly the drawn coordinates, the clipping
+    # scales from the full norms.
+    def key_of(origin: np.ndarray) -> str:
+        return next(k for k, v in global_model.items() if np.shares_memory(origin, v))
+
+    def drawn(client: Model) -> np.ndarray:
+        parts = []
+        for _, origin, start, stop in segments:
+            key = key_of(origin)
+            parts.append((client[key] - global_model[key]).reshape(-1)[start:stop])
+        return np.concatenate(parts)
+
+    picked = [drawn(c) for c in clients]
+    scales = np.minimum(1.0, np.median(norms) / norms)
+    expected = []
+    for k, own in enumerate(picked):
+        mean = np.mean([scales[j] * u for j, u in enumerate(picked) if j != k], axis=0)
+        expected.append(float(own @ mean / (np.linalg.norm(own) * np.linalg.norm(mean))))
+    cosines = direction_cosines(global_model, clients, norms, coordinates=300, seed=(7, 3))
+    np.testing.assert_allclose(cosines, expected, atol=1e-5)
+
+
+def test_a_sign_flipped_update_is_found_on_a_sample_of_a_large_model() -> None:
+    rng = np.random.default_rng(8)
+    size = 400_000
+    direction = rng.normal(size=size).astype(np.float32)
+    global_model = {"v": np.zeros(size, dtype=np.float32)}
+    honest = [{"v": direction + rng.normal(size=size).astype(np.float32)} for _ in range(5)]
+    clients = [*honest, {"v": -5.0 * honest[0]["v"]}]
+    norms = np.array([np.linalg.norm(c["v"]) for c in clients])
+    exact = direction_cosines(global_model, clients, norms, coordinates=size)
+    sampled = direction_cosines(global_model, clients, norms, coordinates=20_000, seed=(1, 2))
+    np.testing.assert_allclose(sampled, exact, atol=0.02)  # about 1/sqrt(20,000) = 0.007
+    assert not np.allclose(sampled, exact, atol=1e-6)  # a sample, not the whole model
+    np.testing.assert_array_equal(direction_outliers(sampled, 2.0), [False] * 5 + [True])
 
 
 def test_disagreement_within_a_wide_honest_spread_is_kept() -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from beyond_averaging.strategies.influence import (
+    NORM_BLOCK,
     cap_weights,
     max_over_median,
     norm_outliers,
@@ -108,6 +109,23 @@ def test_update_and_record_norms_are_the_l2_norms_over_floating_tensors() -> Non
     np.testing.assert_allclose(update_norms(global_arrays, clients), [5.0, 0.0])
     records = [{"a": np.array([3.0]), "b": np.array([[4.0]])}, {"a": np.array([-1.0])}]
     np.testing.assert_allclose(record_norms(records), [5.0, 1.0])
+
+
+def test_update_norms_over_tensors_of_many_blocks_and_mixed_dtypes_match_float64() -> None:
+    # Tensors of several norm blocks and a partial last one, smaller tensors before and after,
+    # and replies in float16, float32 and float64: each norm as NumPy computes it in float64.
+    rng = np.random.default_rng(4)
+    shapes = {"b0": (7,), "w": (3, NORM_BLOCK + 123), "b1": (NORM_BLOCK // 2 + 5,)}
+    global_arrays = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    clients = [
+        {k: (v + rng.normal(size=v.shape)).astype(dtype) for k, v in global_arrays.items()}
+        for dtype in (np.float16, np.float32, np.float64)
+    ]
+    expected = [
+        np.sqrt(sum(np.sum((c[k].astype(np.float64) - v) ** 2) for k, v in global_arrays.items()))
+        for c in clients
+    ]
+    np.testing.assert_allclose(update_norms(global_arrays, clients), expected, rtol=1e-5)
 
 
 def reference_robust(
