@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +218,7 @@ def flipped_labels(partitions: frozenset[int]) -> Iterator[None]:
         data = honest(spec, partition_id, device)
         if partition_id not in partitions:
             return data
-        return dataclasses.replace(data, labels=data.num_classes - 1 - data.labels)
+        return replace(data, labels=data.num_classes - 1 - data.labels)
 
     client_module.device_partition = partition  # type: ignore[assignment]
     try:
@@ -344,4 +342,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
