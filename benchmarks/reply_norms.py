@@ -94,10 +94,11 @@ def measure(settings: dict[str, Any]) -> list[dict[str, float]]:
 def summarise(per_round: Sequence[dict[str, float]], /, **labels: Any) -> dict[str, Any]:
     """``labels``, then the max, median and min of every figure over the given rounds."""
     summary: dict[str, Any] = dict(labels)
-    extremes = {"max": np.nanmax, "median": np.nanmedian, "min": np.nanmin}
     for key in per_round[0]:
         values = np.array([r[key] for r in per_round])
-        summary[key] = {name: round(float(f(values)), 3) for name, f in extremes.items()}
+        extremes = {"max": np.nanmax(values), "median": np.nanmedian(values)}
+        extremes["min"] = np.nanmin(values)
+        summary[key] = {name: round(float(value), 3) for name, value in extremes.items()}
     return summary
 
 
