@@ -1,28 +1,9 @@
 """Byzantine clients against every rule and defence: the attack table of docs/reliability.md.
 
-One run is an in-process federation (:func:`benchmarks.harness.federation`: the real ClientApp on
-every node, the real strategy, no transport) whose first ``attackers`` nodes are Byzantine. They
-collude and are omniscient: an :class:`AttackGrid` lets every node train honestly, then rewrites
-the attackers' replies from the round's honest replies. Attacks (u_k = theta_k - w an honest
-update, the attacker's own or all of them; the same map rewrites a FedGMA ``gradient`` record,
-the sensitivity stays honest):
-
-- ``sign-flip``: ``w - 5 u_a`` with the attacker's true num-examples; ``sign-flip-1e12``: the same
-  claiming 1e12 examples;
-- ``noise``: ``w + v``, v a Gaussian direction with norm 3 ||u_a||;
-- ``boost``: ``w + 5 u_a`` (a scaled same-direction update);
-- ``alie``: ``w + mu - z sigma`` (Baruch et al., NeurIPS 2019), mu and sigma the per-coordinate
-  mean and standard deviation of every sampled client's honest update, all attackers sending the
-  same; s = floor(n / 2 + 1) - m, z = Phi^-1((n - s) / n);
-- ``label-flip``: honest training on labels y -> C - 1 - y (data poisoning, at the client).
-
-The defences are this project's run options (``update-clip-factor``, ``direction-outlier-factor``,
-``max-claim-factor``, ``robust-aggregation``); ``flower = "<class>"`` runs one of Flower's own
-strategies instead (:data:`FLOWER_STRATEGIES`). The table is a spec of the experiment runner
-whose ``runtime`` is :func:`run_attacked`::
-
-    nice -n 10 .venv/bin/python -m benchmarks.runner benchmarks/specs/attacks.toml --publish
-    .venv/bin/python -m benchmarks.attacks benchmarks/specs/attacks.toml   # the condensed table
+A run is an in-process federation (:func:`benchmarks.harness.federation`) whose first
+``attackers`` nodes collude: an :class:`AttackGrid` rewrites their honest replies (:data:`ATTACKS`),
+or they train on flipped labels. docs/reliability.md ("The attack table") defines the attacks and
+gives the commands; the table is a spec of the runner whose ``runtime`` is :func:`run_attacked`.
 """
 
 from __future__ import annotations

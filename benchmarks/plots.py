@@ -1,16 +1,8 @@
 """Client-diagnostics figures of runs made with ``diagnostics = true``, from ``metrics.jsonl``:
+coherence (with the critical point), pairwise distances, and mutual information.
 
-- coherence: FedLAW's cohort coherence per round (``diag-coherence``, top) and the mean pairwise
-  cosine (``diag-cosine-mean``, bottom), with the *critical point* marked: the first round whose
-  cohort coherence is <= 0 while the round before it was > 0;
-- distances: mean pairwise Euclidean, Manhattan and Chebyshev distances between client models
-  (one panel each: their scales differ by orders of magnitude);
-- mutual information: mean pairwise Gaussian MI of the client parameters and of their updates.
-
-A spec draws them beside its report with ``[plot] diagnostics = true``; for any runs (overlaid,
-labelled by their folder names)::
-
-    .venv/bin/python -m benchmarks.plots runs/<run-a> runs/<run-b> --output-dir docs/results
+A spec draws them with ``[plot] diagnostics = true``; docs/benchmarks.md ("Client diagnostics")
+gives the command for any runs.
 """
 
 from __future__ import annotations

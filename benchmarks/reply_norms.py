@@ -1,25 +1,8 @@
 """How far honest clients' replies spread: the default of ``update-norm-factor`` rests on this.
 
-For every round of an in-process federation (``benchmarks.harness.federation``: the real
-ClientApp's ``train`` on each sampled node, the real strategy's ``configure_train`` /
-``aggregate_train``, no transport), the honest replies are read before aggregation and, per
-round, these ratios are taken over the cohort:
-
-- ``update``: max_k ||theta_k - w|| / median_k ||theta_k - w|| (floating tensors of ``arrays``);
-- ``sensitivity`` (Elastic runs): max / median of the L2 norms of the ``sensitivity`` records;
-- ``gradient`` (hard FedGMA runs): max / median of the L2 norms of the ``gradient`` records;
-- ``weight-share``: the largest data-size weight n_k / sum_j n_j of the round;
-- ``zero-model``: ||w|| / median_k ||theta_k - w||, the ratio an all-zero model would score
-  (reported with its minimum: the round where such a reply is hardest to single out).
-
-The norm filter is turned off in these runs (``update-norm-factor = 0``), so that no reply is
-dropped by the very bound being measured. Setting: digits, 10 clients, every client each round
-(``--fraction-train`` samples fewer: the weight shares of partial participation), the default mlp
-and local training, Dirichlet(0.1) and Dirichlet(0.5) label skew.
-
-Usage (from the repository root; about a minute per run on one core)::
-
-    nice -n 10 .venv/bin/python -m benchmarks.reply_norms --seeds 0 1 2 --rounds 15
+An in-process federation (``benchmarks.harness.federation``) with the norm filter off; per round,
+max / median ratios of the honest replies' norms. docs/reliability.md ("Honest norm ratios")
+defines every figure and gives the commands (about a minute per run on one core).
 """
 
 from __future__ import annotations
@@ -57,7 +40,7 @@ def _ratio(values: Sequence[float]) -> float:
 def round_figures(
     global_arrays: dict[str, np.ndarray[Any, Any]], replies: Sequence[Message]
 ) -> dict[str, float]:
-    """The ratios of one round's honest replies (see the module docstring)."""
+    """The ratios of one round's honest replies (docs/reliability.md, "Honest norm ratios")."""
     float_keys = [k for k, v in global_arrays.items() if np.issubdtype(v.dtype, np.floating)]
     updates, counts = [], []
     records: dict[str, list[float]] = {"sensitivity": [], "gradient": []}

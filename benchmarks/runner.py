@@ -1,19 +1,10 @@
 """The experiment runner: run a spec's runs that are not done yet, then write its report.
 
-Every run is the real app (``server.launch.launch_runtime``, what ``ba-run --runtime <runtime>``
-runs) into ``<runs>/<run-name>/``, or the spec's function ``runtime`` (``"module:function"``,
-called with one run's settings, keys the run configuration does not know included, which it
-checks itself; it writes the run folder in the app's format: ``server.recorder.RunRecorder``).
-A run's state decides what happens to it: *finished* (completed with these settings and rounds):
-skipped; *resumable* (a checkpoint of these settings: interrupted, or asked for more rounds):
-continued from it (``resume-from``); *conflict* (completed with other settings): nothing runs,
-the message names the keys (evidence is never overwritten); otherwise it runs. Each run is
-claimed with a lock beside its folder, so several processes (``--jobs N``, or the same command
-started twice) share one sweep. docs/benchmarks.md ("The runner") says more::
+Each run is the real app (``server.launch.launch_runtime``) or the spec's function ``runtime``;
+finished runs are skipped, resumable ones continued, a conflict stops the sweep, and a lock per run
+lets several processes share one sweep. docs/benchmarks.md ("The runner") says more::
 
     .venv/bin/python -m benchmarks.runner benchmarks/specs/elastic-vs-fedavg.toml --dry-run
-    .venv/bin/python -m benchmarks.runner SPEC --jobs 2 --publish      # report to docs/results
-    .venv/bin/python -m benchmarks.runner SPEC --seeds 0 --set num-server-rounds=3 --runs /tmp/x
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """An experiment as a TOML spec file: what to run, what to measure, how to report it.
 
-A spec names the run configuration every run shares (``[settings]``, the app's run-config keys),
-the grid of runs (``[grid]``: axes of values, ``seed`` pooled as seeds; ``[methods.<label>]``: the
-rows compared, each a set of run-config overrides), the table's columns (``[[columns]]``: a metric
-per run, shown as mean ± sample sd over seeds), the paper's numbers (``paper``) and the plot
-(``[plot]``). docs/benchmarks.md shows the format; ``benchmarks/specs/`` holds the published ones.
-``extends = "other.toml"`` starts from another spec: ``settings``, ``grid`` and ``plot`` are
-merged key by key, every other key is replaced.
+docs/benchmarks.md ("The spec file") defines every key; ``benchmarks/specs/`` holds the
+published experiments.
 """
 
 from __future__ import annotations

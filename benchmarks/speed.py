@@ -1,31 +1,8 @@
 """Seconds per round of each runtime and client backend, next to a vmapped yardstick.
 
-Settings: ``table3``, FedLAW's Table 3 setting (Fashion-MNIST, the 784-200-200-10 MLP, 20
-clients all sampled, E = 3, batch 128, Dirichlet 0.1, seed 8; ``specs/fedlaw-table3.toml``) with
-FedAvg, and ``digits``, the default run (``ba-run`` with no options).
+docs/runtimes.md ("What each costs") defines the settings, rows, columns and the yardstick::
 
-Each row is one real run through ``server.launch.launch_runtime``, what ``ba-run --runtime
-<runtime>`` does, per runtime (``simulation``: Flower's Ray simulation; ``inprocess``) and client
-backend (``clientapp``; in process also ``vectorized``). Seconds per round: the median of the
-run's own ``round-seconds`` (client training, replies, aggregation, evaluation) after the first
-round; the first round (partition loading, first-touch costs) and the run's wall time (Ray's
-start included) are shown apart. In-process rows also give this process's CPU seconds per round
-(the whole run's over the rounds): on a shared machine the wall times carry other processes'
-load, the CPU times do not.
-
-The yardstick, measured in the same process on the same device: the same local training of all
-clients of a round (same partitions, E epochs of SGD with the setting's learning rate, momentum
-and weight decay, batches of the setting's size) as one batched program: parameters stacked per
-client, ``torch.func.vmap`` of ``torch.func.grad`` over the clients, data on the device, eager.
-Clients are sorted by their number of steps, and each step computes only the clients that still
-have steps, so the yardstick does the work of the sequential loop, batched, and no more. It is a
-speed reference, not a training path: its batches are cut from a per-epoch permutation with every
-batch full (a partial last batch is filled up by wrapping around), and it skips evaluation.
-
-``--ba-run`` also times the default ``ba-run --runtime inprocess`` as a user runs it (a fresh
-process, imports and data loading included), once to warm the caches and once measured::
-
-    .venv/bin/python -m benchmarks.speed --settings digits table3 --rounds 3 --publish
+    .venv/bin/python -m benchmarks.speed --settings digits table3 --rounds 3 --ba-run --publish
     .venv/bin/python -m benchmarks.speed --settings table3 --runtimes inprocess --device cuda
 """
 
@@ -265,8 +242,8 @@ def report(rows: Sequence[Row], ba_run: Mapping[str, Any] | None, command: str, 
         f"Hardware: {hardware()}; device `{device}`; load average when written "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.\n",
         f"Command: `{command}`\n",
-        "Written by `benchmarks/speed.py`, whose docstring defines every column; x yardstick: "
-        "over the vmapped yardstick measured in the same process on the same device.\n",
+        'Written by `benchmarks/speed.py`; docs/runtimes.md ("What each costs") defines every '
+        "column; x yardstick: over the vmapped yardstick measured in the same process.\n",
         table(rows),
     ]
     if ba_run is not None:

@@ -1,18 +1,7 @@
-"""Systems figures of every aggregation rule, measured side by side in one run, each rule built
-from its run configuration by the ServerApp's own ``build_strategy``:
-
-1. server seconds of ``aggregate_train`` on K identical serialized replies of a 10.5 M-parameter
-   MLP, against Flower's built-in FedAvg (and the rule's math alone, ``aggregation-seconds``);
-2. peak server memory during ``aggregate_train``, in a fresh process per rule (tracemalloc's
-   peak and the growth of ``VmHWM``), in model sizes and in buffers per client beyond Flower's;
-3. bytes uploaded per client and round (``--upload-bytes``: Elastic's sensitivity record in
-   float32 and float16 beside the model);
-4. client seconds per round of the real ClientApp for every strategy's instruction.
-
-docs/benchmarks.md ("Systems figures") defines every column. Writes ``benchmarks/results/systems/``
-and, with ``--publish``, ``docs/results/``::
-
-    .venv/bin/python -m benchmarks.systems --clients 20 --repeats 5 --publish
+"""Systems figures of every aggregation rule, side by side in one run: server seconds of
+``aggregate_train`` against Flower's FedAvg on the same replies, peak server memory (a fresh
+process per rule), upload bytes, and the ClientApp's seconds per round for each rule's
+instruction. docs/benchmarks.md ("Systems figures") defines every column and gives the command.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Peak memory of one vectorized round, in copies of the cohort's parameters.
 
-Target (issue 11): a round of FedLAW's Table 3 setting (``benchmarks.speed``'s ``table3``) holds
-at most 2 copies of the cohort's parameters beyond the data. The strategy's real instructions go
-to the in-process Grid with the cohort backend; each figure is (peak - baseline) / (clients x
-parameters x 4 bytes), the baseline taken after a first round: round 2's resident size sampled
-every millisecond (every large block its own mapping, so that it follows the live blocks; also by
-phase: before each pass's local training, that training, the replies), and round 3 under torch's
-profiler (exact, with the tensors alive at the peak by allocating operator; no NumPy bytes).
-docs/runtimes.md ("Memory") discusses the figures. ``--clients-per-pass`` (the run option
-``vectorized-clients-per-pass``) trains in passes of that many clients; the round's wall and CPU
-seconds show that trade (``benchmarks/speed.py`` is the speed benchmark)::
+FedLAW's Table 3 setting (``benchmarks.speed``'s ``table3``): round 2's resident peak (also by
+phase) and round 3's allocator peak above a baseline taken after round 1. docs/runtimes.md
+("Memory") defines the figures and discusses them::
 
     .venv/bin/python -m benchmarks.vectorized_memory --strategy elastic --clients-per-pass 5
 """
