@@ -1,20 +1,8 @@
 """How many SuperNodes one SuperLink holds on this machine, for the default model.
 
-For each federation size N: a SuperLink and N SuperNodes as local processes on loopback
-(``tests/deploy_helpers.LocalDeployment``), the app's default configuration with ``num-clients =
-N`` for a few rounds; the seconds until all nodes were online, each round's ``round-seconds``,
-the peak resident memory of the SuperLink, the ServerApp and per node (SuperNode, Flower's
-SuperExec and ClientApp processes), the load average, the status and the SuperLink's errors; the
-published page says how each is measured (docs/deployment.md, "Load", discusses them).
-
-The SuperLink keeps its state in memory, as compose.yaml does (``--state file``: an SQLite file);
-the partition cache is filled before each run unless ``--cold-cache``. A size that would not fit
-in ``MemAvailable`` at the previous size's memory per node is skipped with the reason. Every
-process is stopped by PID, never by name. ``--publish`` writes ``docs/results/load.md``
-(``load-file.md`` with ``--state file``, ``-cold`` added with ``--cold-cache``)::
-
-    nice -n 10 .venv/bin/python -m benchmarks.load                   # 5 10 20 30 50, 2 rounds
-    nice -n 10 .venv/bin/python -m benchmarks.load --sizes 30 --merge --publish  # add a size
+For each size N, a SuperLink and N SuperNodes as local processes on loopback run the default
+configuration for a few rounds; docs/deployment.md ("Load: SuperNodes per SuperLink") says what
+is measured and how, and gives the commands.
 """
 
 from __future__ import annotations
@@ -170,33 +158,8 @@ def superlink_errors(log: str) -> dict[str, Any]:
 
 
 def measured_by(meta: dict[str, Any]) -> str:
-    """When and with which command the rows were measured (several runs after ``--merge``)."""
-    runs = meta["runs"]
-    return "; ".join(
-        f"{run['date']} with `{run['command']}`"
-        + (f" ({', '.join(map(str, run['sizes']))} nodes)" if len(runs) > 1 else "")
-        for run in runs
-    )
-
-
-def merge_previous(
-    rows: list[dict[str, Any]], meta: dict[str, Any], previous: dict[str, Any]
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """This run's rows with the previous saved run's rows of the sizes not measured now; an
-    earlier run keeps the sizes no later run measured again."""
-    measured = {row["supernodes"] for row in rows}
-    kept = [
-        row
-        for row in previous["rows"]
-        if row["supernodes"] not in measured and row["status"] != "skipped"
-    ]
-    runs = [
-        {**run, "sizes": [size for size in run["sizes"] if size not in measured]}
-        for run in previous["meta"]["runs"]
-    ]
-    runs = [run for run in runs if run["sizes"]] + meta["runs"]
-    merged = sorted(kept + rows, key=lambda row: int(row["supernodes"]))
-    return merged, {**meta, "runs": runs}
+    """When and with which command the rows were measured."""
+    return "; ".join(f"{run['date']} with `{run['command']}`" for run in meta["runs"])
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -277,25 +240,13 @@ def main() -> None:
         action="store_true",
         help="start with an empty partition cache instead of filling it before each run",
     )
-    parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="keep the last saved rows of the sizes not measured now (and take their memory "
-        "per node to check whether the first size fits)",
-    )
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
     name += "-cold" if args.cold_cache else ""
-    saved = RESULTS / f"{name}.json"
-    merge = args.merge and saved.is_file()
-    previous = json.loads(saved.read_text(encoding="utf-8")) if merge else None
     rows: list[dict[str, Any]] = []
     per_node = 0.0  # memory per node of the largest size measured
-    for row in sorted((previous or {}).get("rows", []), key=lambda row: int(row["supernodes"])):
-        if row["status"] == "completed":
-            per_node = row["node-peak-rss-mb-per-node"] * MIB
     with tempfile.TemporaryDirectory(prefix="ba-load-") as scratch:
         # A cache of this benchmark's own, inherited by every process it starts.
         os.environ[CACHE_ENV] = str(Path(scratch) / "partitions")
@@ -330,9 +281,7 @@ def main() -> None:
         "superlink-state": "an SQLite file" if args.state == "file" else "memory",
         "cold-cache": args.cold_cache,
     }
-    if previous is not None:
-        rows, meta = merge_previous(rows, meta, previous)
-    saved.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     page = markdown(rows, meta)
     print(page)
     if args.publish:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.load import descendants, markdown, merge_previous, superlink_errors
+from benchmarks.load import descendants, markdown, superlink_errors
 
 RUN = {
     "date": "2026-11-23 15:00 UTC",
@@ -85,28 +85,3 @@ def completed_row(size: int) -> dict[str, object]:
         "clientapp-peak-rss-mb-per-node": 327.0,
         "replies-valid": [size],
     }
-
-
-def test_merging_keeps_earlier_sizes_and_names_the_command_that_measured_each() -> None:
-    earlier = {
-        "meta": META,
-        "rows": [
-            completed_row(10),
-            completed_row(20),
-            {"supernodes": 30, "status": "skipped", "why": "needs about 17 GiB"},
-        ],
-    }
-    now = {"date": "2026-11-24 09:00 UTC", "command": "load --sizes 20 30 --merge"}
-    now_meta = {**META, "runs": [{**now, "sizes": [20, 30]}]}
-    rows, meta = merge_previous([completed_row(20), completed_row(30)], now_meta, earlier)
-    # 10 from the earlier run; 20 and 30 from this one (the earlier 20 and skipped 30 replaced).
-    assert [row["supernodes"] for row in rows] == [10, 20, 30]
-    assert all(row["status"] == "completed" for row in rows)
-    assert [run["sizes"] for run in meta["runs"]] == [[10], [20, 30]]
-    text = markdown(rows, meta)
-    assert f"{RUN['date']} with `{RUN['command']}` (10 nodes)" in text
-    assert "2026-11-24 09:00 UTC with `load --sizes 20 30 --merge` (20, 30 nodes)" in text
-    # Merging again keeps the run list and drops a run none of whose sizes remain.
-    later = {**META, "runs": [{**now, "sizes": [10]}]}
-    rows, meta = merge_previous([completed_row(10)], later, {"meta": meta, "rows": rows})
-    assert [run["sizes"] for run in meta["runs"]] == [[20, 30], [10]]
