@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 from typing import Any
@@ -280,18 +280,9 @@ def measure_memory(options: argparse.Namespace, figures: list[ServerFigure]) -> 
         print(f"[systems] {figure.rule}: {probe}", flush=True)
 
 
-@dataclass
-class ClientFigure:
-    """One strategy's client figures on the task model."""
-
-    strategy: str
-    seconds: float
-    upload_bytes: int
-    records: str
-
-
-def time_clients(options: argparse.Namespace) -> tuple[list[ClientFigure], dict[str, Any]]:
-    """Seconds and upload bytes of one train round of partition 0's ClientApp per strategy.
+def time_clients(options: argparse.Namespace) -> tuple[dict[str, float], dict[str, Any]]:
+    """Median seconds of one train round of partition 0's ClientApp per strategy (its upload is
+    the server table's: the same records).
 
     The strategies take turns within each repeat (round -1 warms up, untimed), so that a burst of
     load from elsewhere spreads over all of them; each node's Context persists across repeats.
@@ -300,22 +291,15 @@ def time_clients(options: argparse.Namespace) -> tuple[list[ClientFigure], dict[
     task |= {"num-clients": options.num_clients, "device": "cpu"}
     federations = {rule: federation({**task, **overrides}) for rule, overrides in RULES.items()}
     seconds: dict[str, list[float]] = {rule: [] for rule in RULES}
-    replies: dict[str, Message] = {}
     for repeat in range(-1, options.repeats):
         for rule, fed in federations.items():
             message = next(
                 m for m in fed.instructions(1) if m.metadata.dst_node_id == FIRST_NODE_ID
             )
             with Stopwatch() as clock:
-                (replies[rule],) = fed.grid.send_and_receive([message])
+                fed.grid.send_and_receive([message])
             if repeat >= 0:
                 seconds[rule].append(clock.wall)
-    figures = []
-    for rule, reply in replies.items():
-        records = ", ".join(sorted(reply.content.array_records))
-        figures.append(
-            ClientFigure(rule, statistics.median(seconds[rule]), upload_bytes(reply), records)
-        )
     config = federations["fedavg"].config
     partition = load_client_partition(replace(data_spec(config), proxy_per_class=0), 0)
     setting = {
@@ -327,7 +311,7 @@ def time_clients(options: argparse.Namespace) -> tuple[list[ClientFigure], dict[
         "partition-0-examples": len(partition),
         "sensitivity-pass-seconds": time_sensitivity_pass(config, partition, options.repeats),
     }
-    return figures, setting
+    return {rule: statistics.median(times) for rule, times in seconds.items()}, setting
 
 
 def time_sensitivity_pass(config: Any, partition: LabeledData, repeats: int) -> float:
@@ -367,17 +351,10 @@ def server_table(figures: Sequence[ServerFigure], clients: int, model_bytes: int
     return markdown_table(SERVER_HEADER.split(" | "), rows)
 
 
-def client_table(figures: Sequence[ClientFigure]) -> str:
-    """Markdown table of the client figures (ratios against FedAvg's client of the same run)."""
-    baseline = next(f.seconds for f in figures if f.strategy == "fedavg")
-    header = ["strategy", "client s / round", "x FedAvg client", "upload / client (KiB)", "records"]
-    rows = []
-    for f in figures:
-        ratio = f"{f.seconds / baseline:.2f}"
-        rows.append(
-            [f.strategy, f"{f.seconds:.3f}", ratio, f"{f.upload_bytes / 1024:.1f}", f.records]
-        )
-    return markdown_table(header, rows)
+def client_table(seconds: Mapping[str, float]) -> str:
+    """Markdown table of the client seconds (ratios against FedAvg's client of the same run)."""
+    rows = [[rule, f"{s:.3f}", f"{s / seconds['fedavg']:.2f}"] for rule, s in seconds.items()]
+    return markdown_table(["strategy", "client s / round", "x FedAvg client"], rows)
 
 
 def sensitivity_upload_table() -> str:
@@ -439,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = time_rules(options)
         if not options.skip_memory:
             measure_memory(options, server)
-        clients, setting = ([], {}) if options.skip_clients else time_clients(options)
+        clients, setting = ({}, {}) if options.skip_clients else time_clients(options)
     text = (
         f"Machine: {hardware()}. Server figures: {options.clients} clients of an MLP "
         f"{'-'.join(map(str, BIG_LAYERS))} ({parameters:,} parameters, {model_bytes / MIB:.1f} "
@@ -459,11 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     raw: dict[str, Any] = {"server": [asdict(f) for f in server], "client-setting": setting}
-    raw |= {
-        "client": [asdict(f) for f in clients],
-        "parameters": parameters,
-        "hardware": hardware(),
-    }
+    raw |= {"client-seconds": clients, "parameters": parameters, "hardware": hardware()}
     (RESULTS_DIR / "systems.json").write_text(json.dumps(raw, indent=1), encoding="utf-8")
     for folder in [RESULTS_DIR, REPO / "docs" / "results"][: 1 + options.publish]:
         (folder / "systems.md").write_text(text, encoding="utf-8")
