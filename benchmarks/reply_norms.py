@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from flwr.app import Message
 
 from benchmarks.harness import federation
-from beyond_averaging.strategies.influence import max_over_median
+from beyond_averaging.strategies.influence import max_over_median, record_norms, update_norms
 
 #: The strategies whose replies are measured, as run-config overrides.
 STRATEGIES: dict[str, dict[str, Any]] = {
@@ -28,11 +29,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 SETTING = {"dataset": "digits", "partition": "dirichlet", "num-clients": 10, "device": "cpu"}
 
 
-def _norm(arrays: dict[str, np.ndarray[Any, Any]], keys: Sequence[str]) -> float:
-    return float(np.sqrt(sum(np.sum(np.square(arrays[k], dtype=np.float64)) for k in keys)))
-
-
-def _ratio(values: Sequence[float]) -> float:
+def _ratio(values: npt.NDArray[np.float64]) -> float:
     ratio = max_over_median(values)  # the ratio the strategies log and filter on
     return float("nan") if ratio is None else ratio
 
@@ -40,27 +37,25 @@ def _ratio(values: Sequence[float]) -> float:
 def round_figures(
     global_arrays: dict[str, np.ndarray[Any, Any]], replies: Sequence[Message]
 ) -> dict[str, float]:
-    """The ratios of one round's honest replies (docs/reliability.md, "Honest norm ratios")."""
-    float_keys = [k for k, v in global_arrays.items() if np.issubdtype(v.dtype, np.floating)]
-    updates, counts = [], []
-    records: dict[str, list[float]] = {"sensitivity": [], "gradient": []}
-    for reply in replies:
-        content = reply.content
-        arrays = {k: a.numpy() for k, a in content.array_records["arrays"].items()}
-        diff = {k: arrays[k].astype(np.float64) - global_arrays[k] for k in float_keys}
-        updates.append(_norm(diff, float_keys))
-        counts.append(float(content.metric_records["metrics"]["num-examples"]))  # type: ignore[arg-type]
-        for name, norms in records.items():
-            if name in content.array_records:
-                record = {k: a.numpy() for k, a in content.array_records[name].items()}
-                norms.append(_norm(record, list(record)))
+    """The ratios of one round's honest replies (docs/reliability.md, "Honest norm ratios"),
+    from the norms the strategies' filter computes."""
+    contents = [reply.content for reply in replies]
+    replied = [{k: a.numpy() for k, a in c.array_records["arrays"].items()} for c in contents]
+    updates = update_norms(global_arrays, replied)
+    metrics = [c.metric_records["metrics"] for c in contents]
+    counts = [float(m["num-examples"]) for m in metrics]  # type: ignore[arg-type]
+    floating = {k: v for k, v in global_arrays.items() if np.issubdtype(v.dtype, np.floating)}
     figures = {
         "update": _ratio(updates),
         "weight-share": max(counts) / sum(counts),
         # What an all-zero model would score: ||0 - w|| / median honest update norm.
-        "zero-model": _norm(global_arrays, float_keys) / float(np.median(updates)),
+        "zero-model": float(record_norms([floating])[0] / np.median(updates)),
     }
-    figures.update({name: _ratio(norms) for name, norms in records.items() if norms})
+    for name in ("sensitivity", "gradient"):
+        records = [c.array_records[name] for c in contents if name in c.array_records]
+        if records:
+            norms = record_norms([{k: a.numpy() for k, a in r.items()} for r in records])
+            figures[name] = _ratio(norms)
     return figures
 
 
