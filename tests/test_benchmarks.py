@@ -122,23 +122,28 @@ def test_server_ratios_are_the_paired_ones_and_buffers_against_flower_fedavg_of_
     model = 100
     figures = [  # 2 clients; Flower's FedAvg peaks at 3 models, its RSS the larger
         ServerFigure(FLOWER, 1.0, None, 10, peak_traced_bytes=200, peak_rss_growth_bytes=300),
-        # the ratio measured against Flower's FedAvg timed beside each repeat, not seconds over
-        # the Flower row's seconds (2.8 / 1.0): the load may change between the two rows
-        ServerFigure("fast", 2.8, 1.0, 10, 1.4, peak_traced_bytes=400, peak_rss_growth_bytes=450),
-        ServerFigure("slow", 1.6, 1.5, 20, 1.6, peak_traced_bytes=600, peak_rss_growth_bytes=None),
-        ServerFigure("elastic", 2.9, 2.5, 20, 2.9),  # Elastic's target is 3x
+        # the ratios measured against Flower's FedAvg timed beside each repeat, not seconds over
+        # the Flower row's seconds (2.8 / 1.0): the load may change between the two rows; the
+        # target is judged on the CPU ratio, which a load changes far less
+        ServerFigure(
+            "fast", 2.8, 1.0, 10, 1.7, 1.4, peak_traced_bytes=400, peak_rss_growth_bytes=450
+        ),
+        ServerFigure(
+            "slow", 1.6, 1.5, 20, 1.2, 1.6, peak_traced_bytes=600, peak_rss_growth_bytes=None
+        ),
+        ServerFigure("elastic", 2.9, 2.5, 20, 2.9, 2.9),  # Elastic's target is 3x
     ]
     rows = server_table(figures, clients=2, model_bytes=model).splitlines()[2:]
     cells = [[cell.strip() for cell in row.split("|")[1:-1]] for row in rows]
     # (450 - 300) / 100 / 2 = 0.75 extra buffers per client; (600 - 300) / 100 / 2 = 1.5
-    assert cells[1][3:5] == ["1.40", "yes"]
-    assert cells[1][8:] == ["0.75", "yes"]
-    assert cells[2][3:5] == ["1.60", "NO"]
-    assert cells[2][7:] == ["-", "1.50", "NO"]
-    assert cells[3][3:5] == ["2.90", "yes"]
+    assert cells[1][3:6] == ["1.70", "1.40", "yes"]
+    assert cells[1][9:] == ["0.75", "yes"]
+    assert cells[2][3:6] == ["1.20", "1.60", "NO"]
+    assert cells[2][8:] == ["-", "1.50", "NO"]
+    assert cells[3][3:6] == ["2.90", "2.90", "yes"]
     # without Flower's FedAvg in the run there is nothing to pair with
     alone = server_table(figures[1:2], clients=2, model_bytes=model).splitlines()[2]
-    assert alone.split("|")[4].strip() == "nan"
+    assert [cell.strip() for cell in alone.split("|")[4:7]] == ["nan", "nan", "NO"]
 
 
 def test_client_seconds_are_a_ratio_to_fedavg_s_client() -> None:
