@@ -187,6 +187,7 @@ def _vmapped_round(
     gradient = torch.func.vmap(torch.func.grad(loss))
     steps_per_epoch = [int(s) for s in ((sizes + batch - 1) // batch).tolist()]
     offsets = torch.arange(batch, device=device)
+    clients_index = torch.arange(clients, device=device)
     for _ in range(config.local_epochs):
         # One permutation per client of its own samples (padding sorts last).
         keys = torch.rand(features.shape[:2], device=device)
@@ -195,14 +196,8 @@ def _vmapped_round(
         for step in range(steps_per_epoch[0]):
             active = sum(1 for count in steps_per_epoch if count > step)
             positions = (step * batch + offsets)[None, :] % sizes[:active, None]
-            rows = order[:active].gather(1, positions)
-            x = features[:active].gather(
-                1,
-                rows.view(active, batch, *[1] * (features.dim() - 2)).expand(
-                    -1, -1, *features.shape[2:]
-                ),
-            )
-            y = labels[:active].gather(1, rows)
+            clients_rows = (clients_index[:active, None], order[:active].gather(1, positions))
+            x, y = features[clients_rows], labels[clients_rows]
             live = {n: p[:active] for n, p in params.items()}
             grads = gradient(live, x, y)
             with torch.no_grad():
