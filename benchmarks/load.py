@@ -11,7 +11,9 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -157,11 +159,6 @@ def superlink_errors(log: str) -> dict[str, Any]:
     return {"superlink-database-locked": len(locked), "superlink-locked-calls": calls}
 
 
-def measured_by(meta: dict[str, Any]) -> str:
-    """When and with which command the rows were measured."""
-    return "; ".join(f"{run['date']} with `{run['command']}`" for run in meta["runs"])
-
-
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The published table."""
     cache = (
@@ -173,7 +170,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "# SuperNodes per SuperLink: load on this machine",
         "",
-        f"Measured {measured_by(meta)} on {meta['machine']}: "
+        f"Measured {meta['date']} with `{meta['command']}` on {meta['machine']}: "
         f"{meta['cpus']} CPU cores and {meta['memory-gib']} GiB shared with other jobs (the "
         "load average column says how busy the cores were during the run; times are upper "
         "bounds). Default configuration (digits, MLP, 2 local epochs, every node trains every "
@@ -229,17 +226,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="memory left to others")
-    parser.add_argument(
-        "--state",
-        choices=("memory", "file"),
-        default="memory",
-        help="the SuperLink's state: in memory (default) or in an SQLite file (--database)",
-    )
-    parser.add_argument(
-        "--cold-cache",
-        action="store_true",
-        help="start with an empty partition cache instead of filling it before each run",
-    )
+    state = "the SuperLink's state: in memory or in an SQLite file"
+    parser.add_argument("--state", choices=("memory", "file"), default="memory", help=state)
+    parser.add_argument("--cold-cache", action="store_true", help="empty partition cache at start")
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -267,14 +256,9 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
             if rows[-1]["status"] == "completed":
                 per_node = rows[-1]["node-peak-rss-mb-per-node"] * MIB
-    options = f"--sizes {' '.join(map(str, args.sizes))} --rounds {args.rounds}"
-    options += " --state file" if args.state == "file" else ""
-    options += " --cold-cache" if args.cold_cache else ""
-    run = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
-    run["command"] = f"nice -n 10 .venv/bin/python -m benchmarks.load {options}"
-    measured = [row["supernodes"] for row in rows if row["status"] != "skipped"]
     meta = {
-        "runs": [{**run, "sizes": measured}],
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "nice -n 10 .venv/bin/python -m benchmarks.load " + shlex.join(sys.argv[1:]),
         "machine": hardware(),
         "cpus": os.cpu_count(),
         "memory-gib": round(int(Path("/proc/meminfo").read_text().split()[1]) * 1024 / 2**30, 1),

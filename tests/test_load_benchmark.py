@@ -9,7 +9,7 @@ RUN = {
     "command": "nice -n 10 .venv/bin/python -m benchmarks.load --sizes 10 20 --state file",
 }
 META = {
-    "runs": [{**RUN, "sizes": [10, 20]}],
+    **RUN,
     "machine": "Linux",
     "cpus": 2,
     "memory-gib": 23.5,
