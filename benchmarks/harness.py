@@ -1,8 +1,6 @@
 """What every systems benchmark measures with: the hardware line, time, resident memory, and an
-in-process federation to take instructions and replies from.
-
-The benchmarks' targets are ratios against a baseline measured in the same run (a yardstick,
-Flower's own FedAvg, FedAvg's client), never absolute times: this module only measures.
+in-process federation to take instructions and replies from (targets, ratios against a baseline
+of the same run, are the benchmarks' own: this module only measures).
 """
 
 from __future__ import annotations

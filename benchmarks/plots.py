@@ -142,9 +142,7 @@ def plot_diagnostics(runs: Mapping[str, Metrics], output_dir: Path, stem: str) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Draw the diagnostics figures of one or more runs."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.plots", description="Draw the client-diagnostics figures."
-    )
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.plots", description=__doc__)
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (runs/<name>)")
     parser.add_argument("--output-dir", type=Path, default=Path("docs/results"))
     parser.add_argument("--stem", default="diagnostics", help="file name prefix")

@@ -1,9 +1,8 @@
 """The reporter: a spec's table (markdown) and plot, from its run folders.
 
-A column's metric turns one run (its ``metrics.jsonl``, one line per round, round 0 the initial
-model) into one number; over a row's seeds that number is shown as mean ± sample standard
-deviation (:func:`benchmarks.seed_stats.mean_sd`, the one spread of every report), or pooled
-(``range``), or as the largest (``max``), or seed-paired against a baseline row (``vs``).
+A column's metric turns one run into one number, shown over a row's seeds as docs/benchmarks.md
+("The spec file") says: mean ± sample sd (:func:`benchmarks.seed_stats.mean_sd`), ``range``,
+``max`` or ``vs``.
 """
 
 from __future__ import annotations

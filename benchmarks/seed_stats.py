@@ -1,9 +1,7 @@
 """Mean and spread over seeds: one definition for every benchmark's tables and bands.
 
-The spread is the sample standard deviation (``ddof=1``), the usual estimate from a few seeds.
-The population value (``ddof=0``) is ``sqrt((n - 1) / n)`` of it, 0.82 with three seeds, and would
-understate how far another seed may land. One seed gives no estimate: NaN in data, no ``±`` in a
-table, a band of zero width in a plot.
+The spread is the sample standard deviation (``ddof=1``); docs/benchmarks.md ("The spec file")
+says why.
 """
 
 from __future__ import annotations
