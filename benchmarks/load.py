@@ -82,12 +82,9 @@ def node_memory(deployment: LocalDeployment, load: list[float]) -> dict[str, flo
 
 
 def warm_partition_cache(size: int) -> None:
-    """Partition the default federation of ``size`` nodes once, into the partition cache.
-
-    Every node's first ClientApp process would otherwise partition itself with Flower Datasets
-    (importing Hugging Face ``datasets``, pandas and pyarrow: ~180 MB more in that process);
-    later processes read the cache. A warm cache measures the steady state of a deployment.
-    """
+    """Partition the default federation of ``size`` nodes into the partition cache: the steady
+    state of a deployment (a node's first ClientApp would partition with Flower Datasets itself,
+    importing ``datasets``, pandas and pyarrow: ~180 MB more in that process)."""
     task = client_task(parse_run_config({}))
     load_client_partition(DataSpec.from_task(task, size), 0)
 

@@ -115,13 +115,9 @@ def time_run(setting: str, runtime: str, backend: str, args: argparse.Namespace,
 
 def time_ba_run(output_dir: Path) -> dict[str, Any]:
     """Wall seconds of the default ``ba-run --runtime inprocess`` in a fresh process (warm)."""
-    command = [
-        str(Path(sys.executable).parent / "ba-run"),
-        "--runtime",
-        "inprocess",
-        "-c",
-        run_config_argument({"output-dir": str(output_dir), "run-name": "ba-run-default"}),
-    ]
+    settings = run_config_argument({"output-dir": str(output_dir), "run-name": "ba-run-default"})
+    ba_run = str(Path(sys.executable).parent / "ba-run")
+    command = [ba_run, "--runtime", "inprocess", "-c", settings]
     clocks = []
     for _ in range(2):  # the first run warms the page cache and the partition cache
         with Stopwatch() as clock:

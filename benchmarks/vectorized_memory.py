@@ -130,15 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", choices=STRATEGIES, default="fedavg")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--clients-per-pass", type=int, default=0, help="run option vectorized-clients-per-pass"
-    )
+    per_pass = "the run option vectorized-clients-per-pass"
+    parser.add_argument("--clients-per-pass", type=int, default=0, help=per_pass)
     args = parser.parse_args(argv)
     if _MMAP_ENV not in os.environ:  # re-run with every large allocation its own mapping
         os.environ[_MMAP_ENV] = "65536"
-        os.execv(
-            sys.executable, [sys.executable, "-m", "benchmarks.vectorized_memory", *sys.argv[1:]]
-        )
+        module = [sys.executable, "-m", "benchmarks.vectorized_memory", *sys.argv[1:]]
+        os.execv(sys.executable, module)
     torch.set_num_threads(args.threads)
     fed = federation(
         {**SETTING, "strategy": args.strategy, "vectorized-clients-per-pass": args.clients_per_pass}
