@@ -143,16 +143,11 @@ class AttackGrid(DelegatingGrid):
         def view(record: str, relative: bool) -> RoundView:
             """Every honest reply's ``record`` in float64, less the global model if ``relative``."""
             base = global_arrays if relative else {}
-            updates = []
-            for reply in honest:
-                arrays = reply.content.array_records[record]
-                updates.append(
-                    {
-                        k: arrays[k].numpy().astype(np.float64) - base.get(k, 0.0)
-                        for k in arrays
-                        if k in floating
-                    }
-                )
+            records = [reply.content.array_records[record] for reply in honest]
+            updates = [
+                {k: r[k].numpy().astype(np.float64) - base.get(k, 0.0) for k in r if k in floating}
+                for r in records
+            ]
             return RoundView(updates, rows, self.rng)
 
         models = view(ARRAYS_RECORD, relative=True)
@@ -162,17 +157,10 @@ class AttackGrid(DelegatingGrid):
             content = honest[row].content
             if self.attack.model is not None:
                 bad = self.attack.model(models, row)
-                arrays = content.array_records[ARRAYS_RECORD]
-                content[ARRAYS_RECORD] = ArrayRecord(
-                    {
-                        key: Array(
-                            (global_arrays[key] + bad[key]).astype(value.numpy().dtype)
-                            if key in bad
-                            else value.numpy()
-                        )
-                        for key, value in arrays.items()
-                    }
-                )
+                arrays = {k: v.numpy() for k, v in content.array_records[ARRAYS_RECORD].items()}
+                for key, update in bad.items():
+                    arrays[key] = (global_arrays[key] + update).astype(arrays[key].dtype)
+                content[ARRAYS_RECORD] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
                 if gradients is not None:
                     gradient = self.attack.model(gradients, row)
                     content[GRADIENT_RECORD] = ArrayRecord(
