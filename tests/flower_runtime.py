@@ -46,7 +46,7 @@ TARGET = "ba-matrix"
 RAY_START_TIMEOUT = "The current node timed out during startup"
 RAY_START_ATTEMPTS = 3
 #: How long a local deployment waits for its SuperNodes to connect. On the 2-core machine at load
-#: 18 (the tests at nice 10 beside other work) none of 4 had connected in 180 s; at load 6-9 all
+#: 18 (the tests at nice 10 beside other work) none of 4 had connected in 180 s; at load 5-7 all
 #: 4 connected within 70 s, under the same Python (3.13).
 SUPERNODE_WAIT_S = 600.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
