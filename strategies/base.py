@@ -711,7 +711,23 @@ class ContractStrategy(Strategy):
         self._influence_figures["direction-cosine-median"] = median
         if not self._decide_direction_check(median):
             return
-        for position in np.flatnonzero(direction_outliers(cosines, self.direction_outlier_factor)):
+        flagged = np.flatnonzero(direction_outliers(cosines, self.direction_outlier_factor))
+        if flagged.size and median < HETEROGENEITY_COSINE:
+            # On since its first round, where the clients agreed (every client learns the same
+            # shortcut first: median cosine 0.998 on colored MNIST with two digits per client),
+            # then they stopped agreeing: the replies it drops may be honest ones.
+            log(
+                WARNING,
+                "round %d: the direction check drops %d replies in a round whose replies "
+                "disagree among themselves (median cosine %.2f < %.2f), so honest clients with "
+                "other data may be among them; if clients hold different label sets, set "
+                "direction-outlier-factor = 0 (docs/reliability.md, 'Byzantine clients')",
+                server_round,
+                flagged.size,
+                median,
+                HETEROGENEITY_COSINE,
+            )
+        for position in flagged:
             rejected.setdefault(
                 candidates[int(position)],
                 ReplyRejected(

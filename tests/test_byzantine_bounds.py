@@ -300,6 +300,31 @@ def test_clients_that_disagree_from_the_first_round_turn_the_direction_check_off
     assert resumed.state_dict() == strategy.state_dict()
 
 
+def test_a_check_kept_on_warns_when_it_drops_replies_in_a_round_whose_replies_disagree(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    strategy = started(FedAvg())
+    first = [honest(i) for i in range(5)]  # round 1: the clients agree, the check stays on
+    strategy.aggregate_train(1, [train_reply(m, 10, node_id=i + 1) for i, m in enumerate(first)])
+    assert "disagree" not in caplog.text
+    # Round 2: four clients move along orthogonal directions (as clients with disjoint label
+    # sets can), the fifth sends -5 x the first's update. Cosines with the others' clipped mean:
+    # -1/2 for the first and the fifth, 0 for the rest; both fall below the round's median 0.
+    second = []
+    for row in range(4):
+        update = {k: np.zeros_like(v) for k, v in GLOBAL.items()}
+        update["w"][row] = 1.0
+        second.append({k: GLOBAL[k] + update[k] for k in GLOBAL})
+    second.append(moved(-5.0, second[0]))
+    started(strategy)  # round 2 starts from the same global model, for the arithmetic's sake
+    strategy.aggregate_train(2, [train_reply(m, 10, node_id=i + 1) for i, m in enumerate(second)])
+    figures = strategy.aggregation_metrics[2]
+    assert figures["direction-cosine-median"] == pytest.approx(0.0, abs=1e-6)
+    assert figures["dropped-direction-outlier"] == 2  # the attacker and an honest client
+    assert "round 2: the direction check drops 2 replies" in caplog.text
+    assert "direction-outlier-factor = 0" in caplog.text
+
+
 def test_clients_that_agree_keep_the_direction_check_on(caplog: pytest.LogCaptureFixture) -> None:
     strategy = FedAvg()
     aggregate(strategy, [honest(i) for i in range(5)])
