@@ -136,8 +136,9 @@ def test_simulation_run_stopped_mid_run_resumes_with_every_round_recorded_once(
     tmp_path: Path,
 ) -> None:
     # Many more rounds than the stop needs: on an idle machine a digits round takes well under a
-    # second, and the run must still be going when Ctrl-C lands after round 2.
-    rounds_total = 30
+    # second, and the run must still be going when Ctrl-C lands after round 2 (with 30 rounds, a
+    # machine at load 6 once let the run complete before the launcher's stop reached it).
+    rounds_total = 80
     settings = {
         **BASE,
         "num-server-rounds": rounds_total,
