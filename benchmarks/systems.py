@@ -10,6 +10,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -428,8 +429,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not options.skip_memory:
             measure_memory(options, server)
         clients, setting = ({}, {}) if options.skip_clients else time_clients(options)
+    # The torch threads a run had change its CPU figures on a loaded machine (spin-waits count).
+    threads = os.environ.get("OMP_NUM_THREADS")
+    prefix = "" if threads is None else f"OMP_NUM_THREADS={threads} "
+    arguments = shlex.join(sys.argv[1:] if argv is None else argv)
     text = (
-        f"Machine: {hardware()}. Server figures: {options.clients} clients of an MLP "
+        f"Command: `{prefix}.venv/bin/python -m benchmarks.systems {arguments}`\n\n"
+        + f"Machine: {hardware()}. Server figures: {options.clients} clients of an MLP "
         f"{'-'.join(map(str, BIG_LAYERS))} ({parameters:,} parameters, {model_bytes / MIB:.1f} "
         f"MiB float32), median of {options.repeats} (FedLAW: 1 run, {options.fedlaw_epochs} "
         f"server epochs). Wall time of this benchmark: {clock.wall:.0f} s.\n\n"
