@@ -131,14 +131,18 @@ def test_run_killed_mid_round_resumes_to_the_uninterrupted_final_model(
     assert summary["resumed-from-round"] == checkpoint_round
 
 
+def default_sigint() -> None:
+    """In the child before exec: SIGINT handled by default, whatever the test inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.simulation
 def test_simulation_run_stopped_mid_run_resumes_with_every_round_recorded_once(
     tmp_path: Path,
 ) -> None:
     # Many more rounds than the stop needs: on an idle machine a digits round takes well under a
-    # second, and the run must still be going when Ctrl-C lands after round 2 (with 30 rounds, a
-    # machine at load 6 once let the run complete before the launcher's stop reached it).
-    rounds_total = 80
+    # second, and the run must still be going when Ctrl-C lands after round 2.
+    rounds_total = 30
     settings = {
         **BASE,
         "num-server-rounds": rounds_total,
@@ -153,6 +157,9 @@ def test_simulation_run_stopped_mid_run_resumes_with_every_round_recorded_once(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # Ctrl-C as in a terminal: a suite started in the background by a shell without job
+            # control inherits SIGINT ignored, and the launcher then (rightly) never stops.
+            preexec_fn=default_sigint,
         )
     deadline = time.monotonic() + 400.0
     while _rounds_recorded(run_dir) <= 2:  # rounds 0, 1 and 2 recorded
