@@ -90,7 +90,7 @@ def update_norms(
                     buffers[wide] = np.empty(NORM_BLOCK, dtype=wide)
                 difference = buffers[wide][: part.size]
                 with np.errstate(over="ignore", invalid="ignore"):
-                    np.subtract(flat[start : start + NORM_BLOCK], part, out=difference)
+                    np.subtract(flat[start : start + NORM_BLOCK], part, out=difference, dtype=wide)
                     squares[index] += squared_norm(difference)
     return np.sqrt(squares)
 

@@ -126,6 +126,9 @@ def test_update_norms_over_tensors_of_many_blocks_and_mixed_dtypes_match_float64
         for c in clients
     ]
     np.testing.assert_allclose(update_norms(global_arrays, clients), expected, rtol=1e-5)
+    # A float16 model: the difference is taken in float32, where float16 would overflow to inf.
+    half = {"w": np.full(4, 60000, np.float16)}
+    assert update_norms(half, [{"w": np.full(4, -60000, np.float16)}])[0] == 240000.0
 
 
 def reference_robust(
