@@ -77,19 +77,20 @@ def update_norms(
     """||theta_k - w||_2 per client, over the floating tensors (see :func:`squared_norm`)."""
     squares = np.zeros(len(client_arrays))
     buffers: dict[np.dtype[Any], npt.NDArray[Any]] = {}
-    for key, current in global_arrays.items():
-        if not is_floating(current):
-            continue
-        origin = as_numpy(current).reshape(-1)
-        flats = [as_numpy(arrays[key]).reshape(-1) for arrays in client_arrays]
-        for start in range(0, origin.size, NORM_BLOCK):
-            part = origin[start : start + NORM_BLOCK]
-            for index, flat in enumerate(flats):
-                wide = np.promote_types(np.result_type(flat, part), np.float32)
-                if wide not in buffers:
-                    buffers[wide] = np.empty(NORM_BLOCK, dtype=wide)
-                difference = buffers[wide][: part.size]
-                with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an inf norm: an outlier
+        for key, current in global_arrays.items():
+            if not is_floating(current):
+                continue
+            origin = as_numpy(current).reshape(-1)
+            flats = [as_numpy(arrays[key]).reshape(-1) for arrays in client_arrays]
+            # float32 or wider: a float16 difference would overflow (60000 - -60000)
+            wides = [np.promote_types(np.result_type(f, origin), np.float32) for f in flats]
+            for wide in set(wides) - set(buffers):
+                buffers[wide] = np.empty(NORM_BLOCK, dtype=wide)
+            for start in range(0, origin.size, NORM_BLOCK):
+                part = origin[start : start + NORM_BLOCK]
+                for index, (flat, wide) in enumerate(zip(flats, wides, strict=True)):
+                    difference = buffers[wide][: part.size]
                     np.subtract(flat[start : start + NORM_BLOCK], part, out=difference, dtype=wide)
                     squares[index] += squared_norm(difference)
     return np.sqrt(squares)
@@ -241,9 +242,11 @@ def _direction_sums(
     factors = scales.astype(np.float32)
     width = max((stop - start for _, _, start, stop in segments), default=1)
 
-    def sweep(part: Sequence[Segment]) -> tuple[npt.NDArray[np.float64], ...]:
+    def sweep(
+        part: Sequence[Segment],
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], float]:
         stack = np.empty((count, width), dtype=np.float32)
-        dots, squares, total_squares = np.zeros(count), np.zeros(count), np.zeros(1)
+        dots, squares, total_squares = np.zeros(count), np.zeros(count), 0.0
         for flats, origin, start, stop in part:
             block = stack[:, : stop - start]
             for row, flat in enumerate(flats):
@@ -253,18 +256,19 @@ def _direction_sums(
             total = np.einsum("i,ij->j", factors, block)
             dots += np.einsum("ij,j->i", block, total)
             squares += np.einsum("ij,ij->i", block, block)
-            total_squares += np.einsum("j,j->", total, total)
+            total_squares += float(np.einsum("j,j->", total, total))
         return dots, squares, total_squares
 
     threads = min(SUM_THREADS, len(segments))
-    parts = [segments[first::threads] for first in range(threads)] if threads > 1 else [segments]
-    if threads > 1:
-        with ThreadPoolExecutor(threads) as pool:
-            results = list(pool.map(sweep, parts))
-    else:
-        results = [sweep(segments)]
-    dots, squares, total_squares = (sum(r[i] for r in results) for i in range(3))
-    return np.asarray(dots), np.asarray(squares), float(np.asarray(total_squares)[0])
+    if threads <= 1:
+        return sweep(segments)
+    with ThreadPoolExecutor(threads) as pool:
+        parts = list(pool.map(sweep, [segments[first::threads] for first in range(threads)]))
+    return (
+        sum((part[0] for part in parts), np.zeros(count)),
+        sum((part[1] for part in parts), np.zeros(count)),
+        sum(part[2] for part in parts),
+    )
 
 
 def direction_outliers(cosines: npt.NDArray[np.float64], factor: float) -> npt.NDArray[np.bool_]:
