@@ -41,10 +41,17 @@ from beyond_averaging.server.launch import LAUNCH_MARKER, free_port, stop_proces
 
 #: The name of the federation / SuperLink connection the apps are run against.
 TARGET = "ba-matrix"
-#: Ray gives its raylet a fixed 30 s to register; on a heavily loaded machine that start fails
-#: before any of the app's code runs. Such a run (and only such a run) is started again.
-RAY_START_TIMEOUT = "The current node timed out during startup"
+#: Ray failing to start its own processes, before any of the app's code runs: the raylet has a
+#: fixed 30 s to register, and the GCS (Ray 2.31, the Ray of flwr 1.21) 20 tries to answer; on a
+#: loaded machine either start can fail. Such a run (and only such a run) is started again.
+RAY_START_FAILURES = (
+    "The current node timed out during startup",
+    "Failed to start GCS",
+)
 RAY_START_ATTEMPTS = 3
+#: Flower's simulation engine logs this when it stopped for good; the run then never ends by
+#: itself (flwr 1.21 keeps the ServerApp waiting for replies), so waiting on it is stopped here.
+ENGINE_CRASHED = "Simulation Engine crashed"
 #: How long a local deployment waits for its SuperNodes to connect. On the 2-core machine at load
 #: 18 (the tests at nice 10 beside other work) none of 4 had connected in 180 s; at load 5-7 all
 #: 4 connected within 70 s, under the same Python (3.13).
@@ -516,28 +523,63 @@ class FlowerLink:
         return [TARGET] if self.flower.run_takes_connection else [str(app_dir), TARGET]
 
     def run(self, app_dir: Path, run_config: Mapping[str, object], timeout: float) -> RunOutcome:
-        """``flwr run <app> --stream`` with ``run_config``; its log and its status."""
+        """``flwr run <app> --stream`` with ``run_config``; its log and its status.
+
+        A run whose simulation engine crashed is stopped at once rather than waited on until
+        ``timeout``; one that crashed because Ray did not start is started again, up to
+        ``RAY_START_ATTEMPTS`` times, and its log keeps every attempt.
+        """
         self.prepare_app(app_dir)
         config = " ".join(f"{key}={toml_value(value)}" for key, value in run_config.items())
         command = ["run", str(app_dir), TARGET, "--stream", "--run-config", config]
         started = time.monotonic()
-        for _attempt in range(RAY_START_ATTEMPTS):
-            try:
-                completed = self.flwr(*command, timeout=timeout, cwd=app_dir.parent)
-                log = clean_log(completed.stdout + completed.stderr)
-            except subprocess.TimeoutExpired as expired:
-                log = clean_log(_text(expired.stdout) + _text(expired.stderr))
-                log += f"\n(flwr run did not end in {timeout:.0f} s)"
+        attempts: list[str] = []
+        for attempt in range(1, RAY_START_ATTEMPTS + 1):
+            log = self._watch_run(command, app_dir, timeout)
             run_id = _run_id(log)
-            if run_id is not None and "did not end" in log:
-                self.flwr("stop", str(run_id), *self._target_arguments(app_dir), timeout=60)
-            if RAY_START_TIMEOUT not in log:
+            attempts.append(log)
+            if not ray_failed_to_start(log):
                 break
+            if attempt < RAY_START_ATTEMPTS:
+                attempts.append(
+                    f"(Ray did not start; attempt {attempt + 1} of {RAY_START_ATTEMPTS})"
+                )
+        log = "\n".join(attempts)
         status = self.status(app_dir, run_id) if run_id is not None else "not started"
         outcome = RunOutcome(run_id, status, log, time.monotonic() - started)
         saved = self.workdir / f"run-{app_dir.name}.log"
         saved.write_text(f"{outcome.tail(len(log))}\n", encoding="utf-8")
         return outcome
+
+    def _watch_run(self, command: list[str], app_dir: Path, timeout: float) -> str:
+        """Run ``flwr <command>``, reading its log as it streams; stop the run when it has not
+        ended in ``timeout`` s or its simulation engine crashed. Returns the cleaned log."""
+        log_path = self.workdir / f"flwr-run-{uuid.uuid4().hex[:8]}.log"
+        with log_path.open("wb") as sink:
+            process = subprocess.Popen(
+                [str(self.flower.bin_dir / "flwr"), *command],
+                env={**self.env, "COLUMNS": "200"},
+                cwd=app_dir.parent,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        ending = ""
+        while process.poll() is None:
+            if time.monotonic() > deadline:
+                ending = f"(flwr run did not end in {timeout:.0f} s)"
+            elif ENGINE_CRASHED in log_path.read_text(errors="replace"):
+                ending = "(the simulation engine crashed; the run was stopped)"
+            if ending:
+                stop_process_tree(process)
+                break
+            time.sleep(1.0)
+        log = clean_log(log_path.read_text(errors="replace"))
+        run_id = _run_id(log)
+        if ending and run_id is not None:
+            self.flwr("stop", str(run_id), *self._target_arguments(app_dir), timeout=60)
+        return f"{log}\n{ending}" if ending else log
 
     def status(self, app_dir: Path, run_id: int) -> str:
         """The run's status from ``flwr ls --run-id`` (``finished:completed`` when it went well)."""
@@ -572,10 +614,9 @@ class FlowerLink:
         self.stop()
 
 
-def _text(value: str | bytes | None) -> str:
-    if value is None:
-        return ""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
+def ray_failed_to_start(log: str) -> bool:
+    """Whether a run's log says Ray failed to start its own processes (see RAY_START_FAILURES)."""
+    return any(failure in log for failure in RAY_START_FAILURES)
 
 
 def _run_id(log: str) -> int | None:

@@ -51,7 +51,14 @@ import pytest
 from flwr.serverapp.strategy import Strategy
 
 from beyond_averaging.server import inprocess
-from tests.flower_runtime import FlowerInstall, FlowerLink, RunOutcome, checked, clean_log
+from tests.flower_runtime import (
+    FlowerInstall,
+    FlowerLink,
+    RunOutcome,
+    checked,
+    clean_log,
+    ray_failed_to_start,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 APPS = REPO / "tests" / "apps"
@@ -549,6 +556,66 @@ def test_uv_is_told_each_wheel_folder_pip_is_told_about_as_its_own_location(
     )
     env = FlowerLink(flower, tmp_path, simulation=False)._environment()
     assert env["UV_FIND_LINKS"] == "/wheels/torch,/wheels/local"
+
+
+FAKE_FLWR = """#!/bin/sh
+# A stand-in for `flwr`: the first run's simulation engine crashes because Ray's GCS did not
+# start, and the run then hangs as flwr 1.21's does; the second run completes.
+calls="$(dirname "$0")/calls"
+echo "$*" >> "$calls"
+case "$1" in
+  run)
+    if [ "$(grep -c '^run' "$calls")" = 1 ]; then
+      echo "Successfully started run 11"
+      echo "RuntimeError: Failed to start GCS.  Last 0 lines of error files:"
+      echo "RuntimeError: Simulation Engine crashed."
+      exec sleep 600
+    fi
+    echo "Successfully started run 12"; echo "Saving final model to disk..." ;;
+  ls) echo '{"runs": [{"status": "finished:completed"}]}' ;;
+esac
+"""
+
+
+def test_a_run_whose_ray_did_not_start_is_stopped_at_once_and_started_again(
+    tmp_path: Path,
+) -> None:
+    # CI once waited 600 s on a flwr 1.21 run whose simulation engine had crashed at its start
+    # (Ray's GCS did not come up); the run is now stopped when the engine says it crashed, and
+    # a crash of Ray's own start (only that) is retried.
+    flower = FlowerInstall(
+        requested="oldest",
+        version="1.21.0",
+        python_version="3.11.7",
+        root=tmp_path / "venv",
+        install_seconds=0.0,
+        superlink_options=frozenset(),
+        run_takes_connection=True,
+        fleet_on_http_port=False,
+    )
+    flower.bin_dir.mkdir(parents=True)
+    fake = flower.bin_dir / "flwr"
+    fake.write_text(FAKE_FLWR, encoding="utf-8")
+    fake.chmod(0o755)
+    app = tmp_path / "app"
+    app.mkdir()
+    link = FlowerLink(flower, tmp_path / "link", simulation=True)
+    link.workdir.mkdir()
+    link.env = {**os.environ, "PATH": f"{flower.bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    outcome = link.run(app, {"num-server-rounds": 2}, timeout=300.0)
+    calls = (flower.bin_dir / "calls").read_text(encoding="utf-8").splitlines()
+    assert [call.split()[0] for call in calls] == ["run", "stop", "run", "ls"]
+    assert calls[1].startswith("stop 11")
+    assert outcome.run_id == 12
+    assert outcome.status == "finished:completed"
+    assert "the simulation engine crashed; the run was stopped" in outcome.log
+    assert "attempt 2 of 3" in outcome.log
+
+
+def test_a_crashed_engine_is_not_retried_unless_ray_failed_to_start() -> None:
+    assert ray_failed_to_start("RuntimeError: Failed to start GCS.  Last 0 lines")
+    assert ray_failed_to_start("The current node timed out during startup. This could happen")
+    assert not ray_failed_to_start("ValueError: bad record\nSimulation Engine crashed.")
 
 
 def run_and_check(
