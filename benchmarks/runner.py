@@ -53,13 +53,17 @@ def claim(run: Run) -> IO[bytes] | None:
     return stream
 
 
+NEWER_BOUNDS = ("update-clip-factor", "direction-outlier-factor", "max-claim-factor")
+BEFORE_OPTION: dict[str, Any] = dict.fromkeys(NEWER_BOUNDS, 0.0)  # runs before 0.2.0: off
+
+
 def differences(run: Run) -> dict[str, tuple[Any, Any]]:
     """Settings (saved -> wanted) in which the run folder's run differs from the spec's run.
 
-    Keys the saved run does not know are left out when the spec does not set them: a run saved
-    before an option existed ran with what is now its default.
+    A key the saved run does not know ran as it did before the option existed: ``BEFORE_OPTION``
+    where that was not today's default (the reply bounds of 0.2.0 were off), else the default.
     """
-    saved = dict(read_summary(run.folder / "summary.json").get("config") or {})
+    saved = BEFORE_OPTION | dict(read_summary(run.folder / "summary.json").get("config") or {})
     config = parse_run_config(run.settings)
     wanted = config.to_run_config()
     # "auto" and the step it stands for are one setting: runs saved before the option had

@@ -225,6 +225,25 @@ def test_a_run_saved_with_the_step_that_server_lr_auto_stands_for_is_not_run_aga
     assert state(run) == "conflict"
 
 
+def test_a_run_saved_before_the_reply_bounds_existed_ran_with_them_off(
+    tmp_path: Path, fake_launch: FakeLaunch
+) -> None:
+    # The published evidence ran before update-clip-factor, direction-outlier-factor and
+    # max-claim-factor existed, i.e. with them off: it matches a spec that turns them off, and
+    # not one that leaves today's defaults (2, 2, 10) on.
+    spec = small_spec(tmp_path)
+    newer = ("update-clip-factor", "direction-outlier-factor", "max-claim-factor")
+    for run in spec.runs():
+        write_run(run.folder, run.settings, [0.1, 0.2, 0.3, 0.4])
+        summary = json.loads((run.folder / "summary.json").read_text(encoding="utf-8"))
+        for key in newer:
+            del summary["config"][key]
+        (run.folder / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    assert {state(run) for run in spec.runs()} == {"conflict"}
+    spec.settings.update(dict.fromkeys(newer, 0.0))
+    assert {state(run) for run in spec.runs()} == {"finished"}
+
+
 def test_an_interrupted_run_resumes_from_its_checkpoint_and_a_failed_one_without_reruns(
     tmp_path: Path, fake_launch: FakeLaunch
 ) -> None:
