@@ -76,9 +76,10 @@ BLOCK_ELEMENTS = 1 << 16
 SUM_THREADS = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8)
 
 #: ``term(block, weight, where, out)``: write one client's term for the elements ``where`` of the
-#: flattened tensor into ``out`` (float64), given that client's ``block`` of them and its weight.
-#: It may run in several threads at once (on different blocks), so it keeps no shared scratch.
-BlockTerm = Callable[[npt.NDArray[Any], float, slice, npt.NDArray[np.float64]], None]
+#: flattened tensor into ``out`` (the sum's dtype), given that client's ``block`` of them and its
+#: weight. It may run in several threads at once (on different blocks), so it keeps no shared
+#: scratch.
+BlockTerm = Callable[[npt.NDArray[Any], float, slice, npt.NDArray[Any]], None]
 
 
 def weighted_term(
@@ -94,8 +95,12 @@ def blockwise_sum(
     key: str,
     shape: tuple[int, ...],
     term: BlockTerm = weighted_term,
-) -> npt.NDArray[np.float64]:
-    """sum_k term(client_arrays[k][key], weights[k]) in float64 (zeros of ``shape`` for no client).
+    dtype: npt.DTypeLike = np.float64,
+) -> npt.NDArray[Any]:
+    """sum_k term(client_arrays[k][key], weights[k]) in ``dtype`` (zeros of ``shape``: no client).
+
+    ``dtype`` is the accumulator's and the term's scratch's: float64 for weighted sums, a small
+    integer type for integer terms (FedGMA's sign votes, several times faster than in float64).
 
     The sum runs block by block (``BLOCK_ELEMENTS``), each block over every client in turn, with
     one scratch buffer for the term, the blocks shared by ``SUM_THREADS`` threads; the values are
@@ -107,7 +112,7 @@ def blockwise_sum(
     ValueError
         When a client's tensor ``key`` does not have ``shape``.
     """
-    accumulator = np.zeros(shape, dtype=np.float64)
+    accumulator = np.zeros(shape, dtype=dtype)
     flats = []
     for index, arrays in enumerate(client_arrays):
         value = as_numpy(arrays[key])
@@ -135,12 +140,12 @@ def blockwise_sum(
 def _sum_blocks(
     flats: Sequence[npt.NDArray[Any]],
     weights: npt.NDArray[np.float64] | Sequence[float],
-    total: npt.NDArray[np.float64],
+    total: npt.NDArray[Any],
     term: BlockTerm,
     starts: range,
 ) -> None:
     """Add every client's term into the blocks of ``total`` that begin at ``starts``."""
-    scratch = np.empty(min(BLOCK_ELEMENTS, total.size), dtype=np.float64)
+    scratch = np.empty(min(BLOCK_ELEMENTS, total.size), dtype=total.dtype)
     for start in starts:
         where = slice(start, start + BLOCK_ELEMENTS)
         block = total[where]

@@ -137,6 +137,21 @@ def test_blockwise_sum_applies_a_custom_term_to_every_block(
     np.testing.assert_array_equal(result, [0.0, -1.0, 2.0])  # by hand: -1+1, 0-1, 1+1
 
 
+def test_blockwise_sum_counts_integer_terms_in_the_integer_dtype_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # FedGMA's hard mask counts sign votes in int16: the count must not pass through floats.
+    monkeypatch.setattr(aggregate, "BLOCK_ELEMENTS", 2)
+    clients = [{"g": np.array([-2.0, 0.0, 3.0])}, {"g": np.array([1.0, -1.0, 5.0])}] * 300
+
+    def sign_votes(block: Any, weight: float, where: slice, out: Any) -> None:
+        np.sign(block, out=out, casting="unsafe")
+
+    result = blockwise_sum(clients, np.ones(600), "g", (3,), sign_votes, np.int16)
+    assert result.dtype == np.int16
+    np.testing.assert_array_equal(result, [0, -300, 600])  # 300 x (-1+1, 0-1, 1+1)
+
+
 def test_blockwise_sum_names_a_client_tensor_of_the_wrong_shape() -> None:
     clients = [{"w": np.zeros((2, 3))}, {"w": np.zeros((3, 2))}]
     with pytest.raises(ValueError, match=r"client 1 tensor 'w' has shape \(3, 2\)"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,22 @@ def test_masked_mean_uses_data_size_weights() -> None:
     # Coordinate 1 disagrees (threshold 0 would keep it: 0.25 * 1 + 0.75 * (-1) = -0.5).
     np.testing.assert_allclose(and_mask(gradients, [1, 3], threshold=0.8)["g"], [2.5, 0.0])
     np.testing.assert_allclose(and_mask(gradients, [1, 3], threshold=0.0)["g"], [2.5, -0.5])
+
+
+def test_the_mask_over_many_blocks_and_dtypes_equals_counting_signs_per_coordinate() -> None:
+    # Several 65,536-element blocks (shared by threads), float16/32/64 gradients with exact zeros:
+    # the integer vote count equals np.sign summed in float64, coordinate by coordinate.
+    rng = np.random.default_rng(3)
+    dtypes = [np.float16, np.float32, np.float64] * 3
+    gradients = []
+    for dtype in dtypes:
+        values = rng.standard_normal(200_003).astype(dtype)
+        values[rng.random(values.size) < 0.1] = 0.0
+        gradients.append({"g": values})
+    signs = sum(np.sign(g["g"].astype(np.float64)) for g in gradients)
+    for threshold in (0.0, 0.5, 0.8, 1.0):
+        expected = np.abs(signs) >= math.ceil(threshold * len(gradients) - 1e-9)
+        np.testing.assert_array_equal(hard_mask(gradients, threshold)["g"], expected)
 
 
 def test_threshold_times_clients_is_compared_without_float_rounding() -> None:
