@@ -103,6 +103,7 @@ def in_distribution_accuracy(data: RunData, column: Column) -> float | None:
     from beyond_averaging.tasks.colored import PROXY_FLIP_PROBABILITY, base_dataset, colorize
     from beyond_averaging.tasks.datasets import load_dataset
     from beyond_averaging.tasks.evaluation import evaluate
+    from beyond_averaging.tasks.federation import TEST_SUBSET_OFFSET, seeded_subset
     from beyond_averaging.tasks.models import build_model
 
     config = data.summary["config"]
@@ -113,7 +114,8 @@ def in_distribution_accuracy(data: RunData, column: Column) -> float | None:
         binary=config["dataset"].endswith("binary"),
         flip_probability=PROXY_FLIP_PROBABILITY,
         rng=stream,
-    )
+    )  # cut as the OOD test is (test-size), from the next seed, as FedGMA's script cut it
+    test = seeded_subset(test, config.get("test-size", 0), config["seed"] + TEST_SUBSET_OFFSET + 1)
     model = build_model(config["model"], test.input_shape, test.num_classes)
     model.load_state_dict(torch.load(data.run.folder / "final_model.pt", weights_only=True))
     return float(evaluate(model, test, torch.device("cpu"))[1])

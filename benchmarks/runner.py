@@ -63,7 +63,8 @@ def differences(run: Run) -> dict[str, tuple[Any, Any]]:
     A key the saved run does not know ran as it did before the option existed: ``BEFORE_OPTION``
     where that was not today's default (the reply bounds of 0.2.0 were off), else the default.
     """
-    saved = BEFORE_OPTION | dict(read_summary(run.folder / "summary.json").get("config") or {})
+    saved = dict(read_summary(run.folder / "summary.json").get("config") or {})
+    saved = parse_run_config({}).to_run_config() | BEFORE_OPTION | saved
     config = parse_run_config(run.settings)
     wanted = config.to_run_config()
     # "auto" and the step it stands for are one setting: runs saved before the option had
@@ -74,9 +75,7 @@ def differences(run: Run) -> dict[str, tuple[Any, Any]]:
     return {
         key: (saved.get(key), value)
         for key, value in wanted.items()
-        if key not in RESUME_FREE_KEYS
-        and (key in saved or key in run.settings)
-        and saved.get(key) != value
+        if key not in RESUME_FREE_KEYS and saved.get(key) != value
     }
 
 

@@ -46,7 +46,9 @@ app = ServerApp()
 
 def data_spec(config: RunConfig) -> DataSpec:
     """The data a run uses, built from the task the clients receive, as they build it."""
-    return DataSpec.from_task(client_task(config), config.num_clients, config.proxy_per_class)
+    return DataSpec.from_task(
+        client_task(config), config.num_clients, config.proxy_per_class, config.test_size
+    )
 
 
 def client_task(config: RunConfig) -> ClientTask:

@@ -78,6 +78,9 @@ class RunConfig(BaseModel):
     dirichlet_alpha: float = Field(0.5, gt=0.0)
     classes_per_client: int = Field(2, ge=1)
     proxy_per_class: int = Field(10, ge=0, description="server proxy set, samples per class")
+    test_size: int = Field(
+        0, ge=0, description="server test set: a seeded subset of this many samples; 0 = all"
+    )
     client_holdout: float = Field(
         0.0, ge=0.0, lt=1.0, description="share of each partition held out, not trained on"
     )

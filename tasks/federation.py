@@ -27,6 +27,9 @@ from .splits import split_server_data
 _PARTITION_STAGE = 1
 _PROXY_STAGE = 2
 _HOLDOUT_STAGE = 3
+#: The test subset's seed is the run's seed plus this (the in-distribution test of the colored
+#: tasks, drawn by the benchmarks' reporter, uses the next one).
+TEST_SUBSET_OFFSET = 7
 # Each cached entry holds a whole data set (up to ~200 MB for MNIST-sized data).
 _CACHED_SPECS = 4
 
@@ -60,6 +63,10 @@ class DataSpec:
         Share in [0, 1) of each client's partition held out (seeded) and not trained on: the
         FedLAW authors' clients keep 30 % for validation (``client_valid_ratio`` 0.3); 0 trains
         on the whole partition. See :func:`holdout_split`.
+    test_size : int
+        The server's test set cut to a seeded subset of this many samples (0: all of it), to
+        cheapen the per-round evaluation; the server's alone, as ``proxy_per_class``. See
+        :func:`seeded_subset`.
     """
 
     dataset: str
@@ -73,13 +80,17 @@ class DataSpec:
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
     client_holdout: float = 0.0
+    test_size: int = 0
 
     @classmethod
-    def from_task(cls, task: ClientTask, num_partitions: int, proxy_per_class: int = 0) -> DataSpec:
+    def from_task(
+        cls, task: ClientTask, num_partitions: int, proxy_per_class: int = 0, test_size: int = 0
+    ) -> DataSpec:
         """The spec of the task the server sends: the client and the server build it here alike.
 
         ``num_partitions`` is the federation's size (the node's config on a SuperNode); the
-        proxy split is the server's alone, so clients leave ``proxy_per_class`` at 0.
+        proxy split and the test subset are the server's alone, so clients leave
+        ``proxy_per_class`` and ``test_size`` at 0.
         """
         return cls(
             dataset=task.dataset,
@@ -93,6 +104,7 @@ class DataSpec:
             synthetic_alpha=task.synthetic_alpha,
             synthetic_beta=task.synthetic_beta,
             client_holdout=task.client_holdout,
+            test_size=test_size,
         )
 
     def __post_init__(self) -> None:
@@ -111,6 +123,11 @@ class DataSpec:
             raise ValueError(
                 f"client_holdout={self.client_holdout} is not allowed: it is the share of each "
                 "partition held out from training, in [0, 1) (the FedLAW authors use 0.3)"
+            )
+        if self.test_size < 0:
+            raise ValueError(
+                f"test_size={self.test_size} is not allowed: it is the number of test samples "
+                "the server evaluates on, 0 for all of them"
             )
 
 
@@ -169,6 +186,20 @@ def holdout_split(indices: np.ndarray, fraction: float, seed: int) -> tuple[np.n
     held = np.sort(order[: int(fraction * len(indices))])
     kept = np.sort(order[int(fraction * len(indices)) :])
     return indices[kept], indices[held]
+
+
+def seeded_subset(data: LabeledData, size: int, seed: int) -> LabeledData:
+    """``size`` samples of ``data`` drawn without replacement, in their original order.
+
+    The first ``size`` entries of ``default_rng(seed).permutation(len(data))``, sorted: the draw
+    FedGMA's evidence script made (its ``--test-size``), so the tables it published are
+    reproduced by a run with the same ``test-size``. ``size`` 0, or at least ``len(data)``,
+    returns ``data`` itself.
+    """
+    if size <= 0 or size >= len(data):
+        return data
+    keep = np.sort(np.random.default_rng(seed).permutation(len(data))[:size])
+    return data.subset(keep)
 
 
 def load_server_splits(spec: DataSpec) -> tuple[LabeledData, LabeledData]:
@@ -287,4 +318,6 @@ def _server_splits(spec: DataSpec) -> tuple[LabeledData, LabeledData]:
         seed=_stage_seed(spec.seed, _PROXY_STAGE),
     )
     test, proxy = server_view(spec.dataset, test, proxy, spec.seed)
+    # seed + 7: the stream FedGMA's evidence script drew its test subsets from (seeded_subset)
+    test = seeded_subset(test, spec.test_size, spec.seed + TEST_SUBSET_OFFSET)
     return _read_only(test), _read_only(proxy)

@@ -365,6 +365,25 @@ def test_server_splits_hold_the_proxy_and_the_rest_of_the_heldout_data() -> None
     assert not test.features.flags.writeable
 
 
+def test_test_size_cuts_the_server_test_set_to_a_seeded_subset_in_pool_order() -> None:
+    full, proxy = load_server_splits(digits_spec(proxy_per_class=4))
+    cut, cut_proxy = load_server_splits(digits_spec(proxy_per_class=4, test_size=100))
+    assert len(cut) == 100
+    np.testing.assert_array_equal(cut_proxy.labels, proxy.labels)  # the proxy is drawn first
+    # each kept sample is a row of the full test set, and the rows keep their order
+    rows = {row.tobytes(): i for i, row in enumerate(full.features.reshape(len(full), -1))}
+    positions = [rows[row.tobytes()] for row in cut.features.reshape(100, -1)]
+    assert positions == sorted(positions)
+    np.testing.assert_array_equal(full.labels[positions], cut.labels)
+    # the draw FedGMA's evidence script made (--test-size), so its published tables reproduce
+    drawn = np.random.default_rng(0 + 7).permutation(len(full))[:100]
+    assert positions == sorted(drawn.tolist())
+    whole, _ = load_server_splits(digits_spec(proxy_per_class=4, test_size=10**6))
+    assert len(whole) == len(full)
+    with pytest.raises(ValueError, match=r"test_size=-1 .*0 for all"):
+        digits_spec(test_size=-1)
+
+
 def test_data_spec_rejects_unknown_dataset_and_partition_names() -> None:
     with pytest.raises(ValueError, match=r"dataset='cifar' .*digits"):
         digits_spec(dataset="cifar")
