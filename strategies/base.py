@@ -131,6 +131,9 @@ class ClientReply:
     update_scale: float = 1.0
     #: Per required record, the factor its tensors are scaled by (clipped as updates are).
     record_scales: dict[str, float] = field(default_factory=dict)
+    #: ||record|| as received, for the records whose value checks computed it (the influence
+    #: bounds read it instead of reading the record again).
+    record_norms: dict[str, float] = field(default_factory=dict)
 
 
 #: ``fn(server_round, global_arrays, valid_replies, weights) -> metrics``: called after each
@@ -181,6 +184,15 @@ class StrategyOptions(FlowerOptions, ProjectOptions, total=False):
     :class:`FlowerOptions` (Flower's ``FedAvg``'s ten) and :class:`ProjectOptions` in one dict,
     e.g. to build several strategies from one ``options: StrategyOptions = {...}``.
     """
+
+
+def received_norms(
+    name: str, replies: Sequence[ClientReply]
+) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """||record ``name``|| per reply: kept from its value checks, else read from the record."""
+    if all(name in reply.record_norms for reply in replies):
+        return np.array([reply.record_norms[name] for reply in replies], dtype=np.float64)
+    return record_norms([reply.records[name] for reply in replies])
 
 
 def _to_numpy(record: ArrayRecord) -> NDArrayDict:
@@ -578,17 +590,21 @@ class ContractStrategy(Strategy):
         )
         arrays = decode_record(ARRAYS_RECORD, arrays_record, self.global_arrays, subset=False)
         records: dict[str, NDArrayDict] = {}
+        norms: dict[str, float] = {}
         for name in self.required_records:
             extra = content.array_records.get(name)
             if extra is None:
                 raise ReplyRejected(f"missing-{name}", f"no ArrayRecord named '{name}'")
-            records[name] = decode_record(
+            decoded = decode_record(
                 name,
                 extra,
                 self.global_arrays,
                 subset=True,
                 minimum=self.record_minimums.get(name, -math.inf),
             )
+            records[name] = decoded.arrays
+            if decoded.norm is not None:
+                norms[name] = decoded.norm
         metrics = {  # finite numbers only: a NaN or a list never reaches an observer
             key: float(value)
             for key, value in metrics_record.items()
@@ -599,10 +615,11 @@ class ContractStrategy(Strategy):
         }
         return ClientReply(
             node_id=message.metadata.src_node_id,
-            arrays=arrays,
+            arrays=arrays.arrays,
             num_examples=num_examples,
             metrics=metrics,
             records=records,
+            record_norms=norms,
         )
 
     def _bound_influence(
@@ -644,7 +661,7 @@ class ContractStrategy(Strategy):
         norms = {
             "update": updates,
             **{
-                name: record_norms([r.records[name] for r, _ in accepted])
+                name: received_norms(name, [reply for reply, _ in accepted])
                 for name in (self.required_records if needs_records else ())
             },
         }

@@ -7,8 +7,9 @@ The path of a train reply through the server, each stage in one module:
    (:func:`npy_header`), applies the dtype policy (:func:`allowed_dtype`) and the shape check
    before any data is touched, never unpickles, refuses truncated or padded buffers, and returns a
    view of the received bytes (:func:`npy_view`, no copy); :func:`check_values` then reads each
-   tensor once (:func:`value_range`: finite, ``|v| <= REPLY_VALUE_LIMIT``, above a record's
-   minimum);
+   tensor once (finite, ``|v| <= REPLY_VALUE_LIMIT``, above a record's minimum), by its sum of
+   squares where that proves it (the norm the influence bounds need, computed once), else by
+   :func:`value_range`;
 2. **validate** (:mod:`strategies.validation`): the reply's size and weight, checked before
    this decoding; records that share no key with the round's others;
 3. **bound influence** (:mod:`strategies.validation`): each reply's weight and update norm
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import io
 import math
-import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,6 +36,7 @@ from numpy.lib import format as npy_format
 from beyond_averaging.tasks.protocol import ARRAYS_RECORD
 
 from .aggregate import NDArrayDict, is_floating
+from .influence import read_only_tensor, squared_norm
 
 #: Largest magnitude accepted in any reply tensor and in a committed global model. No trained
 #: parameter, sensitivity or gradient comes near it; far below float32's overflow (3.4e38), so a
@@ -142,11 +143,7 @@ def value_range(array: npt.NDArray[Any]) -> tuple[float, float]:
         return 0.0, 0.0
     if array.dtype.newbyteorder("=") not in _TORCH_FLOATS or not array.dtype.isnative:
         return float(array.min()), float(array.max())  # rare dtypes: NumPy, also NaN-propagating
-    with warnings.catch_warnings():
-        # A view of a reply's read-only bytes: only read here.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-    low, high = torch.aminmax(tensor)
+    low, high = torch.aminmax(read_only_tensor(array))
     return float(low), float(high)
 
 
@@ -203,15 +200,31 @@ def decode_array(
         raise ReplyRejected(_reason(name, "bad-encoding"), f"{where}: {error}") from None
 
 
+#: Dtypes whose sum of squares (a BLAS dot product, faster than ``aminmax``) checks a tensor:
+#: float16 would need a float32 copy first, so it is checked by its range.
+_NORM_CHECKED = frozenset(np.dtype(name) for name in ("float32", "float64"))
+
+
 def check_values(
     name: str,
     key: str,
     value: npt.NDArray[Any],
     minimum: float = -math.inf,
     limit: float = REPLY_VALUE_LIMIT,
-) -> None:
+) -> float | None:
     """One pass: finite, ``|v| <= limit``, ``v >= minimum``; else ``non-finite``,
-    ``value-out-of-range`` (the model record) or ``bad-<name>``."""
+    ``value-out-of-range`` (the model record) or ``bad-<name>``.
+
+    Returns sum(v^2) when that was the pass (a float32/64 tensor without a lower bound; the
+    influence bounds need it), else None. A sum of squares at most ``(limit / 2)^2`` proves every
+    value finite (a NaN or Inf makes it NaN or Inf) and of magnitude at most ``limit`` (with a
+    factor 2 to spare for float32 rounding); any other sum is checked again by the range, which
+    names the fault.
+    """
+    if minimum == -math.inf and value.dtype.newbyteorder("=") in _NORM_CHECKED:
+        squares = squared_norm(value)
+        if squares <= (limit / 2) ** 2:  # False for NaN
+            return squares
     low, high = value_range(value) if is_floating(value) else _int_range(value)
     where = f"record '{name}' tensor '{key}'"
     if not (math.isfinite(low) and math.isfinite(high)):
@@ -223,12 +236,21 @@ def check_values(
         )
     if low < minimum:
         raise ReplyRejected(f"bad-{name}", f"{where} has values below {minimum} (smallest {low})")
+    return None
 
 
 def _int_range(value: npt.NDArray[Any]) -> tuple[float, float]:
     if value.size == 0:
         return 0.0, 0.0
     return float(value.min()), float(value.max())
+
+
+class DecodedRecord(NamedTuple):
+    """A checked record's read-only tensors, and its L2 norm over its floating tensors where the
+    value checks computed it (None where a tensor was checked by its range)."""
+
+    arrays: NDArrayDict
+    norm: float | None
 
 
 def decode_record(
@@ -238,12 +260,13 @@ def decode_record(
     *,
     subset: bool,
     minimum: float = -math.inf,
-) -> NDArrayDict:
+) -> DecodedRecord:
     """Decode and check an ArrayRecord against the global model, key by key.
 
     The model record (``subset=False``) must have exactly the global model's keys; another record
     (``subset=True``) a non-empty subset of its floating tensors, all floating. Each tensor is
-    decoded by :func:`decode_array` and checked by :func:`check_values`.
+    decoded by :func:`decode_array` and checked by :func:`check_values`; the record's L2 norm
+    comes back with it where those checks computed every tensor's sum of squares.
 
     Raises
     ------
@@ -265,8 +288,13 @@ def decode_record(
             f"{[] if subset else missing[:5]})",
         )
     decoded: NDArrayDict = {}
+    squares: float | None = 0.0
     for key, array in record.items():
         value = decode_array(name, key, array, global_arrays[key], floating_only=subset)
-        check_values(name, key, value, minimum)
+        tensor_squares = check_values(name, key, value, minimum)
+        if squares is not None and (tensor_squares is not None or not is_floating(value)):
+            squares += tensor_squares or 0.0
+        else:
+            squares = None
         decoded[key] = value
-    return decoded
+    return DecodedRecord(decoded, None if squares is None else math.sqrt(squares))

@@ -131,6 +131,19 @@ def test_update_norms_over_tensors_of_many_blocks_and_mixed_dtypes_match_float64
     assert update_norms(half, [{"w": np.full(4, -60000, np.float16)}])[0] == 240000.0
 
 
+def test_record_norms_of_float16_records_over_many_blocks_are_squared_in_float32() -> None:
+    # 300^2 = 90,000 is beyond float16 (65,504): each block is squared in float32; several blocks
+    # and a partial last one, beside a float32 tensor and an empty one.
+    rng = np.random.default_rng(5)
+    record = {
+        "w": rng.uniform(250, 300, size=2 * NORM_BLOCK + 77).astype(np.float16),
+        "b": rng.normal(size=11).astype(np.float32),
+        "e": np.zeros(0, np.float16),
+    }
+    expected = np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in record.values()))
+    np.testing.assert_allclose(record_norms([record]), [expected], rtol=1e-6)
+
+
 def reference_robust(
     values: np.ndarray[Any, Any], method: str, trim: float
 ) -> np.ndarray[Any, Any]:

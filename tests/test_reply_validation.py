@@ -21,8 +21,10 @@ from beyond_averaging.server.config import ConfigError, parse_run_config
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import ContractStrategy, ElasticAggregation, FedAvg, FedGMA
 from beyond_averaging.strategies.aggregate import NDArrayDict
-from beyond_averaging.strategies.base import ClientReply
+from beyond_averaging.strategies.base import ClientReply, received_norms
+from beyond_averaging.strategies.wire import REPLY_VALUE_LIMIT, ReplyRejected, check_values
 from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.protocol import ARRAYS_RECORD
 from tests.conftest import reply_message, train_reply
 
 GLOBAL = {
@@ -181,6 +183,52 @@ def test_a_huge_gradient_record_is_dropped_by_fedgma() -> None:
     assert strategy.aggregation_metrics[1]["dropped-norm-outlier-gradient"] == 1
     assert arrays is not None
     np.testing.assert_allclose(arrays["w"].numpy(), np.zeros((2, 3)), atol=1e-6)  # 1 - 1 * 1
+
+
+def test_the_value_checks_give_a_records_norm_and_still_name_every_fault() -> None:
+    # float32/64 tensors are checked by their sum of squares, which the influence bounds reuse;
+    # a sum that does not prove the range is checked again by value, naming the fault.
+    rng = np.random.default_rng(0)
+    value = rng.standard_normal(100_000).astype(np.float32)
+    squares = check_values("gradient", "g", value)
+    assert squares == pytest.approx(float(np.sum(value.astype(np.float64) ** 2)), rel=1e-5)
+    near_limit = np.full(4, 0.9 * REPLY_VALUE_LIMIT)  # allowed, though its squares prove nothing
+    assert check_values("gradient", "g", near_limit) is None
+    for bad, reason in [
+        (np.inf, "bad-gradient"),
+        (-np.inf, "bad-gradient"),
+        (np.nan, "bad-gradient"),
+        (2 * REPLY_VALUE_LIMIT, "bad-gradient"),
+    ]:
+        for dtype in (np.float16, np.float32, np.float64):
+            faulty = value.astype(dtype)
+            with np.errstate(over="ignore"):  # 2e15 is inf in float16: a fault all the same
+                faulty[7] = bad
+            with pytest.raises(ReplyRejected) as raised:
+                check_values("gradient", "g", faulty)
+            assert raised.value.reason == reason, (bad, dtype)
+    with pytest.raises(ReplyRejected, match="below 0"):
+        check_values("sensitivity", "g", np.array([1.0, -1.0]), minimum=0.0)
+    with pytest.raises(ReplyRejected) as raised:
+        check_values(ARRAYS_RECORD, "w", np.array([0.0, np.nan], np.float32))
+    assert raised.value.reason == "non-finite"
+
+    strategy = with_global(FedGMA(min_train_replies=1))
+    gradients = {
+        k: rng.standard_normal(v.shape).astype(np.float32)
+        for k, v in GLOBAL.items()
+        if k != "count"
+    }
+    reply = strategy.validate_reply(train_reply(client(1.0), 10, extra={"gradient": gradients}))
+    expected = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in gradients.values()))
+    assert reply.record_norms["gradient"] == pytest.approx(expected, rel=1e-6)
+    halves = {k: v.astype(np.float16) for k, v in gradients.items()}  # checked by range: no norm
+    half = strategy.validate_reply(train_reply(client(1.0), 10, extra={"gradient": halves}))
+    assert "gradient" not in half.record_norms
+    expected_half = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in halves.values()))
+    np.testing.assert_allclose(
+        received_norms("gradient", [reply, half]), [expected, expected_half], rtol=1e-6
+    )
 
 
 def test_gradient_records_that_share_no_tensor_keep_the_most_common_key_set() -> None:
