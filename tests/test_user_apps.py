@@ -537,6 +537,21 @@ def test_a_run_is_judged_by_its_status_and_the_final_results_flower_logs() -> No
         assert expected in problems[0]
 
 
+def stand_in_install(root: Path, version: str) -> FlowerInstall:
+    """The record of a Flower environment at ``root`` that a test fills itself (nothing installed;
+    its ``flwr run`` takes a connection from ``$FLWR_HOME``, as the newer releases' does)."""
+    return FlowerInstall(
+        requested=version,
+        version=version,
+        python_version="3.11.7",
+        root=root,
+        install_seconds=0.0,
+        superlink_options=frozenset(),
+        run_takes_connection=True,
+        fleet_on_http_port=False,
+    )
+
+
 def test_uv_is_told_each_wheel_folder_pip_is_told_about_as_its_own_location(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -544,16 +559,7 @@ def test_uv_is_told_each_wheel_folder_pip_is_told_about_as_its_own_location(
     # comma-separated one: joined by spaces, uv sync looks for one folder named "a b".
     monkeypatch.setenv("PIP_FIND_LINKS", "/wheels/torch  /wheels/local")
     monkeypatch.delenv("UV_FIND_LINKS", raising=False)
-    flower = FlowerInstall(
-        requested="newest",
-        version="1.42.0",
-        python_version="3.13.0",
-        root=tmp_path / "venv",
-        install_seconds=0.0,
-        superlink_options=frozenset(),
-        run_takes_connection=True,
-        fleet_on_http_port=True,
-    )
+    flower = stand_in_install(tmp_path / "venv", "1.42.0")
     env = FlowerLink(flower, tmp_path, simulation=False)._environment()
     assert env["UV_FIND_LINKS"] == "/wheels/torch,/wheels/local"
 
@@ -583,16 +589,7 @@ def test_a_run_whose_ray_did_not_start_is_stopped_at_once_and_started_again(
     # CI once waited 600 s on a flwr 1.21 run whose simulation engine had crashed at its start
     # (Ray's GCS did not come up); the run is now stopped when the engine says it crashed, and
     # a crash of Ray's own start (only that) is retried.
-    flower = FlowerInstall(
-        requested="oldest",
-        version="1.21.0",
-        python_version="3.11.7",
-        root=tmp_path / "venv",
-        install_seconds=0.0,
-        superlink_options=frozenset(),
-        run_takes_connection=True,
-        fleet_on_http_port=False,
-    )
+    flower = stand_in_install(tmp_path / "venv", "1.21.0")
     flower.bin_dir.mkdir(parents=True)
     fake = flower.bin_dir / "flwr"
     fake.write_text(FAKE_FLWR, encoding="utf-8")
