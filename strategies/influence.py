@@ -64,6 +64,9 @@ def squared_norm(array: npt.NDArray[Any]) -> float:
     with np.errstate(over="ignore"):
         if flat.dtype.itemsize >= 4:
             return float(np.dot(flat, flat))
+        if not flat.dtype.isnative:  # a reply may send either byte order; torch reads only one
+            flat = flat.astype(np.float32)
+            return float(np.dot(flat, flat))
         # float16 would overflow at 65504: squared in float32, one cached block at a time, the
         # block converted by torch (vectorised; NumPy converts float16 element by element, 4x
         # slower). A tensor-sized float32 copy cost more in fresh memory pages than the

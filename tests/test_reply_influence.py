@@ -142,6 +142,8 @@ def test_record_norms_of_float16_records_over_many_blocks_are_squared_in_float32
     }
     expected = np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in record.values()))
     np.testing.assert_allclose(record_norms([record]), [expected], rtol=1e-6)
+    swapped = {key: value.astype(value.dtype.newbyteorder(">")) for key, value in record.items()}
+    np.testing.assert_allclose(record_norms([swapped]), [expected], rtol=1e-6)  # either order
 
 
 def reference_robust(

@@ -231,6 +231,38 @@ def test_the_value_checks_give_a_records_norm_and_still_name_every_fault() -> No
     )
 
 
+@pytest.mark.parametrize("rule", ["elastic", "fedgma"])
+def test_big_endian_replies_aggregate_as_their_native_twins(rule: str) -> None:
+    # A reply may send either byte order (float16 records included): the checks, the norms and
+    # the rule read them as the same numbers.
+    rng = np.random.default_rng(2)
+    name = "sensitivity" if rule == "elastic" else "gradient"
+
+    def replies(order: str) -> list[Message]:
+        out = []
+        for node in range(1, 5):
+            model = {k: v + rng.normal(size=v.shape).astype(v.dtype) for k, v in GLOBAL.items()}
+            model["count"] = GLOBAL["count"].copy()
+            record = {
+                k: np.abs(rng.normal(size=v.shape)).astype(np.dtype(np.float16).newbyteorder(order))
+                for k, v in GLOBAL.items()
+                if k != "count"
+            }
+            swapped = {k: v.astype(v.dtype.newbyteorder(order)) for k, v in model.items()}
+            out.append(train_reply(swapped, 10, node_id=node, extra={name: record}))
+        return out
+
+    results = []
+    for order in ("=", ">"):
+        rng = np.random.default_rng(2)
+        strategy = ElasticAggregation() if rule == "elastic" else FedGMA(threshold=0.0)
+        arrays, _ = with_global(strategy).aggregate_train(1, replies(order))
+        assert arrays is not None, order
+        results.append({k: v.numpy() for k, v in arrays.items()})
+    for key in GLOBAL:
+        np.testing.assert_array_equal(results[0][key], results[1][key])
+
+
 def test_gradient_records_that_share_no_tensor_keep_the_most_common_key_set() -> None:
     strategy = with_global(FedGMA(min_train_replies=1, threshold=0.0, server_lr=1.0))
     only_w = {"w": np.ones((2, 3), np.float32)}
