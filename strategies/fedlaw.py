@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from logging import INFO, WARNING
@@ -99,6 +98,7 @@ from .aggregate import (
     weighted_mean,
 )
 from .base import ClientReply, ContractStrategy, ProjectOptions
+from .influence import read_only_tensor
 from .metrics import MetricsAggregationFn
 from .proxy_data import ProxySetError, count_shared_samples, proxy_arrays, to_labeled_data
 from .robust import COORDINATE_WISE, GENERIC_METHODS, aggregate_robust, fltrust_scores
@@ -251,9 +251,7 @@ def _client_tensors(
                     f"client tensor '{name}' has shape {value.shape}, the model's is "
                     f"{tuple(template.shape)}"
                 )
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                tensor = torch.from_numpy(value)
+            tensor = read_only_tensor(value)
             per_client.append(tensor.to(device=device, dtype=template.dtype))
         tensors[name] = per_client
     return tensors

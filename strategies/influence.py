@@ -64,9 +64,6 @@ def squared_norm(array: npt.NDArray[Any]) -> float:
     with np.errstate(over="ignore"):
         if flat.dtype.itemsize >= 4:
             return float(np.dot(flat, flat))
-        if not flat.dtype.isnative:  # a reply may send either byte order; torch reads only one
-            flat = flat.astype(np.float32)
-            return float(np.dot(flat, flat))
         # float16 would overflow at 65504: squared in float32, one cached block at a time, the
         # block converted by torch (vectorised; NumPy converts float16 element by element, 4x
         # slower). A tensor-sized float32 copy cost more in fresh memory pages than the
@@ -82,10 +79,15 @@ def squared_norm(array: npt.NDArray[Any]) -> float:
 
 
 def read_only_tensor(array: npt.NDArray[Any]) -> torch.Tensor:
-    """A torch view of a NumPy array (a reply's read-only bytes, say) that is only ever read."""
+    """A torch view of a NumPy array (a reply's read-only bytes, say) that is only ever read.
+
+    A reply may send either byte order and torch reads only the machine's: an array in the other
+    one comes back as a native copy, so it reads as the same numbers.
+    """
+    native = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
     with warnings.catch_warnings():  # torch warns that it could write to a read-only buffer
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(np.ascontiguousarray(array))
+        return torch.from_numpy(native)
 
 
 #: Values per block in :func:`update_norms`: the global block stays in the cache while every

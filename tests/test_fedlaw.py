@@ -379,6 +379,26 @@ def test_strategy_writes_gamma_and_every_lambda_into_the_round_metrics() -> None
         np.testing.assert_allclose(arrays[key].numpy(), value, rtol=1e-6)
 
 
+def test_big_endian_replies_give_the_model_their_native_twins_give() -> None:
+    # A reply may send either byte order; torch reads only the machine's, and FedLAW's weight
+    # learning reads the clients' tensors through torch (it raised ValueError on '>f4').
+    clients = train_clients(mlp(), 3)
+    results = []
+    for order in ("=", ">"):
+        strategy = FedLAW(model=mlp(), proxy_set=proxy_set(), epochs=3, lr=0.05, batch_size=60)
+        swapped = [
+            {k: v.numpy().astype(v.numpy().dtype.newbyteorder(order)) for k, v in c.items()}
+            for c in clients
+        ]
+        strategy.global_arrays = {k: v.numpy() for k, v in mlp().state_dict().items()}
+        replies = [train_reply(c, 10, node_id=100 + i) for i, c in enumerate(swapped)]
+        arrays, _ = strategy.aggregate_train(1, replies)
+        assert arrays is not None, order
+        results.append({k: v.numpy() for k, v in arrays.items()})
+    for key, value in results[0].items():
+        np.testing.assert_array_equal(value, results[1][key])
+
+
 def test_non_finite_learned_weights_keep_fedavg_weights_with_a_warning(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
