@@ -3,12 +3,13 @@
 A SuperNode process ends in two ordinary events of a deployment, and nothing starts it again
 when it runs as a plain local process:
 
-- **the SuperLink restarted with its state in memory** (the default of ``flower-superlink`` and
-  of compose.yaml): the new SuperLink does not know the node and answers ``Invalid node ID``.
-  Flower 1.39's SuperNode then shuts itself down with exit status 0 ("SuperNode terminated
-  gracefully"), or, when its heartbeat thread hit the error first, logs a traceback and stays
-  alive without a connection, retrying forever ("Connection attempt failed"): of 3 SuperNodes
-  here, 2 exited 10-20 s after the restart and one hung; none came back;
+- **the SuperLink restarted with its state in memory** (the default of ``flower-superlink``):
+  the new SuperLink does not know the node and answers ``Invalid node ID`` (flwr 1.39, gRPC
+  Fleet API) or ``401 Unauthorized`` (1.40 and later, HTTP Fleet API). Flower 1.39's SuperNode
+  then shuts itself down with exit status 0 ("SuperNode terminated gracefully"), or, when its
+  heartbeat thread hit the error first, logs a traceback and stays alive without a connection,
+  retrying forever ("Connection attempt failed"): of 3 SuperNodes here, 2 exited 10-20 s after
+  the restart and one hung; none came back. Flower 1.42's SuperNodes exited (2 of 2);
 - **the SuperNode process itself died** (``kill -9``, the OOM killer).
 
 In containers, compose.yaml's ``restart: unless-stopped`` starts the process again and it
@@ -45,10 +46,11 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-#: What Flower 1.39 logs when the SuperLink answers that it does not know this node (a SuperLink
-#: restarted with its state in memory): the Fleet API's "Invalid node ID" (UNAUTHENTICATED) and
-#: the heartbeat's "does not recognize this SuperNode". The node must register again.
-FORGOTTEN = ("Invalid node ID", "does not recognize this SuperNode")
+from .flower_release import installed_forgotten_markers
+
+#: What the installed Flower's SuperNode logs when the SuperLink answers that it does not know
+#: this node (a SuperLink restarted with its state in memory): the node must register again.
+FORGOTTEN = installed_forgotten_markers()
 
 
 def flower_supernode() -> str:

@@ -1,7 +1,9 @@
 """A real Flower deployment for tests: SuperLink and SuperNodes as processes or containers.
 
 Unlike the simulation runtime (``ba-run``), every message of a run started here crosses the
-SuperLink's gRPC Fleet API (grpc-rere), optionally over TLS with SuperNode authentication:
+SuperLink's Fleet API, optionally over TLS with SuperNode authentication: gRPC (grpc-rere) under
+flwr 1.39, HTTP under 1.40 and later (:mod:`server.flower_release` says which, and gives the
+flags of each):
 
 - :class:`LocalDeployment` starts ``flower-superlink`` and ``flower-supernode`` as local processes
   on loopback (each in its own process group, stopped by PID), registers SuperNode keys, and runs
@@ -43,6 +45,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import (
     LAUNCH_MARKER,
     LaunchError,
@@ -255,8 +258,11 @@ class LocalDeployment:
         # Inherited by everything this deployment starts: close() finds a ServerApp or ClientApp
         # that was re-parented away from the SuperLink's or a SuperNode's tree.
         self.env[LAUNCH_MARKER] = f"deploy-{uuid.uuid4().hex}"
+        self.release = FlowerRelease.installed()
         self.control_port = free_port()
-        self.fleet_port = free_port()
+        #: Where SuperNodes connect: a port of its own for the gRPC Fleet API (flwr 1.39), the
+        #: SuperLink's HTTP port for the HTTP Fleet API (1.40+).
+        self.fleet_port = self.release.fleet_port(free_port(), self.control_port)
         self.superlink_log = self.workdir / "superlink.log"
 
     @property
@@ -310,12 +316,7 @@ class LocalDeployment:
         command = [
             "flower-superlink",
             *self._tls_arguments(),
-            "--fleet-api-address",
-            self.fleet_address,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.control_port),
+            *self.release.superlink_ports("127.0.0.1", self.fleet_port, self.control_port),
             "--disable-runtime-dependency-installation",
         ]
         if self.file_state:
@@ -434,15 +435,28 @@ class LocalDeployment:
     def use_clientapp(self, component: str) -> None:
         """Make the staged app run ``component`` (e.g. ``tests.attacker_app:app``) on every node.
 
-        Only the staged copy changes; the FAB that ``flwr run`` builds from it carries the
-        component's module (any ``.py`` file not named ``test_*.py``).
+        Only the staged copy changes: the component's module (and its package's
+        ``__init__.py``) is copied in and added to the staged ``fab-include``, so the FAB that
+        ``flwr run`` builds from it carries the module beside the app's code.
         """
         pyproject = self.staged_app / "pyproject.toml"
         text = pyproject.read_text(encoding="utf-8")
         default = 'clientapp = "beyond_averaging.client.app:app"'
         if default not in text:
             raise LaunchError(f"{pyproject} does not name the default ClientApp ({default})")
-        pyproject.write_text(text.replace(default, f'clientapp = "{component}"'), "utf-8")
+        module = Path(*component.split(":", 1)[0].split("."))
+        shipped = [module.with_suffix(".py"), module.parent / "__init__.py"]
+        for relative in shipped:
+            (self.staged_app / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(self.app_dir / relative, self.staged_app / relative)
+        include = "fab-include = ["
+        if include not in text:
+            raise LaunchError(f"{pyproject} lists no fab-include patterns")
+        listed = "".join(f'"{relative.as_posix()}", ' for relative in shipped)
+        text = text.replace(default, f'clientapp = "{component}"').replace(
+            include, include + listed, 1
+        )
+        pyproject.write_text(text, encoding="utf-8")
 
     def serverapp_pids(self) -> list[int]:
         """PIDs of the ServerApp processes the SuperLink started (``flwr-serverapp``)."""

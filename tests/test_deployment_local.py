@@ -1,9 +1,10 @@
-"""A real round of each strategy over Flower's gRPC Fleet API, with local SuperLink/SuperNodes.
+"""A real round of each strategy over Flower's Fleet API, with local SuperLink/SuperNodes.
 
 Where the simulation tests run the app in Flower's simulation runtime, these start
 ``flower-superlink`` and three ``flower-supernode`` processes on loopback and run the app with
 ``flwr run``: the model goes down to every node and each reply, its extra records
-(``sensitivity``, ``gradient``) included, comes back over the gRPC Fleet API. A byte-counting
+(``sensitivity``, ``gradient``) included, comes back over the Fleet API of the installed Flower:
+gRPC under flwr 1.39, HTTP under 1.40 and later (:mod:`server.flower_release`). A byte-counting
 relay (:class:`tests.deploy_helpers.FleetTap`) between each SuperNode and the Fleet API proves it:
 
 - insecure: the uploaded stream carries the extra record's name (Flower serializes record names
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD
 from tests.deploy_helpers import (
     REPO,
@@ -55,8 +58,13 @@ RUN_SETTINGS: dict[str, Any] = {
 }
 #: TLS record type "handshake" and major version 3: the first bytes of a TLS ClientHello.
 TLS_HANDSHAKE_PREFIX = b"\x16\x03"
-#: The client connection preface of HTTP/2 (RFC 9113), which plain-text gRPC starts with.
-HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+#: How a plain-text connection to the Fleet API opens: gRPC with the client connection preface
+#: of HTTP/2 (RFC 9113); Flower's HTTP Fleet API client with an HTTP/1.1 request to its routes.
+PLAIN_OPENING = {
+    "grpc": re.compile(re.escape(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")),
+    "http": re.compile(rb"(GET|POST) /v1/fleet/[\w/-]+ HTTP/1\.1\r\n"),
+}
+TRANSPORT = FlowerRelease.installed().transport
 
 AVAILABLE = available_strategies(STRATEGIES, RUN_SETTINGS)
 
@@ -183,7 +191,7 @@ def assert_uploads_carry_replies(strategy: str, uploads: list[bytes]) -> None:
 
 
 @pytest.mark.parametrize("strategy", strategy_params())
-def test_insecure_round_carries_each_strategys_records_over_grpc(
+def test_insecure_round_carries_each_strategys_records_over_the_fleet_api(
     insecure: TappedDeployment, strategy: str
 ) -> None:
     metrics, uploads = insecure.run_strategy(strategy, "insecure")
@@ -195,11 +203,14 @@ def test_insecure_round_carries_each_strategys_records_over_grpc(
         # requested crossed the Fleet API, and no other one did.
         sent = {name for name in EXTRA_RECORDS if name.encode() in upload}
         assert sent == wanted, f"SuperNode {node} uploaded records {sent}, expected {wanted}"
-    # Every connection a SuperNode opened to the Fleet API began with the HTTP/2 preface of a
-    # plain-text gRPC channel.
+    # Every connection a SuperNode opened to the Fleet API began as a plain-text connection of
+    # this release's transport: gRPC's HTTP/2 preface, or an HTTP/1.1 request to a Fleet route.
     for tap in insecure.taps:
         assert tap.openings
-        assert all(opening.startswith(HTTP2_PREFACE) for opening in tap.openings)
+        assert all(PLAIN_OPENING[TRANSPORT].match(opening) for opening in tap.openings), (
+            TRANSPORT,
+            tap.openings[:3],
+        )
 
 
 @pytest.mark.parametrize("strategy", strategy_params())
