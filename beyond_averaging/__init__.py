@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 SUBPACKAGES = ("client", "server", "strategies", "tasks")
 
 # Where the subpackages are: inside this folder in a built package (the wheel, where setuptools
-# copied them by pyproject's package-dir), beside it in an unbuilt tree (a checkout, or the FAB that
-# `flwr run` unpacks, which ships the app's code to every node). One rule for both: the package's
-# search path is this folder, then the folder that holds the four.
+# copied them by pyproject's package-dir), beside it in an unbuilt tree (a checkout, or a copy of
+# its folders). One rule for both: the package's search path is this folder, then the folder that
+# holds the four. (The FAB that `flwr run` ships carries no code: every node runs its installed
+# release, pyproject.toml's `fab-include`.)
 _BESIDE = Path(__file__).resolve().parent.parent
 if not (Path(__file__).parent / "tasks").is_dir() and all(
     (_BESIDE / name / "__init__.py").is_file() for name in SUBPACKAGES

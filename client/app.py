@@ -13,6 +13,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from beyond_averaging import __version__
 from beyond_averaging.tasks.batching import shuffle_seed, shuffled_batches
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate, resolve_device
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
@@ -27,6 +28,7 @@ from beyond_averaging.tasks.protocol import (
     SERVER_ROUND_KEY,
     TRAIN_LOSS_KEY,
     ClientTask,
+    check_library_version,
     requested_records,
 )
 
@@ -85,6 +87,7 @@ def prepare(
 ) -> tuple[ClientTask, DeviceData, torch.nn.Module, int]:
     """Read the task, fetch this node's partition and load the received model on its device."""
     config: ConfigRecord = message.content[CONFIG_RECORD]  # type: ignore[assignment]
+    check_library_version(config, __version__)
     task = ClientTask.from_config(config)
     partition_id, num_partitions = _partition(context)
     device = resolve_device(task.device)  # type: ignore[arg-type]

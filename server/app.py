@@ -25,13 +25,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
+from beyond_averaging import __version__
 from beyond_averaging.strategies import ContractStrategy
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate, resolve_device
 from beyond_averaging.tasks.federation import DataSpec, load_server_splits
 from beyond_averaging.tasks.models import build_model
-from beyond_averaging.tasks.protocol import ClientTask
+from beyond_averaging.tasks.protocol import LIBRARY_VERSION_KEY, ClientTask
 
 from .bounded_pull import bound_reply_bytes
 from .checkpoint import RunCheckpoint, capture_rng, restore_rng
@@ -311,6 +312,22 @@ class RunProgress:
             raise RunStalledError(f"no round of the run aggregated; last: {reason}")
 
 
+def check_fab_version(fab_version: str) -> None:
+    """Refuse a run whose FAB names another release than the installed library.
+
+    The FAB carries the app's manifest, not its code (pyproject.toml, ``fab-include``): the
+    ServerApp runs the beyond-averaging installed beside the SuperLink, which must be the release
+    ``flwr run`` was started from. ``fab_version`` is empty where no FAB is involved (the
+    in-process runtime).
+    """
+    if fab_version and fab_version != __version__:
+        raise RuntimeError(
+            f"the run's FAB is beyond-averaging {fab_version} and the SuperLink's environment "
+            f"has {__version__}: install beyond-averaging=={fab_version} there (or rebuild the "
+            "image from the checkout you run `flwr run` in)"
+        )
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the configured federated training and write ``<output-dir>/<run-name>/``.
@@ -318,6 +335,7 @@ def main(grid: Grid, context: Context) -> None:
     With ``resume-from = <run folder>`` the run continues in that folder from its checkpoint.
     """
     config = parse_run_config(context.run_config)  # stops the run before round 1 on bad input
+    check_fab_version(grid.run.fab_version)
     if config.server_optimizer == "adam" and config.resolved_server_lr >= 0.5:
         log(
             WARNING,
@@ -404,7 +422,7 @@ def main(grid: Grid, context: Context) -> None:
                     len(checkpoint.nodes),
                 )
         strategy.summary()
-        task = client_task(config).to_config()
+        task = {**client_task(config).to_config(), LIBRARY_VERSION_KEY: __version__}
         arrays = run_rounds(
             strategy,
             grid,

@@ -32,6 +32,10 @@ SENSITIVITY_RECORD = "sensitivity"
 GRADIENT_RECORD = "gradient"
 SENSITIVITY_DECAY_KEY = "sensitivity-decay"
 SENSITIVITY_DTYPE_KEY = "sensitivity-dtype"
+#: The beyond-averaging release of the ServerApp that sent a message. The FAB carries no code
+#: (pyproject.toml, ``fab-include``): every node runs its installed library, and a ClientApp of
+#: another release refuses the message rather than train under a contract it may not share.
+LIBRARY_VERSION_KEY = "library-version"
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,31 @@ class ClientTask:
     def round_learning_rate(self, server_round: int) -> float:
         """The client learning rate of a round: decayed once per round, as FedLAW's setup does."""
         return self.learning_rate * self.lr_decay ** max(server_round - 1, 0)
+
+
+class LibraryVersionError(RuntimeError):
+    """A message from a ServerApp of another beyond-averaging release than this node's."""
+
+
+def check_library_version(config: Mapping[str, Any], installed: str) -> None:
+    """Refuse a message sent by a ServerApp of another release than ``installed``.
+
+    A message without :data:`LIBRARY_VERSION_KEY` (a ServerApp other than this project's, e.g. a
+    user's app with these strategies) is accepted.
+
+    Raises
+    ------
+    LibraryVersionError
+        Naming both releases and the fix; the reply becomes an error reply, which the server
+        drops with this text as its reason.
+    """
+    sent = config.get(LIBRARY_VERSION_KEY)
+    if sent is not None and str(sent) != installed:
+        raise LibraryVersionError(
+            f"the ServerApp runs beyond-averaging {sent} and this SuperNode {installed}: "
+            f"install beyond-averaging=={sent} on this node (or rebuild its image from the "
+            "checkout the run was started from)"
+        )
 
 
 def requested_records(config: Mapping[str, Any]) -> frozenset[str]:
