@@ -45,7 +45,7 @@ fi
 stamp=wheelhouse/cpu/.requirements
 python=.venv/bin/python
 [[ -x "$python" ]] || python=python3
-want=$({ "$python" docker/requirements.py --build; cat constraints.txt; } | sha256sum | cut -d' ' -f1)
+want=$({ "$python" docker/requirements.py --build; cat constraints.txt constraints-http.txt docker/make-wheelhouse.sh; } | sha256sum | cut -d' ' -f1)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && ls wheelhouse/cpu/*.whl >/dev/null 2>&1; then
   say "wheelhouse/cpu is up to date"
   exit 0

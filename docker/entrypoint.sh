@@ -1,13 +1,18 @@
 #!/bin/sh
 # Entry point of the beyond-averaging image: starts one Flower component with the flags of this
-# project's deployment, configured by environment variables (compose.yaml sets them).
+# project's deployment, configured by environment variables (compose.yaml sets them). The flags
+# that differ between Flower releases come from server/flower_release.py (the image holds flwr
+# 1.39 with the gRPC Fleet API, or with FLEET=http the newest flwr with the HTTP Fleet API).
 #
-#   superlink             flower-superlink: Fleet API on 0.0.0.0:9092 (gRPC), Control/Runtime API
-#                         on 0.0.0.0:9093, state in memory (or in the SQLite file
-#                         BA_SUPERLINK_DATABASE when set, e.g. /app/state/superlink.db),
-#                         ServerApps started as subprocesses (isolation "subprocess")
+#   superlink             flower-superlink: its HTTP API (Control API for `flwr run`, Runtime API,
+#                         and under the HTTP Fleet API also the Fleet API) on 0.0.0.0:9093, the
+#                         gRPC Fleet API (flwr 1.39) on 0.0.0.0:9092; state in memory (or in the
+#                         SQLite file BA_SUPERLINK_DATABASE when set, e.g.
+#                         /app/state/superlink.db); ServerApps started as subprocesses
 #   supernode             flower-supernode for partition BA_PARTITION_ID of BA_NUM_PARTITIONS,
-#                         connecting to BA_SUPERLINK (default superlink:9092); ClientApps run as
+#                         connecting to BA_SUPERLINK (host:port; default: the SuperLink host
+#                         BA_SUPERLINK_HOST, "superlink" by default, at the Fleet API's port of
+#                         this image's Flower: 9092 gRPC, 9093 HTTP); ClientApps run as
 #                         subprocesses. It runs under ba-supernode (server/supervise.py), which
 #                         starts it again when the SuperLink forgot it: Flower's SuperNode then
 #                         exits, which the restart policy covers, or hangs retrying, which it
@@ -47,11 +52,11 @@ case "$role" in
     # loaded host (docs/deployment.md, "Load"). A restarted SuperLink then forgets runs and nodes.
     database=""
     [ -n "${BA_SUPERLINK_DATABASE:-}" ] && database="--database ${BA_SUPERLINK_DATABASE}"
+    ports=$(python -m beyond_averaging.server.flower_release superlink-ports \
+      --host 0.0.0.0 --fleet-port 9092 --control-port 9093)
     # shellcheck disable=SC2046,SC2086  # word splitting of the flag lists is intended
-    exec flower-superlink $(tls_server) $auth $database \
+    exec flower-superlink $(tls_server) $auth $database $ports \
       --isolation subprocess \
-      --fleet-api-address 0.0.0.0:9092 \
-      --host 0.0.0.0 --port 9093 \
       --health-server-address 127.0.0.1:9098 \
       --disable-runtime-dependency-installation \
       "$@"
@@ -66,9 +71,11 @@ case "$role" in
     [ "${BA_TLS:-0}" = "1" ] && security="--root-certificates /app/certs/ca.crt"
     auth=""
     [ -f /app/keys/supernode.key ] && auth="--auth-supernode-private-key /app/keys/supernode.key"
+    superlink=${BA_SUPERLINK:-$(python -m beyond_averaging.server.flower_release fleet-address \
+      --host "${BA_SUPERLINK_HOST:-superlink}" --fleet-port 9092 --control-port 9093)}
     # shellcheck disable=SC2086
     exec ba-supernode $security $auth \
-      --superlink "${BA_SUPERLINK:-superlink:9092}" \
+      --superlink "$superlink" \
       --isolation subprocess \
       --node-config "partition-id=${BA_PARTITION_ID} num-partitions=${BA_NUM_PARTITIONS}" \
       --health-server-address 127.0.0.1:9099 \

@@ -1,17 +1,19 @@
 """Print the requirements a deployment image installs, read from pyproject.toml.
 
-pyproject.toml stays the single list of dependencies. An image runs this repository's app, so it
-installs the library's dependencies plus the ``app`` extra (not ``bench`` or ``dev``), and differs
-from a development install in two places only:
+pyproject.toml stays the single list of dependencies. An image runs this repository's app on a
+SuperLink or a SuperNode, so it installs the library's dependencies plus the ``node`` extra (what a
+process of the app needs: not the ``app`` extra's simulation runtime, scikit-learn or pathspec,
+nor ``bench`` or ``dev``), and differs from a development install in two places only:
 
-- ``flwr[simulation]`` becomes ``flwr``: SuperLink and SuperNode containers run the deployment
+- ``flwr[...]`` becomes ``flwr``: SuperLink and SuperNode containers run the deployment
   runtime, so Ray (the simulation engine, hundreds of MB) is left out;
 - ``--torch SPEC`` replaces the torch requirement (e.g. for a CUDA build from another index).
 
 Usage: ``python docker/requirements.py [--torch 'torch==2.13.0'] [--build] > requirements.txt``;
 ``--build`` adds the project's build backend (``[build-system] requires``), which installing the
-project from a wheelhouse needs. The exact versions come from constraints.txt, which the image
-build and docker/make-wheelhouse.sh pass to pip with ``-c``.
+project from a wheelhouse needs. The exact versions come from constraints.txt (or, for the HTTP
+Fleet API, constraints-http.txt), which the image build and docker/make-wheelhouse.sh pass to pip
+with ``-c``.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import re
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
-#: The optional dependencies a deployment needs besides the library's own: the runnable app's.
-DEPLOYMENT_EXTRAS = ("app",)
+#: The optional dependencies a deployment needs besides the library's own: a node's of the app.
+DEPLOYMENT_EXTRAS = ("node",)
 
 
 def requirement_name(requirement: str) -> str:
@@ -35,15 +38,28 @@ def requirement_name(requirement: str) -> str:
     return match.group(1).lower()
 
 
+def _extra_requirements(project: dict[str, Any], wanted: tuple[str, ...]) -> list[str]:
+    """The requirements of extras ``wanted``, with the project's references to its own extras
+    (``beyond-averaging[node]`` inside ``app``) replaced by what they list."""
+    extras = project.get("optional-dependencies", {})
+    own = requirement_name(project["name"])
+    found: list[str] = []
+    for extra in wanted:
+        for requirement in extras.get(extra, []):
+            if requirement_name(requirement) == own:
+                inner = re.search(r"\[([^\]]*)\]", requirement)
+                names = tuple(e.strip() for e in inner.group(1).split(",")) if inner else ()
+                found += _extra_requirements(project, names)
+            else:
+                found.append(requirement)
+    return found
+
+
 def deployment_requirements(pyproject: Path, torch_spec: str | None, build: bool) -> list[str]:
-    """The project's dependencies and its app extra as the deployment images install them."""
+    """The project's dependencies and its node extra as the deployment images install them."""
     data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
     project = data["project"]
-    extras = project.get("optional-dependencies", {})
-    declared = [
-        *project["dependencies"],
-        *(r for e in DEPLOYMENT_EXTRAS for r in extras.get(e, [])),
-    ]
+    declared = [*project["dependencies"], *_extra_requirements(project, DEPLOYMENT_EXTRAS)]
     requirements = []
     for requirement in declared:
         name = requirement_name(requirement)

@@ -53,7 +53,7 @@ needs_openssl = pytest.mark.skipif(
 )
 
 
-def test_image_requirements_are_the_library_and_app_extra_without_simulation(
+def test_image_requirements_are_the_library_and_node_extra_without_simulation(
     tmp_path: Path,
 ) -> None:
     pyproject = tmp_path / "pyproject.toml"
@@ -61,32 +61,36 @@ def test_image_requirements_are_the_library_and_app_extra_without_simulation(
         '[build-system]\nrequires = ["setuptools>=69"]\n'
         '[project]\nname = "x"\ndependencies = ["flwr>=1.39.0,<2", "torch>=2.4,<3"]\n'
         "[project.optional-dependencies]\n"
-        'app = ["flwr[simulation]>=1.39.0,<1.40", "pydantic>=2.7"]\n'
+        'app = ["x[node]", "flwr[simulation]>=1.39.0,<2", "scikit-learn>=1.4"]\n'
+        'node = ["pydantic>=2.7", "flwr[rest]>=1.40"]\n'
         'bench = ["matplotlib>=3.8"]\ndev = ["pytest>=8"]\n',
         encoding="utf-8",
     )
     assert deployment_requirements(pyproject, None, build=False) == [
         "flwr>=1.39.0,<2",
         "torch>=2.4,<3",
-        "flwr>=1.39.0,<1.40",
         "pydantic>=2.7",
+        "flwr>=1.40",
     ]
     assert deployment_requirements(pyproject, "torch==2.13.0+cu128", build=True) == [
         "flwr>=1.39.0,<2",
         "torch==2.13.0+cu128",
-        "flwr>=1.39.0,<1.40",
         "pydantic>=2.7",
+        "flwr>=1.40",
         "setuptools>=69",
     ]
 
 
-def test_image_requirements_cover_the_library_and_app_dependencies() -> None:
+def test_image_requirements_leave_out_simulation_sklearn_and_the_dev_tools() -> None:
     declared = tomllib.loads((REPO / "pyproject.toml").read_text("utf-8"))["project"]
     image = deployment_requirements(REPO / "pyproject.toml", None, build=False)
-    wanted = [*declared["dependencies"], *declared["optional-dependencies"]["app"]]
-    assert len(image) == len(wanted)
+    wanted = [*declared["dependencies"], *declared["optional-dependencies"]["node"]]
+    assert image == wanted
+    heavy = ("ray", "scikit-learn", "datasets", "flwr-datasets", "pandas", "pyarrow", "scipy")
     assert not any("[simulation]" in requirement for requirement in image)
-    assert not any(requirement.startswith(("matplotlib", "pytest")) for requirement in image)
+    assert not any(
+        requirement.startswith((*heavy, "matplotlib", "pytest")) for requirement in image
+    )
 
 
 def test_constraints_pin_every_image_requirement_exactly() -> None:
@@ -212,11 +216,28 @@ def test_stage_app_copies_tracked_sources_and_skips_ignored_folders(tmp_path: Pa
     ):
         path = source / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(relative, encoding="utf-8")
+        path.write_text(f"# {relative}\n", encoding="utf-8")
     (source / ".gitignore").write_text(".venv/\nruns/\n", encoding="utf-8")
     staged = stage_app(source, tmp_path / "staged")
     copied = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
     assert copied == [".gitignore", "keep/data.json", "pyproject.toml", "server/app.py"]
+
+
+def test_stage_app_copies_only_what_fab_include_lists_besides_pyproject(tmp_path: Path) -> None:
+    source = tmp_path / "app"
+    for relative in ("server/app.py", "server/notes.md", "docs/x.md", "LICENSE", ".venv/a.py"):
+        path = source / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(relative, encoding="utf-8")
+    (source / "pyproject.toml").write_text(
+        '[tool.flwr.app]\nfab-include = ["server/*.py", "LICENSE", ".venv/*.py"]\n',
+        encoding="utf-8",
+    )
+    (source / ".gitignore").write_text(".venv/\n", encoding="utf-8")
+    staged = stage_app(source, tmp_path / "staged")
+    copied = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
+    # Git-ignored stays out even where fab-include names it, as in Flower's build.
+    assert copied == ["LICENSE", "pyproject.toml", "server/app.py"]
 
 
 def test_online_nodes_are_read_from_the_cli_listing() -> None:

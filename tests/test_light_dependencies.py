@@ -90,5 +90,9 @@ def test_core_dependencies_are_flwr_numpy_and_torch_as_ranges() -> None:
     assert not any("==" in requirement for requirement in core)
     extras = project["optional-dependencies"]
     blocked_distributions = {"pydantic", "datasets", "flwr-datasets", "scikit-learn", "pathspec"}
-    app = {requirement.split(">")[0].split("[")[0] for requirement in extras["app"]}
-    assert blocked_distributions <= app
+    in_extras = {
+        requirement.split(">")[0].split("[")[0]
+        for requirements in extras.values()
+        for requirement in requirements
+    }
+    assert blocked_distributions <= in_extras
