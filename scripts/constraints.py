@@ -1,9 +1,12 @@
 """Print constraints.txt: the exact installed versions of beyond-averaging[app,bench,dev]'s closure.
 
-pyproject.toml states ranges; constraints.txt pins what the project was tested with. After a
-deliberate upgrade in .venv, regenerate it with::
+pyproject.toml states ranges; constraints.txt pins what the project was tested with (flwr 1.39,
+the gRPC Fleet API), constraints-http.txt the same for the newest Flower (the HTTP Fleet API;
+``FLEET=http bash scripts/setup.sh``). After a deliberate upgrade in the environment, regenerate
+the file::
 
     .venv/bin/python scripts/constraints.py > constraints.txt
+    .venvs/fleet-http/bin/python scripts/constraints.py --fleet http > constraints-http.txt
 
 Only the project's own dependency closure is written (walked through the installed packages'
 metadata, extras included), not whatever else the environment holds.
@@ -11,6 +14,7 @@ metadata, extras included), not whatever else the environment holds.
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from importlib import metadata
@@ -20,13 +24,32 @@ from packaging.requirements import Requirement
 PROJECT = "beyond-averaging"
 EXTRAS = ("app", "bench", "dev")
 HEADER = """\
-# Exact versions for a reproducible set-up: scripts/setup.sh installs the project with
-# `pip install -c constraints.txt -e ".[app,bench,dev]"`, and the deployment images install with
+# Exact versions for a reproducible set-up: {setup} installs the project with
+# `pip install -c {file} -e ".[app,bench,dev]"`, and the deployment images{image} install with
 # the same file (docker/Dockerfile, docker/make-wheelhouse.sh). pyproject.toml itself states only
 # ranges, so that the library installs into other Flower apps. This is the dependency closure of
-# beyond-averaging[app,bench,dev] as tested (CPython 3.11, Linux); torch==2.13.0 also admits its
-# +cpu and +cuXXX builds. Regenerate after a deliberate upgrade:
-#   .venv/bin/python scripts/constraints.py > constraints.txt"""
+# beyond-averaging[app,bench,dev] as tested (CPython 3.11, Linux) with {flower};
+# torch==2.13.0 also admits its +cpu and +cuXXX builds. Regenerate after a deliberate upgrade:
+#   {python} scripts/constraints.py{option} > {file}"""
+#: Per Fleet transport: the constraints file and how its environment is made.
+FLEETS = {
+    "grpc": {
+        "file": "constraints.txt",
+        "setup": "scripts/setup.sh",
+        "image": "",
+        "flower": "flwr 1.39 (gRPC Fleet API)",
+        "python": ".venv/bin/python",
+        "option": "",
+    },
+    "http": {
+        "file": "constraints-http.txt",
+        "setup": "`FLEET=http bash scripts/setup.sh`",
+        "image": " built with FLEET=http",
+        "flower": "the newest flwr (HTTP Fleet API)",
+        "python": ".venvs/fleet-http/bin/python",
+        "option": " --fleet http",
+    },
+}
 
 
 def _key(name: str) -> str:
@@ -61,9 +84,12 @@ def dependency_closure(project: str, extras: tuple[str, ...]) -> dict[str, tuple
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fleet", choices=sorted(FLEETS), default="grpc")
+    fleet = FLEETS[parser.parse_args().fleet]
     closure = dependency_closure(PROJECT, EXTRAS)
     closure.pop(_key(PROJECT))
-    print(HEADER)
+    print(HEADER.format(**fleet))
     for name, version in sorted(closure.values(), key=lambda item: _key(item[0])):
         print(
             f"{name}=={version.split('+')[0]}"

@@ -13,8 +13,22 @@
 #   PYTHON=3.12 VENV=.venvs/py3.12 WHEELHOUSE=~/.cache/beyond-averaging/wheels bash scripts/setup.sh
 # PYTHON is a command, a path or a version; VENV defaults to .venv; WHEELHOUSE (optional) keeps
 # the torch download for the next set-up.
+#
+# The newest Flower, whose Fleet API (SuperNode <-> SuperLink) is HTTP, instead of flwr 1.39
+# (gRPC Fleet API), in its own folder .venvs/fleet-http, from constraints-http.txt
+# (docs/deployment.md, "Which Flower, which transport"):
+#   FLEET=http bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+case ${FLEET:-grpc} in
+  grpc) constraints=constraints.txt default_venv=.venv ;;
+  http) constraints=constraints-http.txt default_venv=.venvs/fleet-http ;;
+  *)
+    echo "setup: FLEET=${FLEET} is not a Fleet transport: use grpc (flwr 1.39, the default) or http (the newest flwr)" >&2
+    exit 1
+    ;;
+esac
 
 # Echo a runnable interpreter for $1 (a command, a path, or a version such as 3.12).
 find_python() {
@@ -34,7 +48,7 @@ find_python() {
   [ -n "$found" ] && echo "$found"
 }
 
-venv=${VENV:-.venv}
+venv=${VENV:-$default_venv}
 if [ -n "${PYTHON:-}" ]; then
   python_bin=$(find_python "$PYTHON") || {
     echo "setup: no Python found for PYTHON=$PYTHON (a command, a path, or a version such as 3.12)" >&2
@@ -56,12 +70,13 @@ if [ -x "$venv/bin/python" ]; then
     exit 1
   fi
 else
+  mkdir -p "$(dirname "$venv")"
   "$python_bin" -m venv "$venv"
 fi
 # mypy's view of the package (the wheel's layout as links to the sources); cheap, so every time.
 "$venv/bin/python" scripts/typing_tree.py
 stamp=$venv/.beyond-averaging-setup
-want=$({ cat pyproject.toml constraints.txt; "$venv/bin/python" --version; } | sha256sum | cut -d' ' -f1)
+want=$({ cat pyproject.toml "$constraints"; "$venv/bin/python" --version; } | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c 'import flwr, torch, beyond_averaging' 2>/dev/null; then
   echo "setup: $venv is up to date"
   exit 0
@@ -72,11 +87,11 @@ if [ -n "${WHEELHOUSE:-}" ]; then
   # fetched once into WHEELHOUSE (a folder outside the repository; pip's own cache keeps nothing
   # the registry sends without caching headers), installed from there on every later set-up.
   mkdir -p "$WHEELHOUSE"
-  "$venv/bin/python" -m pip download -q -c constraints.txt -d "$WHEELHOUSE" torch
-  "$venv/bin/python" -m pip install -q --no-index --find-links "$WHEELHOUSE" -c constraints.txt torch
+  "$venv/bin/python" -m pip download -q -c "$constraints" -d "$WHEELHOUSE" torch
+  "$venv/bin/python" -m pip install -q --no-index --find-links "$WHEELHOUSE" -c "$constraints" torch
 else
-  "$venv/bin/python" -m pip install -q -c constraints.txt torch
+  "$venv/bin/python" -m pip install -q -c "$constraints" torch
 fi
-"$venv/bin/python" -m pip install -q -c constraints.txt -e ".[app,bench,dev]"
+"$venv/bin/python" -m pip install -q -c "$constraints" -e ".[app,bench,dev]"
 echo "$want" > "$stamp"
 echo "setup: $venv ready ($("$venv/bin/python" -c 'import sys, flwr, torch; print("Python", sys.version.split()[0], "flwr", flwr.__version__, "torch", torch.__version__)'))"

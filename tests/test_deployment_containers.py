@@ -1,6 +1,9 @@
 """End-to-end deployment in containers: the image, compose.yaml and its TLS overlay, for real.
 
-One image build (docker/Dockerfile, from the wheelhouse when present) serves every test. Then:
+One image build (docker/Dockerfile, from the wheelhouse when present) serves every test, of the
+Flower release this interpreter runs: flwr 1.39 builds ``FLEET=grpc``, 1.40 and later
+``FLEET=http`` (server/flower_release.py), so the suite tests the transport of its environment.
+Then:
 
 - the insecure stack of compose.yaml (SuperLink + 3 SuperNodes) runs 2 rounds of each strategy of
   this build through ``flwr run`` from the host; the compose health checks pass; the engine
@@ -30,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import LaunchError, flower_environment, free_port, read_summary
 from tests.deploy_helpers import (
     REPO,
@@ -55,7 +59,8 @@ pytestmark = [
     ),
 ]
 
-IMAGE = "beyond-averaging:cpu"
+FLEET = FlowerRelease.installed().transport
+IMAGE = f"beyond-averaging:test-{FLEET}"
 #: The uid:gid the image runs as (docker/Dockerfile APP_UID/APP_GID).
 CONTAINER_USER = (1000, 1000)
 NUM_SUPERNODES = 3  # the supernode blocks of compose.yaml
@@ -96,8 +101,9 @@ def timed(label: str, started: float) -> None:
 def image() -> str:
     """Build the image once for every test of this module."""
     started = time.monotonic()
+    build = ["docker", "build", "-f", "docker/Dockerfile", "--build-arg", f"FLEET={FLEET}"]
     completed = subprocess.run(
-        ["docker", "build", "-f", "docker/Dockerfile", "-t", IMAGE, "."],
+        [*build, "-t", IMAGE, "."],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -133,6 +139,7 @@ class Deployment:
         env.update(
             {
                 "BA_IMAGE": IMAGE,
+                "BA_FLEET": FLEET,
                 "BA_FLEET_PORT": str(free_port()),
                 "BA_CONTROL_PORT": str(self.control_port),
                 "BA_RUNS": str(self.runs),
@@ -255,7 +262,16 @@ def test_the_insecure_stack_publishes_its_apis_on_loopback_only(insecure_stack: 
         assert host.startswith("127.0.0.1:"), f"{container_port} published on {host}"
 
 
-@pytest.mark.parametrize("strategy", strategy_params())
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        # FedAvg's compose run is the one CI repeats on the newest Flower (HTTP Fleet API).
+        pytest.param(*param.values, marks=[*param.marks, pytest.mark.http_fleet], id=param.id)
+        if param.id == "fedavg"
+        else param
+        for param in strategy_params()
+    ],
+)
 def test_two_rounds_of_each_strategy_through_the_compose_stack(
     insecure_stack: Deployment, staged_app: Path, strategy: str
 ) -> None:
@@ -263,6 +279,36 @@ def test_two_rounds_of_each_strategy_through_the_compose_stack(
     run_dir = insecure_stack.run(staged_app, strategy, f"{strategy}-compose")
     timed(f"{strategy}: 2 rounds", started)
     assert_every_round_aggregated(read_metrics(run_dir), NUM_SUPERNODES)
+
+
+def documented_results_copy() -> tuple[list[str], list[str]]:
+    """docs/deployment.md's command that copies the run folders out of the SuperLink container:
+    its ``docker compose ...`` half (arguments after ``docker compose``) and the host's half."""
+    page = (REPO / "docs" / "deployment.md").read_text(encoding="utf-8")
+    (line,) = [
+        line for line in page.splitlines() if line.startswith("docker compose exec -T superlink")
+    ]
+    compose, host = (part.split() for part in line.split("|"))
+    return compose[2:], host
+
+
+def test_the_documented_results_copy_brings_the_run_folders_home(
+    insecure_stack: Deployment, staged_app: Path, tmp_path: Path
+) -> None:
+    insecure_stack.run(staged_app, "fedavg", "to-copy")
+    compose, host = documented_results_copy()
+    exported = subprocess.run(
+        insecure_stack.stack.command(*compose),
+        env=insecure_stack.stack.env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=300,
+        check=True,
+    )
+    subprocess.run(host, input=exported.stdout, cwd=tmp_path, check=True, timeout=120)
+    summary = read_summary(tmp_path / "runs" / "to-copy" / "summary.json")
+    assert summary["status"] == "completed", summary
+    assert (tmp_path / "runs" / "to-copy" / "final_model.pt").is_file()
 
 
 def test_run_completes_when_a_supernode_stops_mid_run(
@@ -312,7 +358,8 @@ def test_superlink_restart_forgets_its_nodes_which_register_again_and_train(
 ) -> None:
     # compose.yaml keeps the SuperLink's state in memory (Flower's SQLite file lost replies under
     # load, docs/deployment.md "Load"): a restart forgets every node, each SuperNode exits on
-    # "Invalid node ID" and its restart policy brings it back with a new registration.
+    # "Invalid node ID" (gRPC) or "401 Unauthorized" (HTTP) and its restart policy (with
+    # ba-supernode) brings it back with a new registration.
     insecure_stack.wait_ready()
     before = set(insecure_stack.online_node_ids())
     started = time.monotonic()
@@ -393,7 +440,7 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
                 "-e",
                 f"BA_NUM_PARTITIONS={NUM_SUPERNODES}",
                 "-e",
-                "BA_SUPERLINK=superlink:9092",
+                "BA_SUPERLINK_HOST=superlink",  # the Fleet API's port of the image's Flower
                 "-v",
                 f"{tls_certificates.ca_cert}:/app/certs/ca.crt:ro",
                 "-v",

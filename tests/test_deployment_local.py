@@ -41,7 +41,8 @@ from tests.deploy_helpers import (
     reply_record_sizes,
 )
 
-pytestmark = pytest.mark.deployment
+# Every test here also runs on the newest Flower's HTTP Fleet API in CI (.ci/run).
+pytestmark = [pytest.mark.deployment, pytest.mark.http_fleet]
 
 NUM_SUPERNODES = 3
 STRATEGIES = ("fedavg", "elastic", "fedlaw", "fedgma")

@@ -142,6 +142,7 @@ def assert_same_final_model(run_dir: Path, reference: Path) -> None:
     assert [entry["test-accuracy"] for entry in rounds] == pytest.approx(accuracies, abs=0.003)
 
 
+@pytest.mark.http_fleet
 def test_superlink_killed_mid_run_comes_back_with_its_nodes_and_the_run_resumes(
     deployment: LocalDeployment, reference: Path
 ) -> None:
