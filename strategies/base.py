@@ -62,6 +62,7 @@ from beyond_averaging.tasks.protocol import (
 )
 
 from .aggregate import NDArrayDict, normalise_weights
+from .arguments import NamedArgumentErrors
 from .influence import (
     RECORD_NORM_FACTOR_SCALE,
     bound_claims,
@@ -201,7 +202,7 @@ def _to_numpy(record: ArrayRecord) -> NDArrayDict:
     return {key: npy_view(array.data) for key, array in record.items()}
 
 
-class ContractStrategy(Strategy):
+class ContractStrategy(NamedArgumentErrors, Strategy):
     """Base of this project's strategies (Flower Message API).
 
     The arguments up to ``evaluate_metrics_aggr_fn`` are Flower's ``FedAvg``'s: same order (so
