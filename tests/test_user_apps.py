@@ -68,7 +68,7 @@ DOCS = REPO / "docs"
 #: What the wheel is built from: the package's metadata files and the folders it maps.
 WHEEL_SOURCES = (
     "pyproject.toml",
-    "README.md",
+    "README.index.md",  # the readme pyproject.toml names (README.md with absolute links)
     "LICENSE",
     "beyond_averaging",
     *("strategies", "server", "client", "tasks"),
