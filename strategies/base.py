@@ -62,6 +62,7 @@ from beyond_averaging.tasks.protocol import (
 )
 
 from .aggregate import NDArrayDict, normalise_weights
+from .arguments import NamedArgumentErrors
 from .influence import (
     RECORD_NORM_FACTOR_SCALE,
     bound_claims,
@@ -81,7 +82,7 @@ from .metrics import (
     reply_metric_record,
     reply_weight,
 )
-from .privacy import calling_privacy_wrapper, check_privacy_composition
+from .privacy import check_wrapper
 from .robust import GENERIC_METHODS, SELECTIONS, RobustAggregation, check_robust, krum_selection
 from .validation import (
     REPLY_OVERSIZED_ERROR_CODE,
@@ -201,7 +202,7 @@ def _to_numpy(record: ArrayRecord) -> NDArrayDict:
     return {key: npy_view(array.data) for key, array in record.items()}
 
 
-class ContractStrategy(Strategy):
+class ContractStrategy(NamedArgumentErrors, Strategy):
     """Base of this project's strategies (Flower Message API).
 
     The arguments up to ``evaluate_metrics_aggr_fn`` are Flower's ``FedAvg``'s: same order (so
@@ -370,7 +371,6 @@ class ContractStrategy(Strategy):
         self.last_round_metrics: dict[str, Any] = {}
         self.last_aggregation_seconds = 0.0
         self.reply_observers: list[ReplyObserver] = []
-        self._privacy_warned = False  # the noise-gap warning of strategies.privacy, once a run
 
     def _set_reply_bounds(
         self,
@@ -467,7 +467,13 @@ class ContractStrategy(Strategy):
             )
 
     def summary(self) -> None:
-        """Log the strategy's configuration."""
+        """Log the strategy's configuration.
+
+        ``Strategy.start`` calls it first, before any evaluation or message: inside a Flower DP
+        wrapper that the rule cannot run in, the run stops here
+        (:func:`strategies.privacy.check_wrapper`).
+        """
+        check_wrapper(self)
         log(INFO, "\t├──> %s", self.__class__.__name__)
         log(
             INFO,
@@ -527,19 +533,10 @@ class ContractStrategy(Strategy):
     ) -> Iterable[Message]:
         """Send the global model, the run's client task and the records the strategy needs.
 
-        Inside one of Flower's DP wrappers, a rule that cannot run there stops here, before the
-        first message, and one whose aggregate the noise does not cover logs why (once).
+        Inside one of Flower's DP wrappers, a rule that cannot run there stops here at the
+        latest, before the first message (:func:`strategies.privacy.check_wrapper`).
         """
-        wrapper = calling_privacy_wrapper(self)
-        if wrapper is not None:
-            check_privacy_composition(
-                type(self).__name__,
-                list(self.required_records),
-                self.privacy_noise_gap(),
-                wrapper,
-                warn=not self._privacy_warned,
-            )
-            self._privacy_warned = True
+        check_wrapper(self)
         if self.fraction_train == 0.0:
             return []
         self.global_arrays = _to_numpy(arrays)

@@ -15,7 +15,8 @@ for the rules here (docs/library.md, "Differential privacy"):
   or the wrapper fails when the record holds fewer tensors than the model. ``fixedclipping_mod``
   refuses a reply with more than one ArrayRecord, so every reply would come back as an error and
   the model would never train. :func:`check_privacy_composition` stops such a run before the
-  first message goes out, with :class:`PrivacyCompositionError` naming the fix.
+  initial evaluation and the first message, with :class:`PrivacyCompositionError` naming the
+  fix.
 - The noise is calibrated for an aggregate that one client's clipped update moves by at most
   C / num_sampled_clients: a mean with equal weights and a server step of at most 1 (FedAvg, as
   for Flower's own FedAvg). A rule that reweights, masks or rescales the mean with values computed
@@ -23,15 +24,21 @@ for the rules here (docs/library.md, "Differential privacy"):
   not give it the guarantee a privacy analysis of ``noise_multiplier`` assumes: the run logs a
   warning saying why (each rule's :meth:`~strategies.base.ContractStrategy.privacy_noise_gap`).
 
-Flower's wrappers tell the wrapped strategy nothing about themselves, so
-:func:`calling_privacy_wrapper` finds the wrapper among the callers of ``configure_train``.
+Flower's wrappers tell the wrapped strategy nothing about themselves: their constructors (flwr
+1.39 to 1.42) only keep it as ``wrapper.strategy``, and the first call into it is ``summary()``,
+which ``Strategy.start`` makes before the initial evaluation and before any message. So
+:func:`calling_privacy_wrapper` finds the wrapper among the callers of the strategy's
+``summary`` (where a run stops) and ``configure_train`` (for an app that drives the rounds
+itself).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection
+import weakref
+from collections.abc import Collection, Mapping
 from logging import WARNING
+from typing import Protocol
 
 from flwr.common import log
 from flwr.serverapp import strategy as flower_strategies
@@ -55,9 +62,10 @@ PRIVACY_WRAPPERS: tuple[type[Strategy], ...] = tuple(
 CLIENT_SIDE_WRAPPERS = frozenset(
     {"DifferentialPrivacyClientSideFixedClipping", "DifferentialPrivacyClientSideAdaptiveClipping"}
 )
-#: How far up the callers of ``configure_train`` a wrapper is looked for: the wrapper calls the
-#: strategy directly, a user's own wrapper around Flower's adds a frame or two.
-CALLER_DEPTH = 6
+#: How many callers up a wrapper is looked for: the wrapper calls the strategy's method directly
+#: (``summary`` through a rule's own ``summary`` and the base's, a frame or two), a user's own
+#: wrapper around Flower's adds a frame or two.
+CALLER_DEPTH = 8
 
 #: Per extra record: what a user who wants Flower's DP wrappers can do instead.
 RECORD_FIXES = {
@@ -72,19 +80,36 @@ RECORD_FIXES = {
 }
 
 
+class WrappableRule(Protocol):
+    """What :func:`check_wrapper` reads of a strategy (a
+    :class:`~strategies.base.ContractStrategy`)."""
+
+    @property
+    def required_records(self) -> Mapping[str, str]:
+        """The extra ArrayRecords the rule needs in every reply."""
+        ...
+
+    def privacy_noise_gap(self) -> str | None:
+        """Why the wrappers' noise does not cover the rule's aggregate; None when it does."""
+        ...
+
+
+#: The strategies whose noise-gap warning was logged: once per strategy.
+_WARNED: weakref.WeakSet[WrappableRule] = weakref.WeakSet()
+
+
 class PrivacyCompositionError(ValueError):
     """A strategy cannot run inside the Flower differential-privacy wrapper that holds it."""
 
 
-def calling_privacy_wrapper(strategy: Strategy) -> Strategy | None:
+def calling_privacy_wrapper(strategy: object) -> Strategy | None:
     """The Flower DP wrapper holding ``strategy`` that is calling into it, or None.
 
-    Looks at the callers of the function that calls this one, up to :data:`CALLER_DEPTH`
-    frames: Flower's wrappers keep the wrapped strategy as ``wrapper.strategy`` and call its
-    methods from their own.
+    Looks at the callers of this function, up to :data:`CALLER_DEPTH` frames: Flower's
+    wrappers keep the wrapped strategy as ``wrapper.strategy`` and call its methods from their
+    own.
     """
     frame = inspect.currentframe()
-    frame = frame.f_back if frame is not None else None  # the strategy's own method
     for _ in range(CALLER_DEPTH):
         frame = frame.f_back if frame is not None else None
         if frame is None:
@@ -93,6 +118,31 @@ def calling_privacy_wrapper(strategy: Strategy) -> Strategy | None:
         if isinstance(caller, PRIVACY_WRAPPERS) and getattr(caller, "strategy", None) is strategy:
             return caller
     return None
+
+
+def check_wrapper(strategy: WrappableRule) -> None:
+    """Inside a Flower DP wrapper: stop a rule that cannot run there, warn once when the noise
+    does not cover its aggregate.
+
+    Called by the strategy's ``summary`` (``Strategy.start``'s first call into it, before any
+    evaluation or message: where a run stops) and ``configure_train`` (for an app that drives
+    the rounds itself); outside a wrapper it does nothing.
+
+    Raises
+    ------
+    PrivacyCompositionError
+        See :func:`check_privacy_composition`.
+    """
+    wrapper = calling_privacy_wrapper(strategy)
+    if wrapper is not None:
+        check_privacy_composition(
+            type(strategy).__name__,
+            list(strategy.required_records),
+            strategy.privacy_noise_gap(),
+            wrapper,
+            warn=strategy not in _WARNED,
+        )
+        _WARNED.add(strategy)
 
 
 def check_privacy_composition(

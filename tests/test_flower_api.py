@@ -14,6 +14,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
+import beyond_averaging
 from beyond_averaging import (
     ContractStrategy,
     ElasticAggregation,
@@ -189,6 +190,89 @@ def test_rule_arguments_and_project_extras_are_keyword_only(
     ]
     with pytest.raises(TypeError, match="positional"):
         build(rule, *[NON_DEFAULT[name] for name in positional], 1)
+
+
+def public_strategies() -> set[str]:
+    """The Flower strategies a user can build from ``beyond_averaging``'s exports."""
+    return {
+        name
+        for name in beyond_averaging.__all__
+        if isinstance(exported := getattr(beyond_averaging, name), type)
+        and issubclass(exported, flower.Strategy)
+        and not inspect.isabstract(exported)
+    }
+
+
+def valid_keywords(rule: type[ContractStrategy]) -> set[str]:
+    """What the docs promise every rule takes by name: its own ``__init__``'s named arguments
+    and this project's extras (``**options: Unpack[ProjectOptions]``)."""
+    named = {p.name for p in parameters(rule) if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return named | set(ProjectOptions.__annotations__)
+
+
+def test_every_exported_strategy_is_among_the_rules_tested_here() -> None:
+    assert public_strategies() == set(RULES)
+
+
+@pytest.mark.parametrize(
+    ("rule", "typo", "meant"),
+    [
+        (FedGMASoft, "thresold", "threshold"),  # the issue's call
+        (FedGMA, "treshold", "threshold"),
+        (FedAvg, "fraction_trian", "fraction_train"),
+        (FedAvgM, "server_lr", "server_learning_rate"),  # FedAvg's name, not FedAvgM's
+        (FedAdam, "beta1", "beta_1"),
+        (ElasticAggregation, "sensitivity_decy", "sensitivity_decay"),
+        (FedLAW, "epoch", "epochs"),
+        (FedLAW, "min_train_reply", "min_train_replies"),  # a project extra, via **options
+    ],
+    ids=lambda value: value.__name__ if isinstance(value, type) else value,
+)
+def test_misspelled_keyword_error_names_the_class_called_and_the_meant_name(
+    rule: type[ContractStrategy], typo: str, meant: str
+) -> None:
+    with pytest.raises(TypeError) as refused:
+        build(rule, **{typo: 0.5})
+    assert str(refused.value) == (
+        f"{rule.__name__}() got an unexpected keyword argument '{typo}'; did you mean '{meant}'?"
+    )
+
+
+@pytest.mark.parametrize("rule", list(FLOWER_COUNTERPART), ids=lambda rule: rule.__name__)
+def test_every_keyword_misspelled_is_refused_in_the_rules_name(
+    rule: type[ContractStrategy],
+) -> None:
+    for keyword in sorted(valid_keywords(rule)):
+        typo = f"{keyword}x"
+        with pytest.raises(TypeError) as refused:
+            build(rule, **{typo: 1})
+        assert str(refused.value).startswith(
+            f"{rule.__name__}() got an unexpected keyword argument '{typo}'; did you mean "
+            f"'{keyword}'?"
+        ), str(refused.value)
+
+
+def test_unknown_keyword_with_no_close_name_lists_the_accepted_ones() -> None:
+    with pytest.raises(TypeError) as refused:
+        FedGMASoft(colour="red")
+    message = str(refused.value)
+    assert message.startswith("FedGMASoft() got an unexpected keyword argument 'colour'; it takes")
+    for keyword in valid_keywords(FedGMASoft):
+        assert keyword in message
+
+
+@pytest.mark.parametrize("rule", list(FLOWER_COUNTERPART), ids=lambda rule: rule.__name__)
+def test_positional_errors_name_the_class_called(rule: type[ContractStrategy]) -> None:
+    positional = [
+        p.name for p in parameters(rule) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
+    values = [NON_DEFAULT[name] for name in positional]
+    with pytest.raises(TypeError, match=rf"^{rule.__name__}\(\) takes {len(values)} positional"):
+        build(rule, *values, 1)
+    with pytest.raises(
+        TypeError, match=rf"^{rule.__name__}\(\) got multiple values for argument 'fraction_train'"
+    ):
+        build(rule, 0.5, fraction_train=0.5)
 
 
 def test_strategy_options_name_flowers_arguments_then_the_project_extras() -> None:

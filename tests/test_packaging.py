@@ -50,7 +50,18 @@ VERSION: str = PYPROJECT["project"]["version"]
 #: The folders at the repository's top that are the package's subpackages (docs/development.md).
 FOLDERS = ("client", "server", "strategies", "tasks")
 #: What the package is built from (the rest of the repository is not part of any install).
-PACKAGE_FILES = ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "MANIFEST.in")
+PACKAGE_FILES = (
+    "pyproject.toml",
+    "README.md",
+    "README.index.md",
+    "LICENSE",
+    "CHANGELOG.md",
+    "MANIFEST.in",
+)
+#: The repository's address: every URL of the package's metadata is under it.
+HOME = "https://github.com/beyond-averaging/beyond-averaging"
+# A Markdown link's target: [text](target) or ![alt](target).
+_LINK_TARGET = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)")
 #: Pythons the package declares and the version legs test (docs/install.md, "Python versions").
 PYTHONS = ("3.11", "3.12", "3.13")
 
@@ -346,6 +357,65 @@ def test_the_wheel_declares_every_tested_python_without_an_upper_bound(release: 
     assert not requires_python.contains("3.10.99")
     assert dict(fields)["Version"] == VERSION
     assert dict(fields)["License-Expression"] == "Apache-2.0"
+
+
+def _metadata(wheel: Path) -> tuple[list[tuple[str, str]], str]:
+    """The wheel's METADATA: its header fields in order, and its description (the body)."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(f"beyond_averaging-{VERSION}.dist-info/METADATA").decode()
+    header, _, body = metadata.partition("\n\n")
+    fields = [
+        (key, value) for key, _, value in (line.partition(": ") for line in header.splitlines())
+    ]
+    return fields, body
+
+
+def test_the_wheel_names_the_projects_home_docs_source_issues_and_changelog(
+    release: Release,
+) -> None:
+    fields, _ = _metadata(release.wheel_from_sdist)
+    urls = dict(value.split(", ", 1) for key, value in fields if key == "Project-URL")
+    assert urls == {
+        "Homepage": HOME,
+        "Documentation": f"{HOME}/tree/main/docs",
+        "Source": HOME,
+        "Issues": f"{HOME}/issues",
+        "Changelog": f"{HOME}/blob/main/CHANGELOG.md",
+    }
+    assert (REPO / "docs").is_dir()
+    assert (REPO / "CHANGELOG.md").is_file()
+
+
+def test_the_wheels_description_is_the_readme_with_links_to_this_versions_files(
+    release: Release,
+) -> None:
+    # A package index page shows the description: a relative link there leads nowhere. Each of
+    # README.md's relative links must be an absolute one to the same path at this version's tag.
+    fields, description = _metadata(release.wheel_from_sdist)
+    assert dict(fields)["Description-Content-Type"] == "text/markdown"
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    relative = [t for t in _LINK_TARGET.findall(readme) if not re.match(r"^[a-z]+:", t)]
+    assert len(relative) >= 20, "README.md should link the manual"
+    targets = _LINK_TARGET.findall(description)
+    assert [t for t in targets if not re.match(r"^https?://", t)] == []
+    at_tag = re.compile(rf"^{re.escape(HOME)}/(blob|tree|raw)/v{re.escape(VERSION)}/([^#]+)(#.*)?$")
+    ours = [t for t in targets if t.startswith(HOME)]
+    assert len(ours) == len(relative)
+    for target in ours:
+        found = at_tag.match(target)
+        assert found is not None, f"{target} is not a path at the tag v{VERSION}"
+        kind, path = found.group(1), REPO / found.group(2)
+        assert path.is_dir() if kind == "tree" else path.is_file(), target
+    # Apart from the links (and a generated-file comment an index page does not show), it is
+    # README.md word for word.
+    back = re.sub(rf"{re.escape(HOME)}/(?:blob|tree|raw)/v{re.escape(VERSION)}/", "", description)
+    back = re.sub(r"\]\(README\.md#", "](#", re.sub(r"\A<!--.*?-->\n", "", back, flags=re.S))
+    assert back.strip() == readme.strip()
+
+
+def test_the_committed_index_readme_is_up_to_date_with_readme_md() -> None:
+    # README.index.md is generated from README.md and pyproject.toml (scripts/index_readme.py).
+    _run([sys.executable, REPO / "scripts" / "index_readme.py", "--check"], cwd=REPO)
 
 
 def test_the_installed_wheel_imports_from_site_packages_only(

@@ -4,8 +4,9 @@ Each rule runs inside ``DifferentialPrivacyServerSideFixedClipping`` and inside
 ``DifferentialPrivacyClientSideFixedClipping`` with Flower's ``fixedclipping_mod`` on this
 project's ClientApp (server/inprocess.py's Grid, Flower's own ``Strategy.start`` loop). A rule that
 composes trains both rounds on updates clipped to ``clipping_norm`` and its model gets the
-wrapper's noise; a rule that needs an extra record (Elastic, FedGMA) stops before round 1 with
-the reason and the fix. The last tests pin the Flower behaviour those errors rest on.
+wrapper's noise; a rule that needs an extra record (Elastic, FedGMA) stops with the reason and the
+fix when the wrapper's start() first calls into it (its summary()), before the initial evaluation
+and any message. The last tests pin the Flower behaviour those errors rest on.
 """
 
 from __future__ import annotations
@@ -257,12 +258,66 @@ def test_adaptive_clipping_wrappers_stop_the_same_rules(wrapper: type[Any]) -> N
             wrapped.start(grid=grid, initial_arrays=arrays, num_rounds=1, train_config=task)
 
 
+#: Each of Flower's four central-DP wrappers around a strategy, with this file's settings.
+ALL_WRAPPERS: dict[str, Callable[[Strategy], Strategy]] = {
+    "server-side fixed": lambda strategy: DifferentialPrivacyServerSideFixedClipping(
+        strategy, NOISE_MULTIPLIER, CLIPPING_NORM, NUM_CLIENTS
+    ),
+    "client-side fixed": lambda strategy: DifferentialPrivacyClientSideFixedClipping(
+        strategy, NOISE_MULTIPLIER, CLIPPING_NORM, NUM_CLIENTS
+    ),
+    # Noise 0: their default noise on the clipped count needs more than 4 clients for 1.0.
+    "server-side adaptive": lambda strategy: DifferentialPrivacyServerSideAdaptiveClipping(
+        strategy, 0.0, NUM_CLIENTS
+    ),
+    "client-side adaptive": lambda strategy: DifferentialPrivacyClientSideAdaptiveClipping(
+        strategy, 0.0, NUM_CLIENTS
+    ),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(ALL_WRAPPERS))
+@pytest.mark.parametrize("rule", ["ElasticAggregation", "FedGMA"])
+def test_rule_needing_an_extra_record_stops_at_start_before_the_initial_evaluation(
+    rule: str, wrapper: str
+) -> None:
+    # The issue's case: the error came in round 1, after the initial evaluation (and, in a
+    # simulation, after Ray started). Now the run ends at Strategy.start's first call into the
+    # strategy: no evaluation, no message.
+    strategy, config, arrays = build_rule(rule)
+    trained: list[int] = []
+    evaluated: list[int] = []
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        evaluated.append(server_round)
+        return MetricRecord({"accuracy": 0.0})
+
+    grid = InProcessGrid(client_app(wrapper.startswith("client"), trained), NUM_CLIENTS, {})
+    task = ConfigRecord(client_task(config).to_config())
+    with pytest.raises(PrivacyCompositionError, match=rule):
+        ALL_WRAPPERS[wrapper](strategy).start(
+            grid=grid, initial_arrays=arrays, num_rounds=1, train_config=task, evaluate_fn=evaluate
+        )
+    assert evaluated == []
+    assert trained == []
+
+
+@pytest.mark.parametrize("wrapper", list(ALL_WRAPPERS))
+def test_the_wrappers_summary_checks_the_composition_as_soon_as_it_is_built(wrapper: str) -> None:
+    # docs/library.md: calling summary() right after building the wrapper stops there.
+    strategy, _, _ = build_rule("FedGMA")
+    wrapped = ALL_WRAPPERS[wrapper](strategy)
+    with pytest.raises(PrivacyCompositionError, match="FedGMASoft"):
+        wrapped.summary()
+
+
 def test_same_rules_outside_a_wrapper_are_not_stopped() -> None:
     # The check looks for a wrapper among the callers: a direct call is the rule's own run.
     for rule in ("ElasticAggregation", "FedGMA"):
         strategy, config, arrays = build_rule(rule)
         grid = InProcessGrid(client_app(False), NUM_CLIENTS, {})
         task = ConfigRecord(client_task(config).to_config())
+        strategy.summary()
         assert len(list(strategy.configure_train(1, arrays, task, grid))) == NUM_CLIENTS
 
 
@@ -360,6 +415,51 @@ def test_flowers_fixedclipping_mod_refuses_a_reply_with_a_second_array_record() 
     reply = fixedclipping_mod(instruction_message(content), context, answer)
     assert reply.has_error()
     assert "ArrayRecord" in reply.error.reason
+
+
+class RoundOneReachedError(Exception):
+    """Ends a run at its first configure_train: the calls before it are what is checked."""
+
+
+class CallOrder(RecordingStrategy):
+    """Notes the order in which a wrapper calls into it, up to round 1's configure_train."""
+
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.calls.append("configure_train")
+        raise RoundOneReachedError
+
+    def summary(self) -> None:
+        """Noted."""
+        self.calls.append("summary")
+
+
+@pytest.mark.parametrize("wrapper", list(ALL_WRAPPERS))
+def test_flowers_wrappers_call_summary_first_in_start_and_nothing_when_built(
+    wrapper: str,
+) -> None:
+    # Where the composition check can run: a wrapper's constructor calls nothing on the
+    # strategy; its start() calls the strategy's summary() before evaluate_fn(0) and round 1.
+    calls: list[str] = []
+    wrapped = ALL_WRAPPERS[wrapper](CallOrder(calls))
+    assert calls == []
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> None:
+        calls.append(f"evaluate {server_round}")
+
+    with pytest.raises(RoundOneReachedError):
+        wrapped.start(
+            grid=InProcessGrid(client_app(False), NUM_CLIENTS, {}),
+            initial_arrays=record(GLOBAL),
+            num_rounds=1,
+            evaluate_fn=evaluate,
+        )
+    assert calls == ["summary", "evaluate 0", "configure_train"]
 
 
 def test_flowers_privacy_accountant_refuses_every_strategy_but_its_own_fedavg() -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import math
 import os
 import re
@@ -49,6 +50,7 @@ from typing import Any
 
 import pytest
 from flwr.serverapp.strategy import Strategy
+from flwr.supercore.constant import DEFAULT_SIMULATION_CONFIG
 
 from beyond_averaging.server import inprocess
 from tests.flower_runtime import (
@@ -66,7 +68,7 @@ DOCS = REPO / "docs"
 #: What the wheel is built from: the package's metadata files and the folders it maps.
 WHEEL_SOURCES = (
     "pyproject.toml",
-    "README.md",
+    "README.index.md",  # the readme pyproject.toml names (README.md with absolute links)
     "LICENSE",
     "beyond_averaging",
     *("strategies", "server", "client", "tasks"),
@@ -184,6 +186,9 @@ RULES = (
 )
 #: FedLAW with its proxy samples also kept out of global_evaluate (docs/fedlaw.md): in process.
 FEDLAW_HOLDOUT = Rule("fedlaw-holdout", "FedLAW", "fedlaw-server", None, ("fedlaw-holdout",))
+#: FedAvg inside Flower's server-side DP wrapper (docs/library.md): in process, on the
+#: quickstart's own federation, so that the wrapper's client count is checked against it.
+PRIVATE_FEDAVG = Rule("dp", "DifferentialPrivacyServerSideFixedClipping", "dp-server", None)
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,7 @@ def changed_lines(before: str, after: str) -> tuple[int, int]:
 def test_every_recipe_the_apps_copy_is_in_the_docs_exactly_once() -> None:
     blocks = docs_blocks()
     wanted = {r.server_recipe for r in RULES} | {r.client_recipe for r in RULES if r.client_recipe}
-    wanted |= {"app-dependency", *FEDLAW_HOLDOUT.server_extras}
+    wanted |= {"app-dependency", *FEDLAW_HOLDOUT.server_extras, PRIVATE_FEDAVG.server_recipe}
     assert {name: len(blocks.get(name, [])) for name in sorted(wanted)} == dict.fromkeys(
         sorted(wanted), 1
     )
@@ -313,12 +318,11 @@ IN_PROCESS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("shape", "rule"), IN_PROCESS, ids=[f"{s.name}-{r.name}" for s, r in IN_PROCESS]
-)
-def test_the_patched_app_runs_the_rule_for_two_rounds_in_process(
-    shape: AppShape, rule: Rule, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def run_patched_in_process(
+    shape: AppShape, rule: Rule, num_nodes: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Strategy, Any]:
+    """Run the app patched with the rule's recipes in process for ``ROUNDS`` rounds on
+    ``num_nodes`` nodes: the strategy its ServerApp started, and Flower's Result."""
     # Flower's loader imports the app's modules by name, from the app's folder first on sys.path;
     # the repository's own folders share the flat app's names (client, server, tasks).
     for name in [n for n in sys.modules if n.split(".")[0] in shape.modules]:
@@ -338,18 +342,49 @@ def test_the_patched_app_runs_the_rule_for_two_rounds_in_process(
 
     monkeypatch.setattr(Strategy, "start", recording_start)
     try:
-        inprocess.run_inprocess(app, {"num-server-rounds": ROUNDS}, num_nodes=NUM_SUPERNODES)
+        inprocess.run_inprocess(app, {"num-server-rounds": ROUNDS}, num_nodes=num_nodes)
     finally:
         forget_modules(shape.modules)
     [(strategy, result)] = started
     assert type(strategy).__name__ == rule.strategy_class
+    assert sorted(result.evaluate_metrics_serverapp) == list(range(ROUNDS + 1))
+    assert (tmp_path / "final_model.pt").is_file()
+    return strategy, result
+
+
+@pytest.mark.parametrize(
+    ("shape", "rule"), IN_PROCESS, ids=[f"{s.name}-{r.name}" for s, r in IN_PROCESS]
+)
+def test_the_patched_app_runs_the_rule_for_two_rounds_in_process(
+    shape: AppShape, rule: Rule, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    strategy, result = run_patched_in_process(shape, rule, NUM_SUPERNODES, tmp_path, monkeypatch)
     for server_round in range(1, ROUNDS + 1):
         figures = strategy.aggregation_metrics[server_round]  # type: ignore[attr-defined]
         assert figures["replies-dropped"] == 0
         assert figures["replies-valid"] == NUM_SUPERNODES
         assert math.isfinite(result.train_metrics_clientapp[server_round]["train_loss"])
-    assert sorted(result.evaluate_metrics_serverapp) == list(range(ROUNDS + 1))
-    assert (tmp_path / "final_model.pt").is_file()
+
+
+def test_the_dp_recipe_calibrates_its_noise_for_the_clients_the_quickstart_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # `flwr run .` runs the quickstart (no federation of its own) on Flower's default simulation
+    # federation, and its FedAvg trains a fraction_train of it each round. The wrapper's
+    # num_sampled_clients must be that count: otherwise Flower warns every round and its noise,
+    # noise_multiplier * clipping_norm / num_sampled_clients, is calibrated for other clients.
+    nodes = DEFAULT_SIMULATION_CONFIG.num_supernodes
+    with caplog.at_level(logging.WARNING):
+        wrapper, result = run_patched_in_process(
+            SHAPES[0], PRIVATE_FEDAVG, nodes, tmp_path, monkeypatch
+        )
+    inner = wrapper.strategy  # type: ignore[attr-defined]
+    trained = max(int(nodes * inner.fraction_train), inner.min_train_nodes)
+    assert wrapper.num_sampled_clients == trained  # type: ignore[attr-defined]
+    for server_round in range(1, ROUNDS + 1):
+        assert inner.aggregation_metrics[server_round]["replies-valid"] == trained
+        assert math.isfinite(result.train_metrics_clientapp[server_round]["train_loss"])
+    assert "differs from the number of sampled clients" not in caplog.text
 
 
 # ------------------------------------------------------------------- clean environments
