@@ -24,6 +24,7 @@ from benchmarks.harness import MIB, PeakSampler, available_bytes, hardware, stat
 from benchmarks.report import markdown_table, read_metrics
 from beyond_averaging.server.app import client_task
 from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import LaunchError
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
@@ -94,7 +95,12 @@ def _mb(size: float) -> float:
 
 
 def measure(
-    size: int, rounds: int, workdir: Path, timeout: float, file_state: bool
+    size: int,
+    rounds: int,
+    workdir: Path,
+    timeout: float,
+    file_state: bool,
+    round_timeout: float = 1800.0,
 ) -> dict[str, Any]:
     """One federation of ``size`` SuperNodes: start, run ``rounds`` rounds, stop."""
     row: dict[str, Any] = {"supernodes": size, "rounds": rounds}
@@ -102,6 +108,7 @@ def measure(
     # In-memory SuperLink state by default: with its SQLite file, 7 of 10 replies failed here
     # with "database is locked" on a loaded machine; see docs/deployment.md (Load).
     deployment = LocalDeployment(REPO, workdir / f"n{size}", file_state=file_state)
+    load: list[float] = []
     started = time.monotonic()
     try:
         deployment.start()
@@ -114,12 +121,11 @@ def measure(
         settings = {
             "num-clients": size,
             "num-server-rounds": rounds,
-            "round-timeout": 1800.0,  # measure slow rounds instead of dropping their replies
+            "round-timeout": round_timeout,
             "run-name": f"load-{size}",
             "output-dir": str(deployment.workdir / "runs"),
         }
         assert deployment.superlink is not None
-        load: list[float] = []
         sampler = PeakSampler(lambda: node_memory(deployment, load), interval=1.0)
         with sampler as nodes, PeakMemory(deployment.serverapp_pids) as server:
             run_started = time.monotonic()
@@ -137,16 +143,24 @@ def measure(
         for part in NODE_PARTS:
             row[f"{part}-peak-rss-mb-per-node"] = _mb(nodes.peaks[part] / size)
         row["clientapp-processes-at-once"] = int(nodes.peaks["clientapps"])
-        row["load-average"] = [round(v, 1) for v in (min(load), sum(load) / len(load), max(load))]
         row["status"] = "completed"
     except (LaunchError, OSError, AssertionError) as error:
         row["status"] = "failed"
         row["error"] = f"{type(error).__name__}: {error}"[:2000]
     finally:
+        if load:  # also for a failed run: how busy the cores were when it failed
+            mean = sum(load) / len(load)
+            row["load-average"] = [round(v, 1) for v in (min(load), mean, max(load))]
         deployment.close()
         if deployment.superlink_log.is_file():
             row.update(superlink_errors(deployment.superlink_log.read_text(errors="replace")))
     return row
+
+
+def interpreter() -> str:
+    """This interpreter as the page's command names it: relative to the repository if inside."""
+    path = Path(sys.executable)
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def superlink_errors(log: str) -> dict[str, Any]:
@@ -171,7 +185,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['cpus']} CPU cores and {meta['memory-gib']} GiB shared with other jobs (the "
         "load average column says how busy the cores were during the run; times are upper "
         "bounds). Default configuration (digits, MLP, 2 local epochs, every node trains every "
-        f"round), plain gRPC on loopback, one SuperLink with its state in "
+        f"round), flwr {meta['flwr']} (its Fleet API: {meta['transport']}), plain-text on "
+        "loopback, one SuperLink with its state in "
         f"{meta['superlink-state']}; each SuperNode starts a ClientApp process per message "
         f"(Flower's default isolation). Partition cache: {cache}.",
         "",
@@ -189,7 +204,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         elif row["status"] == "failed":
             first_line = row["error"].splitlines()[0][:300].replace("|", "/")
             online = row.get("seconds-to-online", "-")
-            cells.append([row["supernodes"], online, *["-"] * 6, f"failed: {first_line}{locked}"])
+            load = " / ".join(map(str, row.get("load-average", ["-"])))
+            failure = f"failed: {first_line}{locked}"
+            cells.append([row["supernodes"], online, "-", load, *["-"] * 4, failure])
         else:
             parts = ("node", "supernode", "superexec", "clientapp")
             per_node = [row[f"{part}-peak-rss-mb-per-node"] for part in parts]
@@ -222,6 +239,13 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[5, 10, 20, 30, 50])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument(
+        "--round-timeout",
+        type=float,
+        default=1800.0,
+        help="the run's round-timeout: long, to measure slow rounds rather than drop their "
+        "replies; shorter where replies are lost for good (the SQLite state's lock)",
+    )
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="memory left to others")
     state = "the SuperLink's state: in memory or in an SQLite file"
     parser.add_argument("--state", choices=("memory", "file"), default="memory", help=state)
@@ -229,8 +253,10 @@ def main() -> None:
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
+    release = FlowerRelease.installed()
     name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
     name += "-cold" if args.cold_cache else ""
+    name += "" if release.transport == "grpc" else f"-{release.transport}"
     rows: list[dict[str, Any]] = []
     per_node = 0.0  # memory per node of the largest size measured
     with tempfile.TemporaryDirectory(prefix="ba-load-") as scratch:
@@ -248,14 +274,23 @@ def main() -> None:
                 if not args.cold_cache:
                     warm_partition_cache(size)
                 rows.append(
-                    measure(size, args.rounds, Path(scratch), args.timeout, args.state == "file")
+                    measure(
+                        size,
+                        args.rounds,
+                        Path(scratch),
+                        args.timeout,
+                        args.state == "file",
+                        args.round_timeout,
+                    )
                 )
             print(json.dumps(rows[-1]), flush=True)
             if rows[-1]["status"] == "completed":
                 per_node = rows[-1]["node-peak-rss-mb-per-node"] * MIB
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "nice -n 10 .venv/bin/python -m benchmarks.load " + shlex.join(sys.argv[1:]),
+        "command": f"nice -n 10 {interpreter()} -m benchmarks.load " + shlex.join(sys.argv[1:]),
+        "flwr": release.version,
+        "transport": release.transport,
         "machine": hardware(),
         "cpus": os.cpu_count(),
         "memory-gib": round(int(Path("/proc/meminfo").read_text().split()[1]) * 1024 / 2**30, 1),
