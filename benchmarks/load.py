@@ -84,8 +84,9 @@ def node_memory(deployment: LocalDeployment, load: list[float]) -> dict[str, flo
 
 def warm_partition_cache(size: int) -> None:
     """Partition the default federation of ``size`` nodes into the partition cache: the steady
-    state of a deployment (a node's first ClientApp would partition with Flower Datasets itself,
-    importing ``datasets``, pandas and pyarrow: ~180 MB more in that process)."""
+    state of a deployment (a node's first ClientApp would partition itself; before 0.3.0 it did
+    so with Flower Datasets, importing ``datasets``, pandas and pyarrow: ~180 MB more in that
+    process, docs/results/load-memory-cold.md)."""
     task = client_task(parse_run_config({}))
     load_client_partition(DataSpec.from_task(task, size), 0)
 

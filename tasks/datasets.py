@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import itertools
+import os
 import shlex
 import zlib
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ _GZIP_MAGIC = b"\x1f\x8b"
 # scikit-learn's digits table, relative to its package folder: 1797 rows of 64 pixel values
 # (0..16) and the label.
 _DIGITS_CSV = ("datasets", "data", "digits.csv.gz")
+#: Environment variable naming a copy of that table, for installs without scikit-learn (the edge
+#: image sets it); when set, scikit-learn is not looked for.
+DIGITS_CSV_ENV = "BA_DIGITS_CSV"
 _DIGITS_COLUMNS = 65
 
 _SYNTHETIC_DIMENSION = 60
@@ -163,7 +167,8 @@ def load_dataset(
     Parameters
     ----------
     name : {"digits", "fashion-mnist", "mnist", "synthetic"}
-        - ``digits``: scikit-learn's 8x8 digits (1797 samples, shipped with scikit-learn),
+        - ``digits``: scikit-learn's 8x8 digits (1797 samples, shipped with scikit-learn;
+          without it, from ``$BA_DIGITS_CSV``: :func:`digits_csv_path`),
           features ``(N, 1, 8, 8)`` divided by 16; stratified ``heldout_fraction`` split.
         - ``fashion-mnist`` / ``mnist``: IDX files in ``data_dir``; the train files are the
           pool and the t10k files are held out (``heldout_fraction`` and ``seed`` are not
@@ -304,17 +309,35 @@ def make_synthetic(*, alpha: float, beta: float, num_samples: int, seed: int) ->
 
 
 def digits_csv_path() -> Path:
-    """Where the installed scikit-learn keeps its digits table, found without importing it.
+    """Where the digits table is: ``$BA_DIGITS_CSV``, else inside the installed scikit-learn.
 
-    ``importlib.util.find_spec`` reads only the package's location: importing scikit-learn
-    would pull in SciPy, pandas and pyarrow (about 140 MB per process and seconds of start-up
-    in every ClientApp process), and only this one file is needed.
+    ``$BA_DIGITS_CSV`` (when set and not empty) names a copy of scikit-learn's
+    ``sklearn/datasets/data/digits.csv.gz``, the same bytes, so that an install without
+    scikit-learn (the edge image) loads digits. Otherwise the table is found inside the
+    installed scikit-learn with ``importlib.util.find_spec``, which reads only the package's
+    location: importing scikit-learn would pull in SciPy, pandas and pyarrow (about 140 MB per
+    process and seconds of start-up in every ClientApp process), and only this one file is
+    needed.
 
     Raises
     ------
     DatasetNotFoundError
-        scikit-learn is not installed, or its install lacks the file.
+        ``$BA_DIGITS_CSV`` names no file, or it is unset and scikit-learn is not installed or
+        lacks the file; the message gives both ways to provide the table.
     """
+    both_ways = (
+        "Provide scikit-learn's digits table one of two ways: set "
+        f"{DIGITS_CSV_ENV} to a copy of sklearn/{'/'.join(_DIGITS_CSV)} (as the edge image "
+        "does), or leave it unset and `pip install 'scikit-learn>=1.4'`."
+    )
+    configured = os.environ.get(DIGITS_CSV_ENV, "")
+    if configured:
+        path = Path(configured).expanduser()
+        if path.is_file():
+            return path
+        raise DatasetNotFoundError(
+            f"digits: {DIGITS_CSV_ENV}={configured!r} is not a file. {both_ways}"
+        )
     package = importlib.util.find_spec("sklearn")
     locations = [] if package is None else list(package.submodule_search_locations or [])
     for location in locations:
@@ -323,8 +346,8 @@ def digits_csv_path() -> Path:
             return candidate
     where = ", ".join(locations) or "nowhere (scikit-learn is not installed)"
     raise DatasetNotFoundError(
-        f"digits: {'/'.join(_DIGITS_CSV)} not found in the scikit-learn package at {where}; "
-        "the digits data set ships with scikit-learn: `pip install 'scikit-learn>=1.4'`."
+        f"digits: {'/'.join(_DIGITS_CSV)} not found in the scikit-learn package at {where}, "
+        f"and {DIGITS_CSV_ENV} is not set. {both_ways}"
     )
 
 
@@ -338,7 +361,8 @@ def _load_digits() -> LabeledData:
     if table.ndim != 2 or table.shape[1] != _DIGITS_COLUMNS:
         raise ValueError(
             f"{path}: expected a table of {_DIGITS_COLUMNS} columns (64 pixels and a label), "
-            f"got shape {table.shape}; reinstall scikit-learn"
+            f"got shape {table.shape}: not scikit-learn's digits table (check {DIGITS_CSV_ENV}, "
+            "or reinstall scikit-learn)"
         )
     images = table[:, :-1].reshape(-1, 8, 8).astype(np.float32)[:, None, :, :] / np.float32(16.0)
     return LabeledData(images, table[:, -1].astype(np.int64), 10)

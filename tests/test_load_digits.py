@@ -2,23 +2,24 @@
 
 Every ClientApp process of a deployment loads its data afresh; importing scikit-learn there
 pulled in SciPy, pandas and pyarrow (~140 MB per node, see docs/results/load.md). The loader
-must still give exactly scikit-learn's data.
+must still give exactly scikit-learn's data, from the installed scikit-learn or, where it is
+not installed (the edge image), from a copy of its table named by ``$BA_DIGITS_CSV``. That the
+whole runtime path then imports none of those packages: tests/test_light_dependencies.py.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import importlib.util
+import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
 from beyond_averaging.tasks import datasets
-from beyond_averaging.tasks.datasets import DatasetNotFoundError, digits_csv_path
-from beyond_averaging.tasks.partition_cache import CACHE_ENV
+from beyond_averaging.tasks.datasets import DIGITS_CSV_ENV, DatasetNotFoundError, digits_csv_path
 
 
 def test_digits_are_bit_identical_to_scikit_learns_load_digits() -> None:
@@ -35,42 +36,12 @@ def test_digits_are_bit_identical_to_scikit_learns_load_digits() -> None:
     assert loaded.num_classes == 10
 
 
-def test_a_client_partition_of_digits_imports_no_scikit_learn_scipy_or_pandas(
-    tmp_path: Path,
+def test_digits_table_is_found_inside_the_installed_scikit_learn(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # What a deployment's ClientApp process does per message. The first process of a
-    # federation partitions with Flower Datasets (which imports pandas and pyarrow) and fills
-    # the disk cache; every later one must read data and partition without those imports.
-    script = (
-        "import sys\n"
-        "from beyond_averaging.tasks.federation import DataSpec, load_client_partition\n"
-        "spec = DataSpec(dataset='digits', data_dir='', partition='dirichlet',\n"
-        "                dirichlet_alpha=0.5, classes_per_partition=2, num_partitions=4,\n"
-        "                seed=0, proxy_per_class=0)\n"
-        "load_client_partition(spec, 1)\n"
-        "print(sorted(m for m in ('sklearn', 'scipy', 'pandas', 'pyarrow') if m in sys.modules))\n"
-    )
-    environment = {**os.environ, CACHE_ENV: str(tmp_path)}
-    imported = [
-        subprocess.run(
-            [sys.executable, "-c", script],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=300,
-            env=environment,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-        for _ in range(2)
-    ]
-    assert list(tmp_path.glob("*.npz")), "the first process did not fill the partition cache"
-    assert imported[1] == "[]"
-
-
-def test_digits_table_is_found_inside_the_installed_scikit_learn() -> None:
     import sklearn
 
+    monkeypatch.delenv(DIGITS_CSV_ENV, raising=False)
     path = digits_csv_path()
     assert path.name == "digits.csv.gz"
     assert path.resolve().is_relative_to(Path(sklearn.__file__).resolve().parent)
@@ -79,6 +50,7 @@ def test_digits_table_is_found_inside_the_installed_scikit_learn() -> None:
 def test_missing_digits_table_names_the_package_and_the_install_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.delenv(DIGITS_CSV_ENV, raising=False)
     monkeypatch.setattr(datasets, "_DIGITS_CSV", ("datasets", "data", "no-such-table.csv.gz"))
     with pytest.raises(DatasetNotFoundError, match=r"no-such-table\.csv\.gz.*pip install"):
         datasets.load_dataset("digits")
@@ -88,6 +60,56 @@ def test_a_table_of_the_wrong_width_is_refused_with_its_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Another of scikit-learn's bundled tables: one column per row instead of 65.
+    monkeypatch.delenv(DIGITS_CSV_ENV, raising=False)
     monkeypatch.setattr(datasets, "_DIGITS_CSV", ("datasets", "data", "diabetes_target.csv.gz"))
     with pytest.raises(ValueError, match=r"diabetes_target\.csv\.gz: expected a table of 65"):
         datasets.load_dataset("digits")
+
+
+def test_a_table_named_by_the_environment_variable_is_read_first_and_gives_scikit_learns_digits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sklearn
+
+    copy = tmp_path / "digits.csv.gz"
+    shutil.copyfile(Path(sklearn.__file__).parent / "datasets" / "data" / "digits.csv.gz", copy)
+    monkeypatch.setenv(DIGITS_CSV_ENV, str(copy))
+    # scikit-learn's own table can no longer be found: only the copy can give the data.
+    monkeypatch.setattr(datasets, "_DIGITS_CSV", ("datasets", "data", "no-such-table.csv.gz"))
+    assert digits_csv_path() == copy
+    loaded = datasets._load_digits()
+    reference = load_digits()
+    assert loaded.labels.tobytes() == np.asarray(reference.target, dtype=np.int64).tobytes()
+    expected = np.asarray(reference.images, dtype=np.float32)[:, None, :, :] / np.float32(16.0)
+    assert loaded.features.tobytes() == expected.tobytes()
+
+
+def test_an_environment_variable_naming_no_file_is_an_error_giving_both_ways(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "nowhere" / "digits.csv.gz"
+    monkeypatch.setenv(DIGITS_CSV_ENV, str(missing))
+    with pytest.raises(DatasetNotFoundError) as raised:
+        datasets.load_dataset("digits")
+    message = str(raised.value)
+    assert f"{DIGITS_CSV_ENV}='{missing}' is not a file" in message
+    assert "sklearn/datasets/data/digits.csv.gz" in message
+    assert "pip install 'scikit-learn>=1.4'" in message
+
+
+def test_without_scikit_learn_or_the_variable_the_error_gives_both_ways(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(DIGITS_CSV_ENV, raising=False)
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec_without_sklearn(name: str, package: str | None = None) -> Any:
+        return None if name == "sklearn" else real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec_without_sklearn)
+    with pytest.raises(DatasetNotFoundError) as raised:
+        datasets.load_dataset("digits")
+    message = str(raised.value)
+    assert "scikit-learn is not installed" in message
+    assert f"set {DIGITS_CSV_ENV} to a copy of sklearn/datasets/data/digits.csv.gz" in message
+    assert "pip install 'scikit-learn>=1.4'" in message

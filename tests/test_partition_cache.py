@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +12,6 @@ import pytest
 from beyond_averaging.tasks import federation
 from beyond_averaging.tasks.federation import load_client_partition
 from beyond_averaging.tasks.partition_cache import CACHE_ENV, partition_key
-from tests.conftest import REPO
 from tests.test_tasks_datasets import digits_spec
 
 
@@ -97,24 +93,3 @@ def test_an_unwritable_cache_warns_how_to_fix_it_and_the_run_goes_on(
     with pytest.warns(RuntimeWarning, match=f"set {CACHE_ENV} to a writable folder"):
         assert len(load_client_partition(digits_spec(seed=12), 0)) > 0
     federation._partitions.cache_clear()
-
-
-def test_a_cache_hit_does_not_import_the_partitioning_libraries(cache: Path) -> None:
-    load_client_partition(digits_spec(), 0)  # fills the cache
-    probe = (
-        "import sys\n"
-        "from tasks.federation import DataSpec, load_client_partition\n"
-        "from tests.test_tasks_datasets import digits_spec\n"
-        "load_client_partition(digits_spec(), 0)\n"
-        "print(sorted(name for name in ('datasets', 'flwr_datasets') if name in sys.modules))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=REPO,
-        env={**os.environ, CACHE_ENV: str(cache)},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
-    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -172,3 +172,12 @@ def test_invalid_arguments_raise_value_error_naming_argument_value_and_range(
     arguments: dict[str, Any] = {"num_partitions": 10, "scheme": "iid", **kwargs}
     with pytest.raises(ValueError, match=message):
         partition_indices(class_sorted_labels, **arguments)
+
+
+def test_classes_needing_a_class_on_more_partitions_than_it_has_samples_names_it() -> None:
+    # Every one of the 6 partitions holds all 3 classes, but class 7 has a single sample.
+    labels = np.array([0] * 6 + [3] * 6 + [7])
+    with pytest.raises(
+        ValueError, match=r"label 7 is drawn for 6 partitions but has only 1 sample; use fewer"
+    ):
+        partition_indices(labels, 6, "classes", classes_per_partition=3)
