@@ -23,6 +23,11 @@
 #                         SuperNode authentication
 #   <anything else>       executed as given (e.g. `bash`, `flwr ls`)
 #
+# BA_ROLE (superlink or supernode), when set, is the role, and the container's arguments are
+# dropped with a notice: Flower's Helm charts start Flower's images, whose entry point is the
+# component itself, with that component's flags as arguments; this image makes its own flags
+# from BA_* and the installed Flower (docs/multi-host.md, "Kubernetes").
+#
 # TLS: with BA_TLS=1 the SuperLink serves /app/certs/server.pem (key server.key, CA ca.crt) and
 # SuperNodes and the registration trust /app/certs/ca.crt; otherwise everything runs insecure.
 # SuperNode authentication: BA_SUPERNODE_AUTH=1 makes the SuperLink accept registered keys only;
@@ -30,6 +35,10 @@
 # Extra arguments after the role are appended to the Flower command.
 set -eu
 
+if [ -n "${BA_ROLE:-}" ]; then
+  [ "$#" -gt 0 ] && echo "entrypoint: BA_ROLE=${BA_ROLE}: ignoring the arguments: $*" >&2
+  set -- "$BA_ROLE"
+fi
 role="${1:-superlink}"
 [ "$#" -gt 0 ] && shift
 

@@ -29,6 +29,8 @@ Command line, for shell entry points::
     python -m beyond_averaging.server.flower_release transport
     python -m beyond_averaging.server.flower_release superlink-ports --host 0.0.0.0 \\
         --fleet-port 9092 --control-port 9093
+    python -m beyond_averaging.server.flower_release superlink-ports --host 127.0.0.1 \\
+        --fleet-host 192.0.2.10      # gRPC Fleet API on a public address, the rest on loopback
     python -m beyond_averaging.server.flower_release fleet-address --host superlink \\
         --fleet-port 9092 --control-port 9093
 """
@@ -90,13 +92,19 @@ class FlowerRelease:
         """Log lines of a SuperNode that the SuperLink no longer knows."""
         return _FORGOTTEN[self.transport]
 
-    def superlink_ports(self, host: str, fleet_port: int, control_port: int) -> list[str]:
+    def superlink_ports(
+        self, host: str, fleet_port: int, control_port: int, fleet_host: str | None = None
+    ) -> list[str]:
         """The SuperLink's address flags: the HTTP port (Control, Runtime and, under ``http``,
         Fleet API) on ``host:control_port``, and under ``grpc`` the Fleet API on
-        ``host:fleet_port``. ``fleet_port`` is unused under ``http``."""
+        ``fleet_host:fleet_port`` (``fleet_host`` defaults to ``host``; a SuperLink serving
+        SuperNodes on other hosts binds its Fleet API to a public address and keeps the
+        Control API on loopback, docs/multi-host.md). ``fleet_port`` and ``fleet_host`` are
+        unused under ``http``, whose one port serves every API."""
         flags = ["--host", host, "--port", str(control_port)]
         if self.transport == "grpc":
-            flags += ["--fleet-api-address", f"{_host_part(host)}:{fleet_port}"]
+            fleet = _host_part(host if fleet_host is None else fleet_host)
+            flags += ["--fleet-api-address", f"{fleet}:{fleet_port}"]
         return flags
 
     def fleet_port(self, fleet_port: int, control_port: int) -> int:
@@ -137,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--fleet-port", type=int, default=9092)
+    parser.add_argument(
+        "--fleet-host", help="superlink-ports: the gRPC Fleet API's host, if not --host"
+    )
     parser.add_argument("--control-port", type=int, default=9093)
     parser.add_argument("--flwr-version", help="a release to describe instead of the installed")
     args = parser.parse_args(argv)
@@ -144,7 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.what == "transport":
         print(release.transport)
     elif args.what == "superlink-ports":
-        print(" ".join(release.superlink_ports(args.host, args.fleet_port, args.control_port)))
+        flags = release.superlink_ports(
+            args.host, args.fleet_port, args.control_port, args.fleet_host
+        )
+        print(" ".join(flags))
     else:
         print(release.fleet_address(args.host, args.fleet_port, args.control_port))
     return 0

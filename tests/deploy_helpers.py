@@ -6,8 +6,9 @@ flwr 1.39, HTTP under 1.40 and later (:mod:`server.flower_release` says which, a
 flags of each):
 
 - :class:`LocalDeployment` starts ``flower-superlink`` and ``flower-supernode`` as local processes
-  on loopback (each in its own process group, stopped by PID), registers SuperNode keys, and runs
-  the app with ``flwr run <app> <connection> --stream``;
+  on loopback, or each in a network namespace standing for a host of its own (each in its own
+  process group, stopped by PID), registers SuperNode keys, and runs the app with
+  ``flwr run <app> <connection> --stream``;
 - :class:`FleetTap` is a byte-counting TCP relay put between one SuperNode and the Fleet API: it
   records what the SuperNode uploads, so a test can check that replies, extra records included,
   really crossed the connection (and that under TLS nothing of them is readable on it);
@@ -76,6 +77,20 @@ MAKE_CERTS = REPO / "docker" / "make-certs.sh"
 CONNECTION = "ba-deploy"
 
 
+def lean_round(num_clients: int) -> dict[str, Any]:
+    """Run settings of one lean round: digits, FedLAW's MLP, one local epoch, every one of
+    ``num_clients`` nodes trains."""
+    return {
+        "dataset": "digits",
+        "model": "mlp",
+        "num-clients": num_clients,
+        "num-server-rounds": 1,
+        "local-epochs": 1,
+        "fraction-train": 1.0,
+        "seed": 0,
+    }
+
+
 # ---------------------------------------------------------------------------------------- config
 
 
@@ -123,11 +138,18 @@ class Certificates:
         return self.directory / "supernode-public-keys" / f"supernode-{index}.pub"
 
 
-def make_certificates(directory: Path, nodes: int, owner: str | None = None) -> Certificates:
-    """Run ``docker/make-certs.sh`` (the script users run) and return its output files."""
+def make_certificates(
+    directory: Path, nodes: int, owner: str | None = None, hosts: Sequence[str] = ()
+) -> Certificates:
+    """Run ``docker/make-certs.sh`` (the script users run) and return its output files.
+
+    ``hosts`` are the SuperLink's further names or addresses (``--host``): the certificate
+    names them, so SuperNodes on other hosts that dial one of them can verify it."""
     command = ["bash", str(MAKE_CERTS), "--out", str(directory), "--nodes", str(nodes)]
     if owner is not None:
         command += ["--owner", owner]
+    for host in hosts:
+        command += ["--host", host]
     subprocess.run(command, check=True, capture_output=True, timeout=120)
     return Certificates(directory)
 
@@ -209,6 +231,20 @@ class FleetTap:
 
 
 # ------------------------------------------------------------------------------ local processes
+def in_netns(netns: str | None, command: Sequence[str]) -> list[str]:
+    """``command`` run inside the Linux network namespace ``netns`` (``ip netns exec``, which
+    executes it in place: the process keeps its PID), or as it is when ``netns`` is None."""
+    return [*(["ip", "netns", "exec", netns] if netns else []), *command]
+
+
+#: Asks a SuperLink's /health inside a network namespace (argv: url, CA file or "").
+_HEALTH_PROBE = (
+    "import ssl, sys, urllib.request\n"
+    "context = ssl.create_default_context(cafile=sys.argv[2]) if sys.argv[2] else None\n"
+    "urllib.request.urlopen(sys.argv[1], timeout=1.0, context=context)\n"
+)
+
+
 @dataclass
 class SuperNodeProcess:
     """One running ``flower-supernode`` and where its log goes."""
@@ -236,6 +272,13 @@ class LocalDeployment:
     supernode_auth : bool
         Start the SuperLink with ``--enable-supernode-auth`` (needs ``certificates``): only
         SuperNodes whose public key was registered may connect.
+    netns : str, optional
+        A Linux network namespace (a host of its own, tests/test_deployment_multihost.py) the
+        SuperLink and every ``flwr`` command run in; its Control API stays on that host's
+        loopback. ``None``: this host.
+    fleet_host : str
+        The address the gRPC Fleet API binds to (flwr 1.39); under HTTP every API is on
+        loopback and a proxy publishes the Fleet routes (docs/multi-host.md).
     """
 
     app_dir: Path
@@ -247,6 +290,8 @@ class LocalDeployment:
     #: (busy_timeout); on a loaded machine 10 to 20 SuperNodes replying at once exceed it and
     #: their replies fail ("database is locked", see docs/deployment.md, "Load").
     file_state: bool = True
+    netns: str | None = None
+    fleet_host: str = "127.0.0.1"
     supernodes: list[SuperNodeProcess] = field(default_factory=list)
     superlink: subprocess.Popen[bytes] | None = None
 
@@ -267,7 +312,8 @@ class LocalDeployment:
 
     @property
     def fleet_address(self) -> str:
-        return f"127.0.0.1:{self.fleet_port}"
+        host = self.fleet_host if self.release.transport == "grpc" else "127.0.0.1"
+        return f"{host}:{self.fleet_port}"
 
     def _tls_arguments(self) -> list[str]:
         if self.certificates is None:
@@ -282,11 +328,15 @@ class LocalDeployment:
         ]
 
     def _popen(
-        self, command: list[str], log_path: Path, append: bool = False
+        self,
+        command: list[str],
+        log_path: Path,
+        append: bool = False,
+        netns: str | None = None,
     ) -> subprocess.Popen[bytes]:
         with log_path.open("ab" if append else "wb") as log_file:
             return subprocess.Popen(
-                command,
+                in_netns(netns, command),
                 env=self.env,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -316,7 +366,9 @@ class LocalDeployment:
         command = [
             "flower-superlink",
             *self._tls_arguments(),
-            *self.release.superlink_ports("127.0.0.1", self.fleet_port, self.control_port),
+            *self.release.superlink_ports(
+                "127.0.0.1", self.fleet_port, self.control_port, fleet_host=self.fleet_host
+            ),
             "--disable-runtime-dependency-installation",
         ]
         if self.file_state:
@@ -324,7 +376,7 @@ class LocalDeployment:
         if self.supernode_auth:
             command.append("--enable-supernode-auth")
         # Appended to, so that a restarted SuperLink's log follows the first one's.
-        self.superlink = self._popen(command, self.superlink_log, append=True)
+        self.superlink = self._popen(command, self.superlink_log, append=True, netns=self.netns)
         self._wait_superlink_healthy(timeout=60.0)
         return self
 
@@ -343,8 +395,18 @@ class LocalDeployment:
                     f"the SuperLink exited with code {self.superlink.returncode}:\n"
                     f"{self.superlink_log.read_text(errors='replace')[-3000:]}"
                 )
+            url = f"{scheme}://127.0.0.1:{self.control_port}/health"
+            if self.netns is not None:  # that host's loopback: ask from inside it
+                cafile = "" if self.certificates is None else str(self.certificates.ca_cert)
+                probe = [sys.executable, "-c", _HEALTH_PROBE, url, cafile]
+                answered = subprocess.run(
+                    in_netns(self.netns, probe), capture_output=True, timeout=30, check=False
+                )
+                if answered.returncode == 0:
+                    return
+                time.sleep(0.3)
+                continue
             try:
-                url = f"{scheme}://127.0.0.1:{self.control_port}/health"
                 with urllib.request.urlopen(url, timeout=1.0, context=context):
                     return
             except OSError:
@@ -355,17 +417,20 @@ class LocalDeployment:
         """Register the public keys of SuperNodes ``0..count-1`` with ``make-certs.sh register``."""
         assert self.certificates is not None
         completed = subprocess.run(
-            [
-                "bash",
-                str(MAKE_CERTS),
-                "register",
-                "--out",
-                str(self.certificates.directory),
-                "--nodes",
-                str(count),
-                "--connection",
-                CONNECTION,
-            ],
+            in_netns(
+                self.netns,
+                [
+                    "bash",
+                    str(MAKE_CERTS),
+                    "register",
+                    "--out",
+                    str(self.certificates.directory),
+                    "--nodes",
+                    str(count),
+                    "--connection",
+                    CONNECTION,
+                ],
+            ),
             env=self.env,
             capture_output=True,
             text=True,
@@ -385,8 +450,10 @@ class LocalDeployment:
         auth_key: Path | None = None,
         node_config: str = "",
         supervised: bool = False,
+        netns: str | None = None,
     ) -> SuperNodeProcess:
-        """Start a SuperNode for one partition (connecting via ``superlink_address`` if given).
+        """Start a SuperNode for one partition (connecting via ``superlink_address`` if given;
+        inside the network namespace ``netns`` if given, a host of its own).
 
         ``node_config`` adds entries to its ``--node-config`` (e.g. ``attack-kinds="..."`` for
         :mod:`tests.attacker_app`). ``supervised`` starts it as docs/deployment.md does for
@@ -414,7 +481,7 @@ class LocalDeployment:
         index = len(self.supernodes)
         node = SuperNodeProcess(
             partition_id,
-            self._popen(command, self.workdir / f"supernode-{index}.log"),
+            self._popen(command, self.workdir / f"supernode-{index}.log", netns=netns),
             self.workdir / f"supernode-{index}.log",
         )
         self.supernodes.append(node)
@@ -468,7 +535,7 @@ class LocalDeployment:
     def flwr(self, *arguments: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run a ``flwr`` CLI command against this deployment."""
         return subprocess.run(
-            ["flwr", *arguments],
+            in_netns(self.netns, ["flwr", *arguments]),
             env=self.env,
             cwd=self.app_dir,
             capture_output=True,
@@ -502,6 +569,7 @@ class LocalDeployment:
             Path(settings["output-dir"]),
             timeout=timeout,
             diagnostics=self.superlink_log,
+            netns=self.netns,
         )
 
     def close(self) -> None:
@@ -584,16 +652,19 @@ def run_app(
     *,
     timeout: float,
     diagnostics: Path | None = None,
+    netns: str | None = None,
 ) -> Path:
     """``flwr run <app> <connection> --stream`` with ``settings``; the run folder when completed.
 
     ``output_dir`` is where this machine sees the ServerApp's ``output-dir`` (the same path for
-    processes, a bind mount for containers). Raises :class:`LaunchError` with the run's error,
+    processes, a bind mount for containers). ``netns``: run ``flwr`` in that network namespace
+    (where the connection's address is). Raises :class:`LaunchError` with the run's error,
     or the tail of the ``flwr run`` output, when the run did not complete.
     """
     run_dir = output_dir / str(settings["run-name"])
     command = ["flwr", "run", str(app_dir), connection, "--stream"]
     command += ["--run-config", run_config_argument(settings)]
+    command = in_netns(netns, command)
     try:
         completed = subprocess.run(
             command,

@@ -36,6 +36,7 @@ from tests.deploy_helpers import (
     FleetTap,
     LocalDeployment,
     available_strategies,
+    lean_round,
     make_certificates,
     read_metrics,
     reply_record_sizes,
@@ -48,15 +49,7 @@ NUM_SUPERNODES = 3
 STRATEGIES = ("fedavg", "elastic", "fedlaw", "fedgma")
 EXTRA_RECORDS = (SENSITIVITY_RECORD, GRADIENT_RECORD)
 #: One lean round: digits, FedLAW's MLP, one local epoch, every node trains.
-RUN_SETTINGS: dict[str, Any] = {
-    "dataset": "digits",
-    "model": "mlp",
-    "num-clients": NUM_SUPERNODES,
-    "num-server-rounds": 1,
-    "local-epochs": 1,
-    "fraction-train": 1.0,
-    "seed": 0,
-}
+RUN_SETTINGS: dict[str, Any] = lean_round(NUM_SUPERNODES)
 #: TLS record type "handshake" and major version 3: the first bytes of a TLS ClientHello.
 TLS_HANDSHAKE_PREFIX = b"\x16\x03"
 #: How a plain-text connection to the Fleet API opens: gRPC with the client connection preface

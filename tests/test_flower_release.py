@@ -54,6 +54,25 @@ def test_http_superlink_serves_the_fleet_api_on_its_http_port_and_nodes_dial_tha
     assert HTTP.fleet_address("superlink", 9092, 9093) == "superlink:9093"
 
 
+def test_a_fleet_api_for_other_hosts_binds_a_public_address_beside_a_loopback_control_api() -> None:
+    # docs/multi-host.md: SuperNodes on other hosts reach the Fleet API; `flwr run` stays local.
+    assert GRPC.superlink_ports("127.0.0.1", 9092, 9093, fleet_host="192.0.2.10") == [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9093",
+        "--fleet-api-address",
+        "192.0.2.10:9092",
+    ]
+    # Under HTTP one port serves every API: there is no separate Fleet address to bind.
+    assert HTTP.superlink_ports("127.0.0.1", 9092, 9093, fleet_host="192.0.2.10") == [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9093",
+    ]
+
+
 def test_an_ipv6_host_is_bracketed_in_addresses() -> None:
     assert GRPC.superlink_ports("::", 9092, 9093)[-1] == "[::]:9092"
     assert HTTP.fleet_address("::1", 9092, 9093) == "[::1]:9093"
