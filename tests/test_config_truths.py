@@ -161,3 +161,30 @@ def test_as_many_clients_as_samples_is_allowed() -> None:
     )
     test, _ = load_server_splits(spec)
     assert len(test) > 0
+
+
+def test_a_dirichlet_draw_that_cannot_divide_the_data_is_one_error_before_any_client_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 1,000 digits clients under Dirichlet(0.5) used to fail in every sampled ClientApp (the
+    # partitioner's "left a partition too small in 55 draws"), then as a run that aggregated
+    # no round; the ServerApp now partitions before round 1.
+    calls: list[int] = []
+    original = InProcessGrid.send_and_receive
+
+    def counting(self: InProcessGrid, messages: Any, **kwargs: Any) -> Any:
+        messages = list(messages)
+        calls.append(len(messages))
+        return original(self, messages, **kwargs)
+
+    monkeypatch.setattr(InProcessGrid, "send_and_receive", counting)
+    settings = {**LEAN, "num-clients": 1000, "partition": "dirichlet", "fraction-train": 0.01}
+    settings |= {"run-name": "skewed", "output-dir": str(tmp_path)}
+    with pytest.raises(ValueError, match="cannot divide") as caught:
+        run_inprocess(REPO, settings)
+    message = str(caught.value)
+    assert "num-clients = 1000 with partition = 'dirichlet' (dirichlet-alpha = 0.5" in message
+    assert f"the {DIGITS_TRAIN_SAMPLES} training samples of dataset 'digits'" in message
+    assert "partition = 'iid'" in message
+    assert "dataset = 'synthetic'" in message
+    assert calls == []
