@@ -137,6 +137,21 @@ def test_every_rule_trains_a_million_client_synthetic_population_in_process(
         assert grid.contexts == {}
 
 
+def test_the_vectorized_backend_trains_a_million_client_population(tmp_path: Path) -> None:
+    settings = {
+        **POPULATION,
+        "client-backend": "vectorized",
+        "num-clients": MILLION,
+        "fraction-train": 1e-5,
+        "num-server-rounds": 1,
+        "run-name": "vectorized",
+        "output-dir": str(tmp_path),
+    }
+    run_inprocess(REPO, settings)
+    (entry,) = read_metrics(tmp_path / "vectorized")[1:]
+    assert entry["replies-valid"] == 10
+
+
 def _round_peak(num_clients: int) -> int:
     """Bytes traced at the peak of one round (the second: imports and caches are warm)."""
     fed = federation({**POPULATION, "num-clients": num_clients, "fraction-train": 5 / num_clients})
