@@ -21,6 +21,7 @@ from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
 from benchmarks.harness import federation
+from benchmarks.population import Row, table, verdict
 from beyond_averaging.server.bounded_pull import DelegatingGrid
 from beyond_averaging.server.config import ConfigError, parse_run_config
 from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
@@ -178,3 +179,15 @@ def test_the_config_allows_a_million_clients_and_names_the_limit_above() -> None
     assert parse_run_config({"num-clients": MILLION}).num_clients == MILLION
     with pytest.raises(ConfigError, match="num-clients' = 1000001"):
         parse_run_config({"num-clients": MILLION + 1})
+
+
+def test_the_population_benchmark_judges_the_largest_population_against_the_smallest() -> None:
+    def row(population: int, seconds: float, rss: float) -> Row:
+        return Row("inprocess", "fedavg", population, "completed", 3, seconds, 0.0, 0.0, 1.0, rss)
+
+    small = row(1_000, 1.0, 400.0)
+    assert "peak RSS 1.45x" in verdict([small, row(MILLION, 1.9, 580.0)])
+    assert verdict([small, row(MILLION, 1.9, 580.0)]).endswith(": met")
+    assert verdict([small, row(MILLION, 1.9, 610.0)]).endswith("NOT met")  # 1.52x memory
+    assert verdict([small, row(MILLION, 2.1, 400.0)]).endswith("NOT met")  # 2.1x time
+    assert "| 1,000,000 | completed | 2.10 | 2.10x |" in table([small, row(MILLION, 2.1, 400.0)])
