@@ -39,6 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.clientapp import ClientApp
 
 from benchmarks.harness import MIB, PeakSampler, hardware
@@ -310,7 +311,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=6.0,
         help="GiB a run's processes may hold together before it is stopped (status 'memory')",
     )
-    parser.add_argument("--runs", type=Path, default=RESULTS / "runs", help="run folders")
+    parser.add_argument(
+        "--runs",
+        type=Path,
+        nargs="+",
+        default=[RESULTS / "runs"],
+        help="folder of the run folders; with --report-only, several: one report each",
+    )
     parser.add_argument("--publish", action="store_true", help=f"write {PUBLISHED}")
     parser.add_argument(
         "--report-only",
@@ -318,17 +325,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"no runs: the report of the measurement saved in --runs ({ROWS_FILE})",
     )
     args = parser.parse_args(argv)
-    runs: Path = args.runs
-    runs.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-        measure_all(args, runs, argv)
-    report = render(json.loads((runs / ROWS_FILE).read_text(encoding="utf-8")))
-    print(report)
+        if len(args.runs) != 1:
+            parser.error("measuring writes to one --runs folder")
+        args.runs[0].mkdir(parents=True, exist_ok=True)
+        measure_all(args, args.runs[0], argv)
+    reports = [
+        render(json.loads((folder / ROWS_FILE).read_text(encoding="utf-8"))) for folder in args.runs
+    ]
+    print("\n".join(reports))
     if args.publish:
         PUBLISHED.parent.mkdir(parents=True, exist_ok=True)
         PUBLISHED.write_text(
             "# Populations: seconds per round and peak memory\n\n"
-            "What each column means: [benchmarks](../benchmarks.md#populations).\n\n" + report,
+            "What each column means: [benchmarks](../benchmarks.md#populations).\n\n"
+            + "\n".join(reports),
             encoding="utf-8",
         )
     return 0
@@ -347,16 +358,27 @@ def measure_all(args: argparse.Namespace, runs: Path, argv: Sequence[str] | None
         rows.append(row)
         if row.status != "completed":
             break
+    torch.set_num_threads(1)  # the hardware line then names the runs' threads (--client-cpus 1)
     saved = {
         "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         "hardware": hardware(),
         "load": [load_before[0], os.getloadavg()[0]],
-        "command": shlex.join(["python", "-m", "benchmarks.population", *(argv or sys.argv[1:])]),
+        "command": typed_command(argv),
         "sampled": args.sampled,
         "rounds": args.rounds,
         "rows": [asdict(row) for row in rows],
     }
     (runs / ROWS_FILE).write_text(json.dumps(saved, indent=1), encoding="utf-8")
+
+
+def typed_command(argv: Sequence[str] | None) -> str:
+    """This invocation as typed from the repository root (with its ``nice``, if any)."""
+    python = Path(sys.executable)
+    if python.is_relative_to(REPO):
+        python = python.relative_to(REPO)
+    words = [str(python), "-m", "benchmarks.population", *(argv or sys.argv[1:])]
+    niceness = os.nice(0)
+    return shlex.join(["nice", "-n", str(niceness), *words] if niceness else words)
 
 
 def render(saved: dict[str, Any]) -> str:
