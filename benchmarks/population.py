@@ -4,9 +4,10 @@ simulation.
 Every row is one real run in a fresh process, ``ba-run`` as a user types it: the synthetic task
 (one device per client, generated from its id; docs/running.md), ``--sampled`` clients per round
 (``fraction-train = sampled / population``), ``--rounds`` rounds. docs/benchmarks.md
-("Populations") gives the table and the command::
+("Populations") gives the tables and the commands, e.g.::
 
-    .venv/bin/python -m benchmarks.population --publish
+    nice -n 10 .venv/bin/python -m benchmarks.population --strategies fedavg elastic fedlaw \
+        fedgma --publish
 
 - **in process** (``ba-run --runtime inprocess``): peak RSS is the run's process's own (its
   ``ru_maxrss`` from ``wait4``: exact, the whole process, imports included);
