@@ -59,7 +59,9 @@ class RunConfig(BaseModel):
     run_name: str = Field("", description="folder under output-dir; empty: <strategy>-<time>")
     seed: int = Field(0, ge=0, description="seeds data partitioning, model init and sampling")
     num_server_rounds: int = Field(15, ge=1, le=100_000)
-    num_clients: int = Field(10, ge=1, le=10_000, description="partitions = simulated SuperNodes")
+    num_clients: int = Field(
+        10, ge=1, le=1_000_000, description="partitions = simulated SuperNodes (synthetic: devices)"
+    )
     fraction_train: float = Field(1.0, gt=0.0, le=1.0, description="share of nodes sampled")
     fraction_evaluate: float = Field(0.0, ge=0.0, le=1.0, description="federated evaluation")
     min_train_replies: int = Field(2, ge=1, description="valid replies needed to aggregate")

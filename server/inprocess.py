@@ -1,11 +1,14 @@
 """In-process runtime: the real ServerApp and ClientApp in one Python process, no Ray, no SuperLink.
 
 :class:`InProcessGrid` is a Flower ``Grid`` that hands every instruction straight to the
-ClientApp of its node, in this process, with one Flower ``Context`` per node kept for the whole
-run (``node_config`` holds ``partition-id`` and ``num-partitions``, as a simulation or a SuperNode
-started with ``--node-config`` gives it; ``context.state`` persists across rounds as a SuperNode
-keeps it). A ClientApp that raises is answered with an error reply, as Flower's simulation answers
-it, so strategies see the same failures. :func:`run_inprocess` runs the app's real ServerApp
+ClientApp of its node, in this process, with one Flower ``Context`` per node (``node_config``
+holds ``partition-id`` and ``num-partitions``, as a simulation or a SuperNode started with
+``--node-config`` gives it; ``context.state`` persists across rounds as a SuperNode keeps it).
+A node costs nothing until it is sent a message: its Context is made then, and kept after its
+reply only when its ``state`` holds something (Elastic's sensitivity average), so a population of
+1,000,000 nodes holds the Contexts of the nodes being served and of those with state, no more.
+A ClientApp that raises is answered with an error reply, as Flower's simulation answers it, so
+strategies see the same failures. :func:`run_inprocess` runs the app's real ServerApp
 ``main`` with that Grid: the app's components and run configuration are read from its
 ``pyproject.toml`` and loaded by their component strings, as ``flwr run`` does, so this module
 never imports the ClientApp's package itself.
@@ -79,7 +82,8 @@ class InProcessGrid(Grid):
     client_app : ClientApp
         The app every node runs.
     num_nodes : int
-        Federation size; node ``FIRST_NODE_ID + i`` holds partition ``i`` of ``num_nodes``.
+        Federation size; node ``FIRST_NODE_ID + i`` holds partition ``i`` of ``num_nodes``. No
+        memory is spent per node until a node is sent a message (see :meth:`context`).
     run_config : UserConfig
         The run's configuration (every node's ``context.run_config``). Its ``client-backend``
         (default ``"clientapp"``) picks who trains a round's train messages.
@@ -113,10 +117,10 @@ class InProcessGrid(Grid):
             cohort_trainer = cast(CohortTrainer, load_app(VECTORIZED_COHORT, LoadClientAppError))
         self.client_app = client_app
         self.cohort_trainer = cohort_trainer if backend == "vectorized" else None
-        self.contexts = {
-            FIRST_NODE_ID + partition: node_context(partition, num_nodes, run_config)
-            for partition in range(num_nodes)
-        }
+        self.num_nodes = num_nodes
+        self.run_config = dict(run_config)
+        #: The Contexts that exist: nodes being served, and nodes whose ``state`` holds something.
+        self.contexts: dict[int, Context] = {}
         self._run = Run.create_empty(RUN_ID)
         self._replies: dict[str, Message] = {}
 
@@ -130,7 +134,37 @@ class InProcessGrid(Grid):
         """The run this Grid serves."""
         return self._run
 
-    # --- client-side state, for checkpoints ------------------------------------------------
+    # --- nodes and their client-side state ---------------------------------------------------
+    def node_ids(self) -> range:
+        """Every node of the federation, ascending (a ``range``: no list of a million ids)."""
+        return range(FIRST_NODE_ID, FIRST_NODE_ID + self.num_nodes)
+
+    def context(self, node: int) -> Context:
+        """Node ``node``'s Context: the one it keeps, or a fresh one (then kept until the node's
+        message is answered, and after that only if its ``state`` holds something).
+
+        Raises
+        ------
+        ValueError
+            ``node`` is not in this federation.
+        """
+        context = self.contexts.get(node)
+        if context is None:
+            if node not in self.node_ids():
+                raise ValueError(
+                    f"node {node}, which is not in this federation (nodes {FIRST_NODE_ID}.."
+                    f"{FIRST_NODE_ID + self.num_nodes - 1})"
+                )
+            context = node_context(node - FIRST_NODE_ID, self.num_nodes, self.run_config)
+            self.contexts[node] = context
+        return context
+
+    def _release(self, node: int) -> None:
+        """Forget a node's Context once answered, unless its state holds something."""
+        context = self.contexts.get(node)
+        if context is not None and not context.state:
+            del self.contexts[node]
+
     def node_states(self) -> dict[str, Any]:
         """Every node's non-empty ``context.state`` as plain data, keyed by node id (as text)."""
         return {
@@ -148,12 +182,10 @@ class InProcessGrid(Grid):
             A node id that is not in this federation (the checkpoint is of another one).
         """
         for node, plain in states.items():
-            context = self.contexts.get(int(node))
-            if context is None:
-                raise ValueError(
-                    f"the checkpoint holds the state of node {node}, which is not in this "
-                    f"federation (nodes {FIRST_NODE_ID}..{FIRST_NODE_ID + len(self.contexts) - 1})"
-                )
+            try:
+                context = self.context(int(node))
+            except ValueError as error:
+                raise ValueError(f"the checkpoint holds the state of {error}") from None
             context.state = record_dict_from_plain(plain)
 
     def create_message(
@@ -168,8 +200,8 @@ class InProcessGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
-        """Every node of the federation (all are always connected)."""
-        return list(self.contexts)
+        """Every node of the federation (all are always connected), as :meth:`node_ids`."""
+        return self.node_ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Deliver every message now; the replies wait for :meth:`pull_messages`."""
@@ -196,10 +228,10 @@ class InProcessGrid(Grid):
     def _deliver(self, message: Message) -> Message:
         """Fill in what the SuperLink fills in: message id, run id, source, creation time."""
         node = message.metadata.dst_node_id
-        if node not in self.contexts:
+        if node not in self.node_ids():
             raise ValueError(
                 f"message to node {node}, which is not in this federation (nodes "
-                f"{FIRST_NODE_ID}..{FIRST_NODE_ID + len(self.contexts) - 1})"
+                f"{FIRST_NODE_ID}..{FIRST_NODE_ID + self.num_nodes - 1})"
             )
         metadata = message.metadata
         metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as Flower's InMemoryGrid does
@@ -221,8 +253,10 @@ class InProcessGrid(Grid):
         ]
         if cohort and self.cohort_trainer is not None:
             cohort_messages = [messages[i] for i in cohort]
-            contexts = [self.contexts[m.metadata.dst_node_id] for m in cohort_messages]
+            contexts = [self.context(m.metadata.dst_node_id) for m in cohort_messages]
             answers = self.cohort_trainer(cohort_messages, contexts)
+            for message in cohort_messages:
+                self._release(message.metadata.dst_node_id)
             if len(answers) != len(cohort):
                 raise RuntimeError(
                     f"the cohort trainer answered {len(answers)} of {len(cohort)} messages"
@@ -235,7 +269,7 @@ class InProcessGrid(Grid):
         return [reply for reply in replies if reply is not None]
 
     def _call_client(self, message: Message) -> Message:
-        context = self.contexts[message.metadata.dst_node_id]
+        context = self.context(message.metadata.dst_node_id)
         try:
             return self.client_app(message, context)
         except Exception as error:  # as Flower's simulation: an error reply, not a crash
@@ -245,6 +279,8 @@ class InProcessGrid(Grid):
                 Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
                 reply_to=message,
             )
+        finally:
+            self._release(context.node_id)
 
     @staticmethod
     def _stamped(reply: Message) -> Message:

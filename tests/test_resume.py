@@ -249,7 +249,7 @@ def test_resume_without_a_checkpoint_names_the_folder(tmp_path: Path) -> None:
 def test_in_process_node_state_survives_a_checkpoint_bit_for_bit(tmp_path: Path) -> None:
     grid = InProcessGrid(client_app, 3, parse_run_config({}).to_run_config())
     average = np.array([[1e-8, 3.0], [np.pi, -0.0]], dtype=np.float32)
-    grid.contexts[FIRST_NODE_ID + 1].state = RecordDict(
+    grid.context(FIRST_NODE_ID + 1).state = RecordDict(
         {
             "sensitivity-average": ArrayRecord({"fc.weight": Array(average)}),
             "counters": MetricRecord({"rounds": 4, "loss": 0.25}),
@@ -262,12 +262,12 @@ def test_in_process_node_state_survives_a_checkpoint_bit_for_bit(tmp_path: Path)
 
     fresh = InProcessGrid(client_app, 3, config)
     fresh.load_node_states(RunCheckpoint.load(tmp_path, config).nodes)
-    state = fresh.contexts[FIRST_NODE_ID + 1].state
+    state = fresh.context(FIRST_NODE_ID + 1).state
     restored = state.array_records["sensitivity-average"]["fc.weight"].numpy()
     assert restored.dtype == np.float32
     assert restored.tobytes() == average.tobytes()
     assert dict(state.metric_records["counters"]) == {"rounds": 4, "loss": 0.25}
-    assert not fresh.contexts[FIRST_NODE_ID].state  # nodes without state stay empty
+    assert not fresh.context(FIRST_NODE_ID).state  # nodes without state stay empty
 
 
 def test_node_state_of_another_federation_is_refused_naming_the_node() -> None:

@@ -120,7 +120,7 @@ def test_replies_missing_at_the_round_timeout_are_counted_as_dropped(
 
     def make_grid(*args: Any, **kwargs: Any) -> LateNodeGrid:
         grid = LateNodeGrid(*args, **kwargs)
-        grid.late_node, grid.timeouts = max(grid.contexts), []
+        grid.late_node, grid.timeouts = max(grid.get_node_ids()), []
         grids.append(grid)
         return grid
 

@@ -15,7 +15,6 @@ from beyond_averaging.tasks.datasets import (
     DatasetNotFoundError,
     LabeledData,
     load_dataset,
-    make_synthetic,
 )
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
 from beyond_averaging.tasks.splits import split_server_data
@@ -188,7 +187,7 @@ def test_debian_fashion_mnist_package_loads_with_its_official_split() -> None:
     assert float(train_pool.features.max()) <= 1.0
 
 
-# --- digits and synthetic ----------------------------------------------------------------
+# --- digits ----------------------------------------------------------------------------
 
 
 def test_digits_are_8x8_images_in_unit_range_split_by_class() -> None:
@@ -208,38 +207,6 @@ def test_digits_split_depends_on_seed_only() -> None:
     _, other = load_dataset("digits", seed=5)
     np.testing.assert_array_equal(first.features, again.features)
     assert not np.array_equal(first.features, other.features)
-
-
-def test_synthetic_pool_has_60_features_10_classes_and_the_requested_size() -> None:
-    train_pool, heldout = load_dataset("synthetic", seed=0, synthetic_samples=1200)
-    assert train_pool.input_shape == (60,)
-    assert train_pool.features.dtype == np.float32
-    assert train_pool.num_classes == heldout.num_classes == 10
-    assert len(train_pool) + len(heldout) == 1200
-    assert 250 <= len(heldout) <= 350
-
-
-def test_synthetic_data_is_reproducible_by_seed_and_parameters() -> None:
-    first, _ = load_dataset("synthetic", seed=1, synthetic_samples=600)
-    again, _ = load_dataset("synthetic", seed=1, synthetic_samples=600)
-    other_seed, _ = load_dataset("synthetic", seed=2, synthetic_samples=600)
-    other_beta, _ = load_dataset("synthetic", seed=1, synthetic_samples=600, synthetic_beta=0.5)
-    np.testing.assert_array_equal(first.features, again.features)
-    np.testing.assert_array_equal(first.labels, again.labels)
-    assert not np.array_equal(first.features, other_seed.features)
-    # beta scales the users' feature centres B_k, so the same draws give other features.
-    assert not np.array_equal(first.features, other_beta.features)
-
-
-def test_synthetic_labels_are_skewed_per_latent_user() -> None:
-    # Within a user the features vary little around v_k (Sigma_jj = j^-1.2 <= 1), so each
-    # user's model labels most of its samples alike: that is what makes Synthetic
-    # heterogeneous. Samples come in user blocks of 100 here (3000 samples / 30 users).
-    pool = make_synthetic(alpha=1.0, beta=1.0, num_samples=3000, seed=0)
-    user_blocks = pool.labels.reshape(30, 100)
-    majority_share = np.eye(10)[user_blocks].sum(axis=1).max(axis=1) / 100
-    overall_majority_share = np.bincount(pool.labels).max() / pool.labels.size
-    assert majority_share.mean() > overall_majority_share + 0.3
 
 
 def test_unknown_dataset_name_lists_the_allowed_names() -> None:
