@@ -136,11 +136,11 @@ _APP_DATA_PATH = """
     for dataset in DATASETS:
         for partition in ("iid", "dirichlet", "classes"):
             config = parse_run_config(
-                {"dataset": dataset, "partition": partition, "num-clients": 10,
+                {"dataset": dataset, "partition": partition, "num-clients": 50,
                  "proxy-per-class": 5}
             )
             test, proxy = load_server_splits(data_spec(config))
-            client = load_client_partition(DataSpec.from_task(client_task(config), 10), 3)
+            client = load_client_partition(DataSpec.from_task(client_task(config), 50), 3)
             assert len(test) and len(proxy) and len(client), (dataset, partition)
     loaded = sorted(name for name in sys.modules if name.split(".")[0] in BLOCKED)
     print("loaded:", loaded)

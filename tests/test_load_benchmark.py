@@ -15,6 +15,8 @@ META = {
     "memory-gib": 23.5,
     "superlink-state": "an SQLite file",
     "cold-cache": False,
+    "flwr": "1.42.0",
+    "transport": "HTTP",
 }
 
 
