@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -46,6 +47,14 @@ def hardware() -> str:
         f"{model}, {cores} cores visible, {gpu}, torch {torch.__version__} "
         f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}"
     )
+
+
+def interpreter() -> str:
+    """This interpreter as a published command names it: relative to the repository if inside
+    (``.venv/bin/python``, ``.venvs/fleet-http/bin/python``)."""
+    path = Path(sys.executable)
+    repository = Path(__file__).resolve().parents[1]
+    return str(path.relative_to(repository)) if path.is_relative_to(repository) else str(path)
 
 
 class Stopwatch:
