@@ -28,6 +28,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -247,6 +248,8 @@ class ProcessWatch:
         self.root = root
         self.processes: dict[int, Tracked] = {}
         self.foreign: set[int] = set()
+        #: Processes below ``root`` that are not measured (a profiler), nor what they start.
+        self.excluded: set[int] = set()
         self.page = os.sysconf("SC_PAGE_SIZE")
         self.load: list[float] = []
         self.samples = 0
@@ -274,11 +277,13 @@ class ProcessWatch:
             if stat is None or stat.start_ticks != process.first.start_ticks:
                 process.ended = True  # reaped (a new process under an old pid is another)
                 continue
+            if stat.comm != process.last.comm:  # it exec'd: its parent's pages are gone
+                process.peak_rss_pages = 0
             process.last = stat
             process.peak_rss_pages = max(process.peak_rss_pages, stat.rss_pages)
         listed = {int(name) for name in os.listdir("/proc") if name.isdigit()}
         self.foreign &= listed  # a pid that went away may come back as one of ours
-        fresh = sorted(listed - self.foreign - self.processes.keys())
+        fresh = sorted(listed - self.foreign - self.excluded - self.processes.keys())
         found = True
         while found:  # a child may be listed before its parent
             found = False
@@ -312,6 +317,54 @@ class ProcessWatch:
                 key = f"node-{node}"
                 memory[key] = memory.get(key, 0.0) + process.last.rss_pages * self.page
         return memory
+
+
+# -------------------------------------------------------------------------------- profiling
+#: Where a ClientApp process spends its CPU, as :func:`clientapp_profile` sorts py-spy's samples.
+PROFILE_PARTS = {
+    "import-torch": "importing torch",
+    "import-flower": "importing Flower and its dependencies",
+    "import-other": "importing the rest (the app's modules, NumPy, ...)",
+    "app": "the app's code at work (data, model, training)",
+    "flower": "Flower at work (messages, the FAB, its threads)",
+    "native": "no Python frame (interpreter start and exit, native code)",
+}
+#: Where the apps' own code lives, as py-spy names files (relative to their sys.path entry).
+APP_CODE = ("client/", "tasks/", "server/", "strategies/", "beyond_averaging/", "pytorchexample/")
+
+
+def clientapp_profile(raw: str) -> dict[str, float]:
+    """Share of each :data:`PROFILE_PARTS` in the ClientApp processes of a py-spy ``raw`` record
+    (``py-spy record --subprocesses --format raw``: one ``frame;frame;... count`` line per
+    stack, the processes' own lines first). An import counts by the module being imported
+    (torch, whoever imports it; else the first module: Flower's, or another)."""
+    counts = dict.fromkeys(PROFILE_PARTS, 0)
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        processes = [frame for frame in frames if frame.startswith("process ")]
+        if not count.isdigit() or not processes or "flwr-clientapp" not in processes[-1]:
+            continue
+        code = [frame for frame in frames if not frame.startswith(("process ", "thread "))]
+        files = [frame.rpartition(" (")[2].partition(":")[0] for frame in code]
+        modules = [
+            name
+            for frame, name in zip(code, files, strict=True)
+            if frame.startswith("<module> ") and not name.startswith("flwr-clientapp")
+        ]
+        if not code:
+            part = "native"
+        elif any(name.startswith("torch/") for name in modules):
+            part = "import-torch"
+        elif modules:
+            part = "import-flower" if modules[0].startswith("flwr/") else "import-other"
+        elif any(name.startswith(APP_CODE) for name in files):
+            part = "app"
+        else:
+            part = "flower"
+        counts[part] += int(count)
+    total = sum(counts.values())
+    return {part: round(n / total, 3) if total else 0.0 for part, n in counts.items()}
 
 
 # --------------------------------------------------------------------------- the quickstart copy
@@ -483,10 +536,18 @@ def run_outcome(deployment: LocalDeployment, log: str, seconds: float) -> RunOut
 
 
 def measure(
-    app: str, app_dir: Path, workdir: Path, nodes: int, rounds: int, interval: float, timeout: float
+    app: str,
+    app_dir: Path,
+    workdir: Path,
+    nodes: int,
+    rounds: int,
+    interval: float,
+    timeout: float,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     """One deployment of ``app`` with ``nodes`` SuperNodes: start it, run ``rounds`` rounds
-    under the process watch (the window is ``flwr run`` alone), stop it."""
+    under the process watch (the window is ``flwr run`` alone), stop it. With ``profile``,
+    py-spy records the first SuperNode and its processes into that file meanwhile."""
     deployment = LocalDeployment(app_dir, workdir, file_state=False)
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
     watch = ProcessWatch(os.getpid())
@@ -497,6 +558,8 @@ def measure(
         deployment.wait_for_nodes(nodes, timeout=max(120.0, 10.0 * nodes))
         run_settings = {**WORK, "num-server-rounds": rounds, "num-clients": nodes}
         run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
+        spy = None if profile is None else py_spy(deployment.supernodes[0].process.pid, profile)
+        watch.excluded = set() if spy is None else {spy.pid}
         watch.open_window()
         with PeakSampler(watch.sample, interval=interval) as sampler:
             started = time.monotonic()
@@ -505,6 +568,10 @@ def measure(
             else:
                 log = flwr_run(deployment, quickstart_settings(rounds), timeout)
             seconds = time.monotonic() - started
+        if spy is not None and profile is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its record and exits
+            spy.wait(timeout=120)
+            row["clientapp-profile"] = clientapp_profile(profile.read_text(encoding="utf-8"))
         row["run-seconds"] = round(seconds, 2)
         if app == "project":
             metrics = read_metrics(run_dir)
@@ -524,6 +591,17 @@ def measure(
     finally:
         deployment.close()
     return row
+
+
+def py_spy(pid: int, output: Path) -> subprocess.Popen[bytes]:
+    """``py-spy record`` of process ``pid`` and every process below it, without pausing them
+    (``--nonblocking``), 50 samples a second, into ``output`` (collapsed stacks)."""
+    command = ["py-spy", "record", "--subprocesses", "--nonblocking", "--rate", "50"]
+    command += ["--format", "raw", "--output", str(output), "--pid", str(pid)]
+    # Its own session: not below the benchmark, so not in the CPU figures.
+    return subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
 
 
 def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -> dict[str, Any]:
@@ -728,6 +806,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     head += " | ClientApp processes | peak RSS per node (MB) | load average min / mean / max"
     head += " | status"
     lines += [markdown_table(head.split(" | "), run_cells)]
+    lines += profile_section(rows)
     lines += METHOD.format(interval=meta["interval"]).splitlines()
     lines += [
         "",
@@ -751,6 +830,37 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def profile_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where a ClientApp's CPU goes, per app (the median share over the profiled runs)."""
+    profiled = [row for row in rows if row.get("clientapp-profile")]
+    if not profiled:
+        return []
+    cells = []
+    for part, name in PROFILE_PARTS.items():
+        shares = [
+            statistics.median(
+                r["clientapp-profile"].get(part, 0.0) for r in profiled if r["app"] == app
+            )
+            if any(r["app"] == app for r in profiled)
+            else None
+            for app in APPS
+        ]
+        cells.append([name, *(_f(None if v is None else 100 * v, 0) for v in shares)])
+    return [
+        "",
+        "## Where a ClientApp's CPU goes",
+        "",
+        "py-spy (`--profile`: `py-spy record --subprocesses --nonblocking --rate 50` on the "
+        "first SuperNode, its SuperExec and ClientApps, not pausing them) samples each process's "
+        "Python stack; the ClientApps' samples sorted by what they were doing, in % (median of "
+        "the repeats). An import counts as torch's when torch is being imported, whoever "
+        "imports it; py-spy counts the samples of threads that were not idle, so these are "
+        "shares of active time, not exactly of CPU.",
+        "",
+        markdown_table(["ClientApp samples (%)", *APPS.values()], cells),
+    ]
 
 
 METHOD = """
@@ -795,8 +905,16 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between samples")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="record the first SuperNode's processes with py-spy (on PATH) and sort the "
+        "ClientApps' samples by what they were doing",
+    )
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
+    if args.profile and shutil.which("py-spy") is None:
+        parser.error("--profile needs py-spy on PATH: pip install py-spy")
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: a round's seconds are read between rounds")
     release = FlowerRelease.installed()
@@ -828,6 +946,7 @@ def main() -> None:
                     args.rounds,
                     args.interval,
                     args.timeout,
+                    RESULTS / f"{name}-{app}-{repeat + 1}.pyspy" if args.profile else None,
                 )
                 rows.append({"repeat": repeat + 1, **row})
                 print(json.dumps(rows[-1]), flush=True)

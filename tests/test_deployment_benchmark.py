@@ -18,6 +18,7 @@ from benchmarks.deployment import (
     ProcessWatch,
     ProcStat,
     Tracked,
+    clientapp_profile,
     cpu_seconds_by_kind,
     kinds_of,
     markdown,
@@ -222,8 +223,14 @@ def row(app: str, repeat: int, cpu: dict[str, float], rounds_s: list[float]) -> 
 
 
 ROWS = [
-    row("project", 1, {"clientapp": 20.0, "serverapp": 4.0, "benchmark": 9.0}, [10.0]),
-    row("quickstart", 1, {"clientapp": 30.0, "serverapp": 2.0}, [16.0]),
+    {
+        **row("project", 1, {"clientapp": 20.0, "serverapp": 4.0, "benchmark": 9.0}, [10.0]),
+        "clientapp-profile": {"import-torch": 0.4, "app": 0.05},
+    },
+    {
+        **row("quickstart", 1, {"clientapp": 30.0, "serverapp": 2.0}, [16.0]),
+        "clientapp-profile": {"import-torch": 0.3, "app": 0.1},
+    },
     row("quickstart", 2, {"clientapp": 36.0, "serverapp": 4.0}, [24.0]),
     row("project", 2, {"clientapp": 24.0, "serverapp": 6.0}, [13.0]),
     {"app": "project", "repeat": 3, "rounds": 2, "status": "failed", "error": "LaunchError: x"},
@@ -273,3 +280,38 @@ def test_the_page_names_the_release_the_command_the_ratios_and_each_run() -> Non
     assert page.count("| completed |") == 4
     assert "failed: LaunchError: x" in page
     assert "```diff\n--- a\n+++ b\n-old\n+new\n```" in page
+    assert "| importing torch | 40 | 30 |" in page
+
+
+def test_a_clientapp_s_samples_are_sorted_by_what_it_was_doing() -> None:
+    node = 'process 10:"flower-supernode --insecure"'
+    app = 'process 12:"python flwr-clientapp --token x"'
+    thread = 'thread (0x7f): "MainThread"'
+    entry = "<module> (flwr-clientapp:3)"
+    load = "_find_and_load (<frozen importlib._bootstrap>:1176)"
+    run = "run (flwr/run.py:9)"
+    raw = "\n".join(
+        [
+            # importing torch, from the app's module (torch wins whoever imports it): 40
+            f"{node};{app};{thread};{entry};{run};{load};<module> (client/app.py:3)"
+            f";{load};<module> (torch/__init__.py:1) 40",
+            # importing Flower's own modules: 30
+            f"{node};{app};{thread};{entry};{load};<module> (flwr/supernode/cli.py:2) 30",
+            # importing the app's own module (before torch is reached): 5
+            f"{node};{app};{thread};{entry};{run};{load};<module> (client/app.py:3) 5",
+            # the app training: 10; Flower pulling a message: 5; no Python frame: 10
+            f"{node};{app};{thread};{entry};{run};train_local (client/training.py:9) 10",
+            f"{node};{app};{thread};{entry};pull (flwr/supercore/grpc.py:1) 5",
+            f"{node};{app} 10",
+            # the SuperNode itself is not a ClientApp: left out
+            f"{node};{thread};poll (flwr/supernode/poll.py:1) 99",
+        ]
+    )
+    assert clientapp_profile(raw) == {
+        "import-torch": 0.4,
+        "import-flower": 0.3,
+        "import-other": 0.05,
+        "app": 0.1,
+        "flower": 0.05,
+        "native": 0.1,
+    }
