@@ -222,17 +222,43 @@ def cpu_seconds_by_kind(
     return seconds, recovered
 
 
-def round_intervals(starts: Mapping[int, Sequence[float]], rounds: int) -> list[float] | None:
-    """Seconds from the first ClientApp start of each round to the first of the next.
+#: What a SuperNode logs when a train instruction reaches it (flwr 1.39 to 1.42).
+RECEIVED_TRAIN = "Receiving: train message"
 
-    ``starts`` holds each node's ClientApp start times. Every node trains once per round, so a
-    node's k-th ClientApp belongs to round k; with any other count (a node missed a round, or
-    got another message) the rounds cannot be told apart and None is returned.
+
+def round_intervals(receipts: Mapping[int, Sequence[float]], rounds: int) -> list[float] | None:
+    """Seconds from the start of each round to the start of the next.
+
+    ``receipts`` holds the times each node received a train instruction. Every node trains
+    once per round, so its k-th receipt belongs to round k, and round k starts at the first
+    node's. With any other count (a node missed a round) the rounds cannot be told apart and
+    None is returned.
     """
-    if not starts or any(len(times) != rounds for times in starts.values()):
+    if not receipts or any(len(times) != rounds for times in receipts.values()):
         return None
-    firsts = [min(sorted(times)[k] for times in starts.values()) for k in range(rounds)]
+    firsts = [min(sorted(times)[k] for times in receipts.values()) for k in range(rounds)]
     return [later - earlier for earlier, later in itertools.pairwise(firsts)]
+
+
+class LogWatch:
+    """When each line containing ``marker`` appeared in each log file, read as it grows."""
+
+    def __init__(self, logs: Mapping[int, Path], marker: str) -> None:
+        self.logs, self.marker = dict(logs), marker
+        self.offsets = {key: path.stat().st_size for key, path in self.logs.items()}
+        self.partial = dict.fromkeys(self.logs, b"")
+        self.seen: dict[int, list[float]] = {key: [] for key in self.logs}
+
+    def read(self) -> None:
+        now = time.monotonic()
+        for key, path in self.logs.items():
+            with path.open("rb") as log:
+                log.seek(self.offsets[key])
+                chunk = log.read()
+            self.offsets[key] += len(chunk)
+            *lines, self.partial[key] = (self.partial[key] + chunk).split(b"\n")
+            marker = self.marker.encode()
+            self.seen[key] += [now for line in lines if marker in line]
 
 
 class ProcessWatch:
@@ -250,6 +276,8 @@ class ProcessWatch:
         self.foreign: set[int] = set()
         #: Processes below ``root`` that are not measured (a profiler), nor what they start.
         self.excluded: set[int] = set()
+        #: The SuperNodes' logs, read at every sample for the train instructions they receive.
+        self.receipts: LogWatch | None = None
         self.page = os.sysconf("SC_PAGE_SIZE")
         self.load: list[float] = []
         self.samples = 0
@@ -298,6 +326,8 @@ class ProcessWatch:
         # forked by ours is ours from its birth (its parent is known before it is listed).
         self.foreign |= {pid for pid in fresh if pid not in self.processes}
         self.load.append(os.getloadavg()[0])
+        if self.receipts is not None:
+            self.receipts.read()
         return self.node_memory()
 
     def node_of(self, pid: int) -> int | None:
@@ -506,18 +536,10 @@ def quickstart_settings(rounds: int) -> dict[str, Any]:
 def flwr_run(deployment: LocalDeployment, settings: Mapping[str, Any], timeout: float) -> str:
     """``flwr run <app> <connection> --stream`` as :func:`tests.deploy_helpers.run_app` runs
     it, for an app without this project's run folder; returns the cleaned log."""
-    command = ["flwr", "run", str(deployment.staged_app), CONNECTION, "--stream"]
-    command += ["--run-config", run_config_argument(settings)]
+    arguments = ["run", str(deployment.staged_app), CONNECTION, "--stream"]
+    arguments += ["--run-config", run_config_argument(settings)]
     try:
-        completed = subprocess.run(
-            command,
-            env=deployment.env,
-            cwd=deployment.staged_app,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+        completed = deployment.flwr(*arguments, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise LaunchError(f"flwr run did not finish within {timeout} s") from None
     return clean_log(completed.stdout + completed.stderr)
@@ -551,6 +573,7 @@ def measure(
     deployment = LocalDeployment(app_dir, workdir, file_state=False)
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
     watch = ProcessWatch(os.getpid())
+    spy: subprocess.Popen[bytes] | None = None
     try:
         deployment.start()
         for partition in range(nodes):
@@ -560,6 +583,8 @@ def measure(
         run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
         spy = None if profile is None else py_spy(deployment.supernodes[0].process.pid, profile)
         watch.excluded = set() if spy is None else {spy.pid}
+        logs = {node.process.pid: node.log_path for node in deployment.supernodes}
+        watch.receipts = LogWatch(logs, RECEIVED_TRAIN)
         watch.open_window()
         with PeakSampler(watch.sample, interval=interval) as sampler:
             started = time.monotonic()
@@ -569,8 +594,7 @@ def measure(
                 log = flwr_run(deployment, quickstart_settings(rounds), timeout)
             seconds = time.monotonic() - started
         if spy is not None and profile is not None:
-            spy.send_signal(signal.SIGINT)  # py-spy writes its record and exits
-            spy.wait(timeout=120)
+            stop_py_spy(spy)
             row["clientapp-profile"] = clientapp_profile(profile.read_text(encoding="utf-8"))
         row["run-seconds"] = round(seconds, 2)
         if app == "project":
@@ -589,6 +613,8 @@ def measure(
         row["status"] = "failed"
         row["error"] = f"{type(error).__name__}: {error}"[:3000]
     finally:
+        if spy is not None:
+            stop_py_spy(spy)
         deployment.close()
     return row
 
@@ -598,10 +624,19 @@ def py_spy(pid: int, output: Path) -> subprocess.Popen[bytes]:
     (``--nonblocking``), 50 samples a second, into ``output`` (collapsed stacks)."""
     command = ["py-spy", "record", "--subprocesses", "--nonblocking", "--rate", "50"]
     command += ["--format", "raw", "--output", str(output), "--pid", str(pid)]
-    # Its own session: not below the benchmark, so not in the CPU figures.
-    return subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    # Below the benchmark, but left out of the figures (ProcessWatch.excluded).
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
+    """Make py-spy write its record and end (it does on SIGINT); kill it if it does not."""
+    if spy.poll() is None:
+        spy.send_signal(signal.SIGINT)
+        try:
+            spy.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            spy.wait()
 
 
 def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -> dict[str, Any]:
@@ -611,13 +646,8 @@ def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -
     seconds, recovered = cpu_seconds_by_kind(processes, ticks, watch.root)
     kinds = kinds_of(processes, watch.root)
     clientapps = [pid for pid, kind in kinds.items() if kind == "clientapp"]
-    starts: dict[int, list[float]] = {}
-    for pid in clientapps:
-        node = watch.node_of(pid)
-        starts.setdefault(-1 if node is None else node, []).append(
-            processes[pid].first.start_ticks / ticks
-        )
-    intervals = round_intervals(starts, rounds)
+    receipts = {} if watch.receipts is None else watch.receipts.seen
+    intervals = round_intervals(receipts, rounds)
     peak_rss = dict.fromkeys(KINDS, 0.0)
     for pid, process in processes.items():
         peak_rss[kinds[pid]] = max(peak_rss[kinds[pid]], process.peak_rss_pages * watch.page)
@@ -628,7 +658,10 @@ def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -
         "cpu-from-reaped-times": {k: round(v, 2) for k, v in recovered.items() if v},
         "other-processes": sorted(processes[p].last.comm for p, k in kinds.items() if k == "other"),
         "clientapp-processes": len(clientapps),
-        "clientapp-processes-per-node": sorted(len(times) for times in starts.values()),
+        "clientapp-cpu-seconds-each": sorted(
+            round(processes[pid].own_ticks / ticks, 2) for pid in clientapps
+        ),
+        "train-messages-per-node": sorted(len(times) for times in receipts.values()),
         "peak-rss-mb": {kind: round(value / MIB, 1) for kind, value in peak_rss.items() if value},
         "node-peak-rss-mb": round(statistics.fmean(nodes) / MIB, 1) if nodes else None,
         "node-peak-rss-mb-max": round(max(nodes) / MIB, 1) if nodes else None,
@@ -684,8 +717,12 @@ def summarize(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "clientapps-per-round": statistics.median(
                 row["clientapp-processes"] / row["rounds"] for row in mine
             ),
-            "cpu-per-clientapp": statistics.median(
-                row["cpu-seconds"]["clientapp"] / max(row["clientapp-processes"], 1) for row in mine
+            # Every node trains every round: nodes x rounds train instructions.
+            "cpu-per-message": statistics.median(
+                row["cpu-seconds"]["clientapp"] / (row["nodes"] * row["rounds"]) for row in mine
+            ),
+            "cpu-per-clientapp-median": statistics.median(
+                statistics.median(row["clientapp-cpu-seconds-each"]) for row in mine
             ),
             "node-peak-rss-mb": max(row["node-peak-rss-mb"] or 0.0 for row in mine),
             "peak-rss-mb": memory,
@@ -757,7 +794,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         if a or b:
             cells.append([f"- {name}", _f(a, 2), _f(b, 2), _f(a / b if b else None, 2)])
     add("ClientApp processes per round", "clientapps-per-round", 1)
-    add("CPU seconds per ClientApp process", "cpu-per-clientapp", 2)
+    add("ClientApp CPU seconds per train instruction", "cpu-per-message", 2)
+    add("CPU seconds of one ClientApp process (median)", "cpu-per-clientapp-median", 2)
     add("peak RSS per node (MB): SuperNode + SuperExec + ClientApp", "node-peak-rss-mb", 0)
     for kind in ("supernode", "superexec-node", "clientapp", "serverapp", "superlink"):
         a = project.get("peak-rss-mb", {}).get(kind)
@@ -866,12 +904,16 @@ def profile_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 METHOD = """
 ## Method
 
-- **Seconds per round**: from the start times of the ClientApp processes
-  (`/proc/<pid>/stat` field 22), the same for both apps: each node trains once per round, so a
-  node's k-th ClientApp belongs to round k, and a round runs from the first ClientApp start of
-  that round to the first of the next (so R rounds give R - 1 figures: local training, uploads,
-  aggregation, the server's evaluation, the next round's download and polling). This project's
+- **Seconds per round**: the same for both apps, from the SuperNodes' logs, read at every
+  sample: a round starts when the first SuperNode logs that it received that round's train
+  instruction (`Receiving: train message`, timed to the sample), and lasts until the next
+  round starts (so R rounds give R - 1 figures: local training, uploads, aggregation, the
+  server's evaluation, the next round's instructions and the polling between). This project's
   own `round-seconds` (metrics.jsonl) are in the JSON beside the page for comparison.
+- **ClientApp processes**: a SuperNode starts one per instruction, and one more whenever a
+  started one missed its heartbeat (Flower then invalidates its token: "Runtime task-token
+  authentication failed" in the SuperNode's log); on a loaded machine a ClientApp still
+  importing torch can miss it. ClientApp CPU per train instruction includes such restarts.
 - **CPU per round**: every process below the benchmark (SuperLink, the SuperExec that starts
   the ServerApp, the ServerApp, each SuperNode, the SuperExec that starts its ClientApps, every
   ClientApp, `flwr run`, and the benchmark itself), sampled every {interval} s from
@@ -913,6 +955,9 @@ def main() -> None:
     )
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
+    # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
+    # background job ignores SIGINT).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.profile and shutil.which("py-spy") is None:
         parser.error("--profile needs py-spy on PATH: pip install py-spy")
     if args.rounds < 2:

@@ -15,6 +15,7 @@ import pytest
 from benchmarks.deployment import (
     QUICKSTART,
     QUICKSTART_TASK,
+    LogWatch,
     ProcessWatch,
     ProcStat,
     Tracked,
@@ -159,10 +160,10 @@ def test_a_child_that_ends_between_two_samples_is_counted_from_its_parent() -> N
     assert recovered["unseen"] == seconds["unseen"]
 
 
-def test_rounds_run_from_one_round_s_first_clientapp_start_to_the_next_round_s() -> None:
+def test_a_round_runs_from_its_first_train_instruction_to_the_next_round_s() -> None:
     starts = {20: [100.0, 112.5, 130.0], 30: [101.0, 112.0, 131.5]}
     assert round_intervals(starts, rounds=3) == pytest.approx([12.0, 18.0])
-    # A node with a ClientApp more than rounds: the rounds cannot be told apart.
+    # A node with an instruction more than rounds: the rounds cannot be told apart.
     assert round_intervals({**starts, 40: [1.0, 2.0, 3.0, 4.0]}, rounds=3) is None
     assert round_intervals({}, rounds=3) is None
 
@@ -209,12 +210,14 @@ def row(app: str, repeat: int, cpu: dict[str, float], rounds_s: list[float]) -> 
     return {
         "app": app,
         "repeat": repeat,
+        "nodes": 5,
         "rounds": 2,
         "status": "completed",
         "round-seconds": rounds_s,
         "run-seconds": 40.0,
         "cpu-seconds": cpu,
-        "clientapp-processes": 10,
+        "clientapp-processes": 12 if app == "project" and repeat == 2 else 10,
+        "clientapp-cpu-seconds-each": [1.0, 3.0, 4.0] if app == "project" else [5.0],
         "peak-rss-mb": {"clientapp": 300.0, "supernode": 100.0},
         "node-peak-rss-mb": 520.0,
         "load-average": [1.0, 2.0, 3.0],
@@ -247,8 +250,11 @@ def test_ratios_are_paired_within_a_repeat_then_their_median() -> None:
     project = summary["apps"]["project"]
     assert project["runs"] == 2  # the failed run is not in the figures
     assert project["cpu-per-round"] == pytest.approx(13.5)  # median of 12 and 15
-    assert project["cpu-per-clientapp"] == pytest.approx(2.2)  # median of 2.0 and 2.4
-    assert project["clientapps-per-round"] == 5
+    # 20 and 24 s over 5 nodes x 2 rounds = 10 train instructions; in repeat 2 two ClientApps
+    # were started again (12 processes), and their CPU counts for their instructions.
+    assert project["cpu-per-message"] == pytest.approx(2.2)
+    assert project["clientapps-per-round"] == 5.5
+    assert project["cpu-per-clientapp-median"] == 3.0
 
 
 META = {
@@ -315,3 +321,22 @@ def test_a_clientapp_s_samples_are_sorted_by_what_it_was_doing() -> None:
         "flower": 0.05,
         "native": 0.1,
     }
+
+
+def test_a_log_watch_times_each_marked_line_once_complete(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.log", tmp_path / "b.log"
+    first.write_text("before the window: Receiving: train message (ID: 0)\n")
+    second.write_text("")
+    watch = LogWatch({1: first, 2: second}, "Receiving: train message")
+    with first.open("a") as log:
+        log.write("INFO : Receiving: train message (ID: 1)\nINFO : Start `flwr-clientapp`\n")
+        log.write("INFO : Receiving: train mess")  # half a line: not yet
+    watch.read()
+    assert [len(watch.seen[1]), len(watch.seen[2])] == [1, 0]
+    with first.open("a") as log:
+        log.write("age (ID: 2)\n")
+    with second.open("a") as log:
+        log.write("\x1b[92mINFO \x1b[0m: Receiving: train message (ID: 3)\n")
+    watch.read()
+    assert [len(watch.seen[1]), len(watch.seen[2])] == [2, 1]
+    assert watch.seen[1][0] <= watch.seen[1][1]
