@@ -353,6 +353,7 @@ class ProcessWatch:
 #: Where a ClientApp process spends its CPU, as :func:`clientapp_profile` sorts py-spy's samples.
 PROFILE_PARTS = {
     "import-torch": "importing torch",
+    "import-dynamo": "importing torch._dynamo (a `torch.optim` optimizer's constructor does)",
     "import-flower": "importing Flower and its dependencies",
     "import-other": "importing the rest (the app's modules, NumPy, ...)",
     "app": "the app's code at work (data, model, training)",
@@ -367,7 +368,8 @@ def clientapp_profile(raw: str) -> dict[str, float]:
     """Share of each :data:`PROFILE_PARTS` in the ClientApp processes of a py-spy ``raw`` record
     (``py-spy record --subprocesses --format raw``: one ``frame;frame;... count`` line per
     stack, the processes' own lines first). An import counts by the module being imported
-    (torch, whoever imports it; else the first module: Flower's, or another)."""
+    (torch._dynamo, else torch, whoever imports it; else the first module: Flower's, or
+    another)."""
     counts = dict.fromkeys(PROFILE_PARTS, 0)
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
@@ -384,6 +386,8 @@ def clientapp_profile(raw: str) -> dict[str, float]:
         ]
         if not code:
             part = "native"
+        elif any(name.startswith("torch/_dynamo/") for name in modules):
+            part = "import-dynamo"
         elif any(name.startswith("torch/") for name in modules):
             part = "import-torch"
         elif modules:
@@ -887,22 +891,20 @@ def profile_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         ]
         cells.append([name, *(_f(None if v is None else 100 * v, 0) for v in shares)])
     return [
-        "",
         "## Where a ClientApp's CPU goes",
         "",
         "py-spy (`--profile`: `py-spy record --subprocesses --nonblocking --rate 50` on the "
         "first SuperNode, its SuperExec and ClientApps, not pausing them) samples each process's "
         "Python stack; the ClientApps' samples sorted by what they were doing, in % (median of "
-        "the repeats). An import counts as torch's when torch is being imported, whoever "
-        "imports it; py-spy counts the samples of threads that were not idle, so these are "
-        "shares of active time, not exactly of CPU.",
+        "the repeats). An import counts as torch's (torch._dynamo's) while torch "
+        "(torch._dynamo) is being imported, whoever imports it; py-spy counts the samples of "
+        "threads that were not idle, so these are shares of active time, not exactly of CPU.",
         "",
         markdown_table(["ClientApp samples (%)", *APPS.values()], cells),
     ]
 
 
-METHOD = """
-## Method
+METHOD = """## Method
 
 - **Seconds per round**: the same for both apps, from the SuperNodes' logs, read at every
   sample: a round starts when the first SuperNode logs that it received that round's train
@@ -938,35 +940,13 @@ METHOD = """
 """
 
 
-def main() -> None:
-    """Alternate the two apps for ``--repeats`` repeats; print and save the rows and the page."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nodes", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--interval", type=float, default=0.1, help="seconds between samples")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="record the first SuperNode's processes with py-spy (on PATH) and sort the "
-        "ClientApps' samples by what they were doing",
-    )
-    parser.add_argument("--publish", action="store_true")
-    args = parser.parse_args()
-    # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
-    # background job ignores SIGINT).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if args.profile and shutil.which("py-spy") is None:
-        parser.error("--profile needs py-spy on PATH: pip install py-spy")
-    if args.rounds < 2:
-        parser.error("--rounds must be at least 2: a round's seconds are read between rounds")
-    release = FlowerRelease.installed()
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)  # this process too (it loads the data)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = f"deployment-{release.transport}"
+def profile_record(name: str, app: str, repeat: int) -> Path:
+    """Where ``--profile`` keeps the py-spy record of one run."""
+    return RESULTS / f"{name}-{app}-{repeat}.pyspy"
+
+
+def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Alternate the two apps for ``args.repeats`` repeats; the rows and the page's facts."""
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ba-deploy-bench-") as scratch_dir:
         scratch = Path(scratch_dir)
@@ -978,23 +958,23 @@ def main() -> None:
         diff = quickstart_copy(scratch / "quickstart", data_file, features, hidden)
         parameters = check_same_model(scratch / "quickstart", features, classes)
         order = []
-        for repeat in range(args.repeats):
-            apps = ["project", "quickstart"] if repeat % 2 == 0 else ["quickstart", "project"]
+        for repeat in range(1, args.repeats + 1):
+            apps = ["project", "quickstart"] if repeat % 2 else ["quickstart", "project"]
             order.append(" ".join("A" if app == "project" else "B" for app in apps))
             for app in apps:
-                app_dir = REPO if app == "project" else scratch / "quickstart"
                 row = measure(
                     app,
-                    app_dir,
+                    REPO if app == "project" else scratch / "quickstart",
                     scratch / f"{app}-{repeat}",
                     args.nodes,
                     args.rounds,
                     args.interval,
                     args.timeout,
-                    RESULTS / f"{name}-{app}-{repeat + 1}.pyspy" if args.profile else None,
+                    profile_record(name, app, repeat) if args.profile else None,
                 )
-                rows.append({"repeat": repeat + 1, **row})
+                rows.append({"repeat": repeat, **row})
                 print(json.dumps(rows[-1]), flush=True)
+    release = FlowerRelease.installed()
     loads = [row["load-average"][1] for row in rows if row["status"] == "completed"]
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -1015,9 +995,57 @@ def main() -> None:
         "parameters": parameters,
         "quickstart-diff": diff,
     }
-    summary = summarize(rows)
-    record = {"meta": meta, "rows": rows, "summary": summary}
-    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2), encoding="utf-8")
+    return rows, meta
+
+
+def main() -> None:
+    """Measure (or, with ``--render``, read back) the runs; print and save the rows and page."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--interval", type=float, default=0.1, help="seconds between samples")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="record the first SuperNode's processes with py-spy (on PATH) and sort the "
+        "ClientApps' samples by what they were doing",
+    )
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="measure nothing: write the page again from this release's saved rows (and "
+        "py-spy records)",
+    )
+    parser.add_argument("--publish", action="store_true")
+    args = parser.parse_args()
+    # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
+    # background job ignores SIGINT).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.profile and not args.render and shutil.which("py-spy") is None:
+        parser.error("--profile needs py-spy on PATH: pip install py-spy")
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2: a round's seconds are read between rounds")
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)  # this process too (it loads the data)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = f"deployment-{FlowerRelease.installed().transport}"
+    saved = RESULTS / f"{name}.json"
+    if args.render:
+        if not saved.is_file():
+            parser.error(f"--render needs {saved}: measure first (without --render)")
+        record = json.loads(saved.read_text(encoding="utf-8"))
+        rows, meta = record["rows"], record["meta"]
+        for row in rows:
+            spied = profile_record(name, row["app"], row["repeat"])
+            if spied.is_file():
+                row["clientapp-profile"] = clientapp_profile(spied.read_text(encoding="utf-8"))
+    else:
+        rows, meta = measure_all(args, name)
+    record = {"meta": meta, "rows": rows, "summary": summarize(rows)}
+    saved.write_text(json.dumps(record, indent=2), encoding="utf-8")
     page = markdown(rows, meta)
     print(page)
     if args.publish:

@@ -50,11 +50,13 @@ def hardware() -> str:
 
 
 def interpreter() -> str:
-    """This interpreter as a published command names it: relative to the repository if inside
-    (``.venv/bin/python``, ``.venvs/fleet-http/bin/python``)."""
+    """This interpreter as a published command names it: relative to the checkout that holds its
+    virtual environment (``.venv/bin/python``, ``.venvs/fleet-http/bin/python``), else in full."""
     path = Path(sys.executable)
-    repository = Path(__file__).resolve().parents[1]
-    return str(path.relative_to(repository)) if path.is_relative_to(repository) else str(path)
+    for folder in Path(sys.prefix).parents:
+        if (folder / "pyproject.toml").is_file() and path.is_relative_to(folder):
+            return str(path.relative_to(folder))
+    return str(path)
 
 
 class Stopwatch:

@@ -298,9 +298,12 @@ def test_a_clientapp_s_samples_are_sorted_by_what_it_was_doing() -> None:
     run = "run (flwr/run.py:9)"
     raw = "\n".join(
         [
-            # importing torch, from the app's module (torch wins whoever imports it): 40
+            # importing torch, from the app's module (torch wins whoever imports it): 30
             f"{node};{app};{thread};{entry};{run};{load};<module> (client/app.py:3)"
-            f";{load};<module> (torch/__init__.py:1) 40",
+            f";{load};<module> (torch/__init__.py:1) 30",
+            # an optimizer's constructor importing torch._dynamo in the app's training: 10
+            f"{node};{app};{thread};{entry};{run};train (pytorchexample/task.py:5)"
+            f";__init__ (torch/optim/sgd.py:2);{load};<module> (torch/_dynamo/__init__.py:1) 10",
             # importing Flower's own modules: 30
             f"{node};{app};{thread};{entry};{load};<module> (flwr/supernode/cli.py:2) 30",
             # importing the app's own module (before torch is reached): 5
@@ -314,7 +317,8 @@ def test_a_clientapp_s_samples_are_sorted_by_what_it_was_doing() -> None:
         ]
     )
     assert clientapp_profile(raw) == {
-        "import-torch": 0.4,
+        "import-torch": 0.3,
+        "import-dynamo": 0.1,
         "import-flower": 0.3,
         "import-other": 0.05,
         "app": 0.1,
