@@ -26,6 +26,7 @@ import difflib
 import itertools
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -79,6 +80,8 @@ WORK: dict[str, Any] = {
     "fraction-evaluate": 0.0,
 }
 APPS = {"project": "this project's app", "quickstart": "Flower's quickstart"}
+#: Fresh processes per step of ``--import-cpu``.
+IMPORT_REPEATS = 7
 
 # ------------------------------------------------------------------------------ process table
 #: ``comm`` of each Flower process (Linux keeps the first 15 characters of the script's name).
@@ -399,6 +402,58 @@ def clientapp_profile(raw: str) -> dict[str, float]:
         counts[part] += int(count)
     total = sum(counts.values())
     return {part: round(n / total, 3) if total else 0.0 for part, n in counts.items()}
+
+
+def import_steps(quickstart: Path) -> list[tuple[str, str, int | None]]:
+    """What a ClientApp process loads, step by step: ``(name, Python code, the step it adds to)``.
+
+    Each step's code repeats the code of the step it adds to, so that each runs alone in a
+    fresh interpreter; ``quickstart`` is the benchmark's copy of the quickstart app.
+    """
+    flower = "from flwr.supernode.cli import flwr_clientapp"  # what flwr-clientapp runs
+    torch_too = f"{flower}; import torch"
+    copy = f"import sys; sys.path.insert(0, {str(quickstart)!r})"
+    quickstart_app = f"{torch_too}; {copy}; import pytorchexample.client_app"
+    return [
+        ("Python starting and exiting", "pass", None),
+        ("+ Flower's ClientApp runtime (what `flwr-clientapp` imports)", flower, 0),
+        ("+ torch", torch_too, 1),
+        (
+            "+ this project's ClientApp module",
+            f"{torch_too}; import beyond_averaging.client.app",
+            2,
+        ),
+        ("+ the quickstart's ClientApp module", quickstart_app, 2),
+        (
+            "+ the quickstart's optimizer: its `train` builds `torch.optim.SGD(momentum=0.9)`",
+            f"{quickstart_app}; from pytorchexample.task import Net; "
+            "torch.optim.SGD(Net().parameters(), lr=0.05, momentum=0.9)",
+            4,
+        ),
+    ]
+
+
+def import_cpu(steps: Sequence[tuple[str, str, int | None]], repeats: int) -> list[dict[str, Any]]:
+    """CPU seconds (user + system; the median of ``repeats`` fresh processes) of each step, and
+    what it adds to the step it builds on. The steps take turns, so that a change in the
+    machine's load meanwhile reaches each of them alike."""
+    seconds: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for index, (_, code, _) in enumerate(steps):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+            seconds[index].append(used)
+    totals = [statistics.median(each) for each in seconds]
+    return [
+        {
+            "step": step,
+            "cpu-seconds": round(total, 2),
+            "adds": round(total - (totals[base] if base is not None else 0.0), 2),
+        }
+        for (step, _, base), total in zip(steps, totals, strict=True)
+    ]
 
 
 # --------------------------------------------------------------------------- the quickstart copy
@@ -849,6 +904,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     head += " | status"
     lines += [markdown_table(head.split(" | "), run_cells)]
     lines += profile_section(rows)
+    lines += imports_section(meta.get("import-cpu"))
     lines += METHOD.format(interval=meta["interval"]).splitlines()
     lines += [
         "",
@@ -872,6 +928,25 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def imports_section(measured: Mapping[str, Any] | None) -> list[str]:
+    """What a ClientApp process loads, in CPU seconds (``--import-cpu``)."""
+    if not measured:
+        return []
+    cells = [[s["step"], _f(s["cpu-seconds"], 2), _f(s["adds"], 2)] for s in measured["steps"]]
+    return [
+        "## What a ClientApp process loads",
+        "",
+        f"Measured {measured['date']} with `{measured['command']}`: the CPU (user + system) of "
+        "a fresh Python process that loads each step and exits, the median of "
+        f'{measured["repeats"]}; "adds" is the difference to the step it builds on (the '
+        "quickstart's module builds on torch, beside this project's). On this shared machine a "
+        "step's CPU varies by about 0.1 s from one process to the next, so smaller differences "
+        "are noise.",
+        "",
+        markdown_table(["step", "CPU seconds", "adds"], cells),
+    ]
 
 
 def profile_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -940,6 +1015,11 @@ METHOD = """## Method
 """
 
 
+def command_line() -> str:
+    """This benchmark's command line as the page gives it."""
+    return f"nice -n 10 {interpreter()} -m benchmarks.deployment {shlex.join(sys.argv[1:])}"
+
+
 def profile_record(name: str, app: str, repeat: int) -> Path:
     """Where ``--profile`` keeps the py-spy record of one run."""
     return RESULTS / f"{name}-{app}-{repeat}.pyspy"
@@ -978,8 +1058,7 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
     loads = [row["load-average"][1] for row in rows if row["status"] == "completed"]
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": f"nice -n 10 {interpreter()} -m benchmarks.deployment "
-        + shlex.join(sys.argv[1:]),
+        "command": command_line(),
         "flwr": release.version,
         "transport": "gRPC" if release.transport == "grpc" else "HTTP",
         "machine": hardware(),
@@ -1019,6 +1098,12 @@ def main() -> None:
         help="measure nothing: write the page again from this release's saved rows (and "
         "py-spy records)",
     )
+    parser.add_argument(
+        "--import-cpu",
+        action="store_true",
+        help="measure only the CPU of what a ClientApp process loads (fresh processes, median "
+        f"of {IMPORT_REPEATS}) and add it to this release's saved page",
+    )
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
@@ -1033,15 +1118,25 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"deployment-{FlowerRelease.installed().transport}"
     saved = RESULTS / f"{name}.json"
-    if args.render:
+    if args.render or args.import_cpu:
         if not saved.is_file():
-            parser.error(f"--render needs {saved}: measure first (without --render)")
+            parser.error(f"{saved} is missing: measure the runs first")
         record = json.loads(saved.read_text(encoding="utf-8"))
         rows, meta = record["rows"], record["meta"]
         for row in rows:
             spied = profile_record(name, row["app"], row["repeat"])
             if spied.is_file():
                 row["clientapp-profile"] = clientapp_profile(spied.read_text(encoding="utf-8"))
+        if args.import_cpu:
+            with tempfile.TemporaryDirectory(prefix="ba-deploy-bench-") as scratch:
+                copy = Path(scratch) / "quickstart"
+                quickstart_copy(copy, Path(scratch) / "digits.npz", 64, 200)  # data unread
+                meta["import-cpu"] = {
+                    "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                    "command": command_line(),
+                    "repeats": IMPORT_REPEATS,
+                    "steps": import_cpu(import_steps(copy), IMPORT_REPEATS),
+                }
     else:
         rows, meta = measure_all(args, name)
     record = {"meta": meta, "rows": rows, "summary": summarize(rows)}

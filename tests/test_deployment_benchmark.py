@@ -21,6 +21,7 @@ from benchmarks.deployment import (
     Tracked,
     clientapp_profile,
     cpu_seconds_by_kind,
+    import_cpu,
     kinds_of,
     markdown,
     parse_stat,
@@ -274,6 +275,12 @@ META = {
     "model": "64-200-200-10",
     "parameters": 55210,
     "quickstart-diff": "--- a\n+++ b\n-old\n+new\n",
+    "import-cpu": {
+        "date": "2026-11-27 11:00 UTC",
+        "command": "nice -n 10 .venv/bin/python -m benchmarks.deployment --import-cpu",
+        "repeats": 7,
+        "steps": [{"step": "+ torch", "cpu-seconds": 3.5, "adds": 1.9}],
+    },
 }
 
 
@@ -287,6 +294,24 @@ def test_the_page_names_the_release_the_command_the_ratios_and_each_run() -> Non
     assert "failed: LaunchError: x" in page
     assert "```diff\n--- a\n+++ b\n-old\n+new\n```" in page
     assert "| importing torch | 40 | 30 |" in page
+    assert "| + torch | 3.50 | 1.90 |" in page
+    assert "--import-cpu`: the CPU (user + system) of a fresh Python process" in page
+    assert "each step and exits, the median of 7;" in page
+
+
+def test_each_import_step_adds_its_cpu_to_the_step_it_builds_on() -> None:
+    steps = [
+        ("Python", "pass", None),
+        ("+ a sum", "sum(range(3_000_000))", 0),
+        ("+ a longer sum (beside the first)", "sum(range(6_000_000))", 0),
+        ("+ a sort", "sum(range(3_000_000)); sorted(range(1_000_000))", 1),
+    ]
+    measured = import_cpu(steps, repeats=1)
+    cpu = [step["cpu-seconds"] for step in measured]
+    assert [step["adds"] for step in measured] == pytest.approx(
+        [cpu[0], cpu[1] - cpu[0], cpu[2] - cpu[0], cpu[3] - cpu[1]], abs=0.011
+    )
+    assert [step["step"] for step in measured] == [step[0] for step in steps]
 
 
 def test_a_clientapp_s_samples_are_sorted_by_what_it_was_doing() -> None:
