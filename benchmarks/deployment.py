@@ -82,6 +82,9 @@ WORK: dict[str, Any] = {
 APPS = {"project": "this project's app", "quickstart": "Flower's quickstart"}
 #: Fresh processes per step of ``--import-cpu``.
 IMPORT_REPEATS = 7
+#: Hidden width of this project's MLP (tasks/models.py), which the quickstart's copy trains too;
+#: :func:`check_same_model` holds the copy to the project's model, shape by shape.
+HIDDEN = 200
 
 # ------------------------------------------------------------------------------ process table
 #: ``comm`` of each Flower process (Linux keeps the first 15 characters of the script's name).
@@ -253,6 +256,7 @@ class LogWatch:
         self.seen: dict[int, list[float]] = {key: [] for key in self.logs}
 
     def read(self) -> None:
+        """Read what each log gained since the last call; time its complete marked lines."""
         now = time.monotonic()
         for key, path in self.logs.items():
             with path.open("rb") as log:
@@ -299,6 +303,7 @@ class ProcessWatch:
         return depth
 
     def sample(self) -> dict[str, float]:
+        """One reading of every process (and of the logs); the SuperNodes' memory now."""
         self.samples += 1
         for pid in sorted(self.processes, key=self._depth):
             process = self.processes[pid]
@@ -558,6 +563,7 @@ def write_digits(path: Path, settings: Mapping[str, Any], nodes: int) -> tuple[i
 
 
 def parameter_shapes(module: Any) -> list[tuple[int, ...]]:
+    """The shape of each of a model's parameters, in order."""
     return [tuple(p.shape) for p in module.parameters()]
 
 
@@ -1034,7 +1040,7 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         settings = {**WORK, "num-clients": args.nodes}
         data_file = scratch / "digits.npz"
         features, classes = write_digits(data_file, settings, args.nodes)
-        hidden = 200
+        hidden = HIDDEN
         diff = quickstart_copy(scratch / "quickstart", data_file, features, hidden)
         parameters = check_same_model(scratch / "quickstart", features, classes)
         order = []
@@ -1130,7 +1136,8 @@ def main() -> None:
         if args.import_cpu:
             with tempfile.TemporaryDirectory(prefix="ba-deploy-bench-") as scratch:
                 copy = Path(scratch) / "quickstart"
-                quickstart_copy(copy, Path(scratch) / "digits.npz", 64, 200)  # data unread
+                # Importing the copy reads no data: the file need not exist.
+                quickstart_copy(copy, Path(scratch) / "digits.npz", 64, HIDDEN)
                 meta["import-cpu"] = {
                     "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
                     "command": command_line(),
