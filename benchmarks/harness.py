@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -46,6 +47,16 @@ def hardware() -> str:
         f"{model}, {cores} cores visible, {gpu}, torch {torch.__version__} "
         f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}"
     )
+
+
+def interpreter() -> str:
+    """This interpreter as a published command names it: relative to the checkout that holds its
+    virtual environment (``.venv/bin/python``, ``.venvs/fleet-http/bin/python``), else in full."""
+    path = Path(sys.executable)
+    for folder in Path(sys.prefix).parents:
+        if (folder / "pyproject.toml").is_file() and path.is_relative_to(folder):
+            return str(path.relative_to(folder))
+    return str(path)
 
 
 class Stopwatch:

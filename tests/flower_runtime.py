@@ -120,7 +120,7 @@ def checked(command: Sequence[str], timeout: float, **kwargs: Any) -> str:
             f"{' '.join(command)} failed ({completed.returncode}):\n"
             f"{(completed.stdout + completed.stderr)[-4000:]}"
         )
-    return completed.stdout
+    return str(completed.stdout)
 
 
 def help_text(executable: Path, *arguments: str) -> str:

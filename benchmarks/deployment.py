@@ -1,0 +1,1158 @@
+"""A deployed round of this project's app beside Flower's quickstart app, on the same work.
+
+For each app, one local deployment (a SuperLink and N SuperNodes as processes on loopback,
+insecure, state in memory: :class:`tests.deploy_helpers.LocalDeployment`) runs R rounds of
+FedAvg on digits with the same MLP, local epochs, batch size, learning rate and momentum; every
+node trains every round and no client evaluates. The apps alternate (A B, then B A, ...) so
+that both share the machine's noise, and the ratios are taken within each repeat.
+
+- App A: this project's app, as ``flwr run`` ships it (the repository's FAB).
+- App B: Flower's quickstart (``tests/apps/quickstart``, Flower's examples/quickstart-pytorch),
+  copied at run time with a ``task.py`` that trains the same MLP on the same digits partitions
+  (:func:`quickstart_copy`; the page prints the diff). Its ``server_app.py`` and
+  ``client_app.py`` are Flower's, unchanged: Flower's FedAvg, a DataLoader loop.
+
+Measured from outside, the same way for both apps, by sampling ``/proc`` every ``--interval``
+seconds (:class:`ProcessWatch`): every process below this one (SuperLink, the SuperExec that
+starts the ServerApp, the ServerApp, each SuperNode, the SuperExec that starts its ClientApps,
+every ClientApp, ``flwr run``); see the page's "Method" for what that misses. docs/deployment.md
+("Deployment figures") gives the headline and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import itertools
+import json
+import os
+import resource
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.harness import MIB, PeakSampler, hardware, interpreter
+from benchmarks.report import markdown_table, read_metrics
+from beyond_averaging.server.app import client_task, data_spec
+from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.flower_release import FlowerRelease
+from beyond_averaging.server.launch import LaunchError, run_config_argument
+from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
+from beyond_averaging.tasks.models import build_model
+from beyond_averaging.tasks.partition_cache import CACHE_ENV
+from tests.deploy_helpers import CONNECTION, REPO, LocalDeployment
+from tests.flower_runtime import RunOutcome, clean_log
+
+RESULTS = REPO / "benchmarks" / "results" / "deployment"
+PUBLISHED = REPO / "docs" / "results"
+QUICKSTART = REPO / "tests" / "apps" / "quickstart"
+QUICKSTART_TASK = Path("pytorchexample") / "task.py"
+
+#: The work both apps do: run-config settings of this project's app. ``weight-decay`` 0 and
+#: ``lr-decay`` 1 (defaults 5e-4 and 0.99) make its update the quickstart's ``torch.optim.SGD(lr,
+#: momentum=0.9)``; everything else is the app's default (digits, Dirichlet 0.5 partitions, the
+#: MLP, 2 local epochs, batch 32, learning rate 0.05, momentum 0.9, FedAvg, no client evaluation).
+WORK: dict[str, Any] = {
+    "strategy": "fedavg",
+    "dataset": "digits",
+    "model": "mlp",
+    "local-epochs": 2,
+    "batch-size": 32,
+    "learning-rate": 0.05,
+    "momentum": 0.9,
+    "weight-decay": 0.0,
+    "lr-decay": 1.0,
+    "fraction-train": 1.0,
+    "fraction-evaluate": 0.0,
+}
+APPS = {"project": "this project's app", "quickstart": "Flower's quickstart"}
+#: Fresh processes per step of ``--import-cpu``.
+IMPORT_REPEATS = 7
+#: Hidden width of this project's MLP (tasks/models.py), which the quickstart's copy trains too;
+#: :func:`check_same_model` holds the copy to the project's model, shape by shape.
+HIDDEN = 200
+
+# ------------------------------------------------------------------------------ process table
+#: ``comm`` of each Flower process (Linux keeps the first 15 characters of the script's name).
+COMM_KINDS = {
+    "flower-superlin": "superlink",
+    "flwr-serverapp": "serverapp",
+    "flower-supernod": "supernode",
+    "flower-superexe": "superexec",
+    "flwr-clientapp": "clientapp",
+    "flwr": "flwr-run",
+}
+#: Every kind of process, in the page's order, with its name there.
+KINDS = {
+    "superlink": "SuperLink",
+    "superexec-server": "SuperExec (starts the ServerApp)",
+    "serverapp": "ServerApp",
+    "supernode": "SuperNode",
+    "superexec-node": "SuperExec (starts ClientApps)",
+    "clientapp": "ClientApp",
+    "flwr-run": "`flwr run` (the user's CLI)",
+    "benchmark": "this benchmark (its sampling of /proc)",
+    "other": "other processes below the benchmark",
+    "unseen": "processes that ended between two samples",
+}
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of one ``/proc/<pid>/stat`` line that the benchmark reads.
+
+    Times are in clock ticks (``SC_CLK_TCK``), ``rss_pages`` in pages.
+    """
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    cpu_ticks: int  # utime + stime: the process's own CPU, all its threads
+    children_ticks: int  # cutime + cstime: of the children it has reaped (waited for)
+    start_ticks: int  # starttime: since boot
+    rss_pages: int
+
+
+def parse_stat(line: str) -> ProcStat:
+    """One ``/proc/<pid>/stat`` line (proc(5)). ``comm`` may hold spaces and parentheses, so the
+    fields are counted from the last ``)``."""
+    head, _, rest = line.rpartition(")")
+    pid, _, comm = head.partition(" (")
+    fields = rest.split()  # fields[0] is field 3 (state) of proc(5)
+    return ProcStat(
+        pid=int(pid),
+        comm=comm,
+        state=fields[0],
+        ppid=int(fields[1]),
+        cpu_ticks=int(fields[11]) + int(fields[12]),
+        children_ticks=int(fields[13]) + int(fields[14]),
+        start_ticks=int(fields[19]),
+        rss_pages=int(fields[21]),
+    )
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """The stat of a process, or None once it has been reaped."""
+    try:
+        return parse_stat((Path("/proc") / str(pid) / "stat").read_text(encoding="utf-8"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class Tracked:
+    """One process below the benchmark, as sampled.
+
+    ``first`` is its reading when the window opened (``at_start``) or when it was first seen;
+    ``last`` its latest (a zombie still reads: its final times); ``ended`` once it was reaped.
+    """
+
+    first: ProcStat
+    last: ProcStat
+    at_start: bool
+    peak_rss_pages: int = 0
+    ended: bool = False
+
+    @property
+    def own_ticks(self) -> int:
+        """CPU ticks of the process itself within the window."""
+        return self.last.cpu_ticks - (self.first.cpu_ticks if self.at_start else 0)
+
+    @property
+    def reaped_ticks(self) -> int:
+        """CPU ticks of the children it reaped within the window (the kernel's exact sum)."""
+        return self.last.children_ticks - (self.first.children_ticks if self.at_start else 0)
+
+
+def kinds_of(processes: Mapping[int, Tracked], root: int | None = None) -> dict[int, str]:
+    """The kind of every process: by its ``comm``, a SuperExec by whom it serves (its parent);
+    ``root`` is the benchmark's own process."""
+    kinds: dict[int, str] = {root: "benchmark"} if root is not None and root in processes else {}
+
+    def kind(pid: int) -> str:
+        if pid not in kinds:
+            found = COMM_KINDS.get(processes[pid].last.comm, "other")
+            if found == "superexec":
+                parent = processes[pid].last.ppid
+                above = kind(parent) if parent in processes else "other"
+                found = "superexec-server" if above == "superlink" else "superexec-node"
+            kinds[pid] = found
+        return kinds[pid]
+
+    for pid in processes:
+        kind(pid)
+    return kinds
+
+
+def cpu_seconds_by_kind(
+    processes: Mapping[int, Tracked], ticks_per_second: float, root: int | None = None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """CPU seconds of each kind of process within the window, and the part of it that only the
+    parents' reaped-children times show.
+
+    Each process counts its own ticks at its last reading. A process reaped within the window
+    may have run after its last reading (at most one interval); its parent's
+    ``cutime + cstime`` holds its exact total, so the parent's reaped ticks minus the last
+    readings of the children seen to end are added to those children's kind (to ``unseen``
+    when no ended child of that parent was seen: every child lived less than an interval).
+    """
+    kinds = kinds_of(processes, root)
+    seconds = dict.fromkeys(KINDS, 0.0)
+    recovered = dict.fromkeys(KINDS, 0.0)
+    for pid, process in processes.items():
+        seconds[kinds[pid]] += process.own_ticks / ticks_per_second
+    for pid, parent in processes.items():
+        children = [c for c, p in processes.items() if p.last.ppid == pid and p.ended]
+        seen = sum(processes[c].own_ticks + processes[c].reaped_ticks for c in children)
+        missed = parent.reaped_ticks - seen
+        if missed <= 0:
+            continue  # a child's last reading came after its parent's: nothing was missed
+        kind = Counter(kinds[c] for c in children).most_common(1)[0][0] if children else "unseen"
+        seconds[kind] += missed / ticks_per_second
+        recovered[kind] += missed / ticks_per_second
+    return seconds, recovered
+
+
+#: What a SuperNode logs when a train instruction reaches it (flwr 1.39 to 1.42).
+RECEIVED_TRAIN = "Receiving: train message"
+
+
+def round_intervals(receipts: Mapping[int, Sequence[float]], rounds: int) -> list[float] | None:
+    """Seconds from the start of each round to the start of the next.
+
+    ``receipts`` holds the times each node received a train instruction. Every node trains
+    once per round, so its k-th receipt belongs to round k, and round k starts at the first
+    node's. With any other count (a node missed a round) the rounds cannot be told apart and
+    None is returned.
+    """
+    if not receipts or any(len(times) != rounds for times in receipts.values()):
+        return None
+    firsts = [min(sorted(times)[k] for times in receipts.values()) for k in range(rounds)]
+    return [later - earlier for earlier, later in itertools.pairwise(firsts)]
+
+
+class LogWatch:
+    """When each line containing ``marker`` appeared in each log file, read as it grows."""
+
+    def __init__(self, logs: Mapping[int, Path], marker: str) -> None:
+        self.logs, self.marker = dict(logs), marker
+        self.offsets = {key: path.stat().st_size for key, path in self.logs.items()}
+        self.partial = dict.fromkeys(self.logs, b"")
+        self.seen: dict[int, list[float]] = {key: [] for key in self.logs}
+
+    def read(self) -> None:
+        """Read what each log gained since the last call; time its complete marked lines."""
+        now = time.monotonic()
+        for key, path in self.logs.items():
+            with path.open("rb") as log:
+                log.seek(self.offsets[key])
+                chunk = log.read()
+            self.offsets[key] += len(chunk)
+            *lines, self.partial[key] = (self.partial[key] + chunk).split(b"\n")
+            marker = self.marker.encode()
+            self.seen[key] += [now for line in lines if marker in line]
+
+
+class ProcessWatch:
+    """This process (``root``) and every process below it, sampled from ``/proc``.
+
+    :meth:`sample` reads the stat of each known process (parents before children: a child
+    reaped during the sample is then in its parent's reaped times, or read by itself), finds new
+    ones by their parent, and returns the resident bytes of each SuperNode with everything
+    below it (``node-<pid>``), for :class:`benchmarks.harness.PeakSampler`.
+    """
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.processes: dict[int, Tracked] = {}
+        self.foreign: set[int] = set()
+        #: Processes below ``root`` that are not measured (a profiler), nor what they start.
+        self.excluded: set[int] = set()
+        #: The SuperNodes' logs, read at every sample for the train instructions they receive.
+        self.receipts: LogWatch | None = None
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.load: list[float] = []
+        self.samples = 0
+
+    def open_window(self) -> None:
+        """Count from now: the processes alive now count their times from this reading."""
+        self.processes, self.foreign, self.load, self.samples = {}, set(), [], 0
+        self.sample()
+        for process in self.processes.values():
+            process.at_start = True
+
+    def _depth(self, pid: int) -> int:
+        depth = 0
+        while pid in self.processes and pid != self.root and depth < 64:
+            pid, depth = self.processes[pid].last.ppid, depth + 1
+        return depth
+
+    def sample(self) -> dict[str, float]:
+        """One reading of every process (and of the logs); the SuperNodes' memory now."""
+        self.samples += 1
+        for pid in sorted(self.processes, key=self._depth):
+            process = self.processes[pid]
+            if process.ended:
+                continue
+            stat = read_stat(pid)
+            if stat is None or stat.start_ticks != process.first.start_ticks:
+                process.ended = True  # reaped (a new process under an old pid is another)
+                continue
+            if stat.comm != process.last.comm:  # it exec'd: its parent's pages are gone
+                process.peak_rss_pages = 0
+            process.last = stat
+            process.peak_rss_pages = max(process.peak_rss_pages, stat.rss_pages)
+        listed = {int(name) for name in os.listdir("/proc") if name.isdigit()}
+        self.foreign &= listed  # a pid that went away may come back as one of ours
+        fresh = sorted(listed - self.foreign - self.excluded - self.processes.keys())
+        found = True
+        while found:  # a child may be listed before its parent
+            found = False
+            for pid in fresh:
+                if pid in self.processes:
+                    continue
+                stat = read_stat(pid)
+                if stat is not None and (pid == self.root or stat.ppid in self.processes):
+                    self.processes[pid] = Tracked(stat, stat, False, stat.rss_pages)
+                    found = True
+        # Not below the benchmark: read once, not again while the pid stays taken. A process
+        # forked by ours is ours from its birth (its parent is known before it is listed).
+        self.foreign |= {pid for pid in fresh if pid not in self.processes}
+        self.load.append(os.getloadavg()[0])
+        if self.receipts is not None:
+            self.receipts.read()
+        return self.node_memory()
+
+    def node_of(self, pid: int) -> int | None:
+        """The SuperNode a process runs under (itself for a SuperNode), or None."""
+        while pid in self.processes and pid != self.root:
+            if COMM_KINDS.get(self.processes[pid].last.comm) == "supernode":
+                return pid
+            pid = self.processes[pid].last.ppid
+        return None
+
+    def node_memory(self) -> dict[str, float]:
+        """Resident bytes now of each SuperNode with its live processes (``node-<pid>``)."""
+        memory: dict[str, float] = {}
+        for pid, process in self.processes.items():
+            node = self.node_of(pid)
+            if node is not None and not process.ended:
+                key = f"node-{node}"
+                memory[key] = memory.get(key, 0.0) + process.last.rss_pages * self.page
+        return memory
+
+
+# -------------------------------------------------------------------------------- profiling
+#: Where a ClientApp process spends its CPU, as :func:`clientapp_profile` sorts py-spy's samples.
+PROFILE_PARTS = {
+    "import-torch": "importing torch",
+    "import-dynamo": "importing torch._dynamo (a `torch.optim` optimizer's constructor does)",
+    "import-flower": "importing Flower and its dependencies",
+    "import-other": "importing the rest (the app's modules, NumPy, ...)",
+    "app": "the app's code at work (data, model, training)",
+    "flower": "Flower at work (messages, the FAB, its threads)",
+    "native": "no Python frame (interpreter start and exit, native code)",
+}
+#: Where the apps' own code lives, as py-spy names files (relative to their sys.path entry).
+APP_CODE = ("client/", "tasks/", "server/", "strategies/", "beyond_averaging/", "pytorchexample/")
+
+
+def clientapp_profile(raw: str) -> dict[str, float]:
+    """Share of each :data:`PROFILE_PARTS` in the ClientApp processes of a py-spy ``raw`` record
+    (``py-spy record --subprocesses --format raw``: one ``frame;frame;... count`` line per
+    stack, the processes' own lines first). An import counts by the module being imported
+    (torch._dynamo, else torch, whoever imports it; else the first module: Flower's, or
+    another)."""
+    counts = dict.fromkeys(PROFILE_PARTS, 0)
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        processes = [frame for frame in frames if frame.startswith("process ")]
+        if not count.isdigit() or not processes or "flwr-clientapp" not in processes[-1]:
+            continue
+        code = [frame for frame in frames if not frame.startswith(("process ", "thread "))]
+        files = [frame.rpartition(" (")[2].partition(":")[0] for frame in code]
+        modules = [
+            name
+            for frame, name in zip(code, files, strict=True)
+            if frame.startswith("<module> ") and not name.startswith("flwr-clientapp")
+        ]
+        if not code:
+            part = "native"
+        elif any(name.startswith("torch/_dynamo/") for name in modules):
+            part = "import-dynamo"
+        elif any(name.startswith("torch/") for name in modules):
+            part = "import-torch"
+        elif modules:
+            part = "import-flower" if modules[0].startswith("flwr/") else "import-other"
+        elif any(name.startswith(APP_CODE) for name in files):
+            part = "app"
+        else:
+            part = "flower"
+        counts[part] += int(count)
+    total = sum(counts.values())
+    return {part: round(n / total, 3) if total else 0.0 for part, n in counts.items()}
+
+
+def import_steps(quickstart: Path) -> list[tuple[str, str, int | None]]:
+    """What a ClientApp process loads, step by step: ``(name, Python code, the step it adds to)``.
+
+    Each step's code repeats the code of the step it adds to, so that each runs alone in a
+    fresh interpreter; ``quickstart`` is the benchmark's copy of the quickstart app.
+    """
+    flower = "from flwr.supernode.cli import flwr_clientapp"  # what flwr-clientapp runs
+    torch_too = f"{flower}; import torch"
+    copy = f"import sys; sys.path.insert(0, {str(quickstart)!r})"
+    quickstart_app = f"{torch_too}; {copy}; import pytorchexample.client_app"
+    return [
+        ("Python starting and exiting", "pass", None),
+        ("+ Flower's ClientApp runtime (what `flwr-clientapp` imports)", flower, 0),
+        ("+ torch", torch_too, 1),
+        (
+            "+ this project's ClientApp module",
+            f"{torch_too}; import beyond_averaging.client.app",
+            2,
+        ),
+        ("+ the quickstart's ClientApp module", quickstart_app, 2),
+        (
+            "+ the quickstart's optimizer: its `train` builds `torch.optim.SGD(momentum=0.9)`",
+            f"{quickstart_app}; from pytorchexample.task import Net; "
+            "torch.optim.SGD(Net().parameters(), lr=0.05, momentum=0.9)",
+            4,
+        ),
+    ]
+
+
+def import_cpu(steps: Sequence[tuple[str, str, int | None]], repeats: int) -> list[dict[str, Any]]:
+    """CPU seconds (user + system; the median of ``repeats`` fresh processes) of each step, and
+    what it adds to the step it builds on. The steps take turns, so that a change in the
+    machine's load meanwhile reaches each of them alike."""
+    seconds: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for index, (_, code, _) in enumerate(steps):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+            seconds[index].append(used)
+    totals = [statistics.median(each) for each in seconds]
+    return [
+        {
+            "step": step,
+            "cpu-seconds": round(total, 2),
+            "adds": round(total - (totals[base] if base is not None else 0.0), 2),
+        }
+        for (step, _, base), total in zip(steps, totals, strict=True)
+    ]
+
+
+# --------------------------------------------------------------------------- the quickstart copy
+def quickstart_task(original: str, data_file: Path, features: int, hidden: int) -> str:
+    """Flower's quickstart ``task.py`` with this benchmark's model and data.
+
+    Its imports, ``train`` and ``test`` stay as Flower wrote them; from ``class Net`` to
+    ``def train`` is replaced: ``Net`` becomes this project's MLP (``features``-``hidden``-
+    ``hidden``-10, ReLU) and ``load_data``/``load_centralized_dataset`` read the digits
+    partitions and test split that :func:`write_digits` saved in ``data_file``.
+    """
+    start, end = original.index("class Net(nn.Module):"), original.index("def train(")
+    middle = f'''import numpy as np
+
+# Changed for benchmarks/deployment.py: beyond-averaging's MLP and its digits partitions.
+DATA_FILE = "{data_file}"
+
+
+class Net(nn.Module):
+    """Model (beyond-averaging's MLP: {features}-{hidden}-{hidden}-10, ReLU)"""
+
+    def __init__(self):
+        super(Net, self).__init__()
+        self.fc1 = nn.Linear({features}, {hidden})
+        self.fc2 = nn.Linear({hidden}, {hidden})
+        self.fc3 = nn.Linear({hidden}, 10)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+class Digits(Dataset):
+    """Images and labels saved by the benchmark, in the quickstart's batch format."""
+
+    def __init__(self, images, labels):
+        self.images = torch.from_numpy(images)
+        self.labels = torch.from_numpy(labels)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return {{"img": self.images[index], "label": self.labels[index]}}
+
+
+def load_data(partition_id: int, num_partitions: int, batch_size: int):
+    """Load partition data (beyond-averaging's digits partition, all of it for training)."""
+    with np.load(DATA_FILE) as data:
+        assert int(data["num_partitions"]) == num_partitions, "partitions saved for another N"
+        partition = Digits(data[f"features_{{partition_id}}"], data[f"labels_{{partition_id}}"])
+    trainloader = DataLoader(partition, batch_size=batch_size, shuffle=True)
+    testloader = DataLoader(partition, batch_size=batch_size)  # unused: fraction-evaluate 0
+    return trainloader, testloader
+
+
+def load_centralized_dataset():
+    """Load test set and return dataloader (beyond-averaging's digits test split)."""
+    with np.load(DATA_FILE) as data:
+        dataset = Digits(data["test_features"], data["test_labels"])
+    return DataLoader(dataset, batch_size=128)
+
+
+'''
+    return original[:start] + middle + original[end:]
+
+
+def quickstart_copy(destination: Path, data_file: Path, features: int, hidden: int) -> str:
+    """Copy the quickstart app to ``destination`` with :func:`quickstart_task`'s ``task.py``;
+    return the diff of ``task.py`` (the only file changed)."""
+    shutil.copytree(QUICKSTART, destination)
+    original = (QUICKSTART / QUICKSTART_TASK).read_text(encoding="utf-8")
+    changed = quickstart_task(original, data_file, features, hidden)
+    (destination / QUICKSTART_TASK).write_text(changed, encoding="utf-8")
+    name = f"tests/apps/quickstart/{QUICKSTART_TASK.as_posix()}"
+    lines = difflib.unified_diff(
+        original.splitlines(keepends=True),
+        changed.replace(str(data_file), "<the benchmark's digits.npz>").splitlines(keepends=True),
+        fromfile=name,
+        tofile=f"{name} (the benchmark's copy)",
+    )
+    return "".join(lines)
+
+
+def write_digits(path: Path, settings: Mapping[str, Any], nodes: int) -> tuple[int, int]:
+    """Save the clients' digits partitions and the server's test split of ``settings`` (as this
+    project's app builds them; the partition cache is filled on the way) for the quickstart's
+    copy; returns (input features, classes)."""
+    config = parse_run_config(settings)
+    spec = DataSpec.from_task(client_task(config), nodes)
+    test_set, _ = load_server_splits(data_spec(config))
+    arrays: dict[str, np.ndarray] = {"num_partitions": np.array(nodes)}
+    for partition_id in range(nodes):
+        partition = load_client_partition(spec, partition_id)
+        arrays[f"features_{partition_id}"] = partition.features
+        arrays[f"labels_{partition_id}"] = partition.labels
+    arrays["test_features"], arrays["test_labels"] = test_set.features, test_set.labels
+    np.savez(path, **arrays)  # type: ignore[arg-type]
+    return int(np.prod(test_set.input_shape)), test_set.num_classes
+
+
+def parameter_shapes(module: Any) -> list[tuple[int, ...]]:
+    """The shape of each of a model's parameters, in order."""
+    return [tuple(p.shape) for p in module.parameters()]
+
+
+def check_same_model(app_dir: Path, features: int, classes: int) -> int:
+    """Import the copy's ``Net`` and hold it to this project's MLP, shape by shape; returns the
+    parameter count."""
+    sys.path.insert(0, str(app_dir))
+    try:
+        from pytorchexample.task import Net  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(app_dir))
+        sys.modules.pop("pytorchexample.task", None)
+        sys.modules.pop("pytorchexample", None)
+    ours = build_model("mlp", (features,), classes)
+    if parameter_shapes(Net()) != parameter_shapes(ours):
+        raise LaunchError(
+            f"the quickstart copy's Net {parameter_shapes(Net())} is not this project's MLP "
+            f"{parameter_shapes(ours)}"
+        )
+    return sum(p.numel() for p in ours.parameters())
+
+
+# ---------------------------------------------------------------------------------- measuring
+def quickstart_settings(rounds: int) -> dict[str, Any]:
+    """:data:`WORK` in the quickstart's run-config keys (its momentum, 0.9, is in its code)."""
+    return {
+        "num-server-rounds": rounds,
+        "fraction-evaluate": WORK["fraction-evaluate"],
+        "local-epochs": WORK["local-epochs"],
+        "learning-rate": WORK["learning-rate"],
+        "batch-size": WORK["batch-size"],
+    }
+
+
+def flwr_run(deployment: LocalDeployment, settings: Mapping[str, Any], timeout: float) -> str:
+    """``flwr run <app> <connection> --stream`` as :func:`tests.deploy_helpers.run_app` runs
+    it, for an app without this project's run folder; returns the cleaned log."""
+    arguments = ["run", str(deployment.staged_app), CONNECTION, "--stream"]
+    arguments += ["--run-config", run_config_argument(settings)]
+    try:
+        completed = deployment.flwr(*arguments, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"flwr run did not finish within {timeout} s") from None
+    return clean_log(completed.stdout + completed.stderr)
+
+
+def run_outcome(deployment: LocalDeployment, log: str, seconds: float) -> RunOutcome:
+    """The deployment's one run as the SuperLink reports it (``flwr ls``)."""
+    listing = deployment.flwr("ls", CONNECTION, "--format", "json").stdout
+    try:
+        runs = json.loads(listing[listing.index("{") :]).get("runs", [])
+    except ValueError:
+        runs = []
+    last = runs[-1] if runs else {}
+    run_id = int(last["run-id"]) if "run-id" in last else None
+    return RunOutcome(run_id, str(last.get("status", "unknown")), log, seconds)
+
+
+def measure(
+    app: str,
+    app_dir: Path,
+    workdir: Path,
+    nodes: int,
+    rounds: int,
+    interval: float,
+    timeout: float,
+    profile: Path | None = None,
+) -> dict[str, Any]:
+    """One deployment of ``app`` with ``nodes`` SuperNodes: start it, run ``rounds`` rounds
+    under the process watch (the window is ``flwr run`` alone), stop it. With ``profile``,
+    py-spy records the first SuperNode and its processes into that file meanwhile."""
+    deployment = LocalDeployment(app_dir, workdir, file_state=False)
+    row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
+    watch = ProcessWatch(os.getpid())
+    spy: subprocess.Popen[bytes] | None = None
+    try:
+        deployment.start()
+        for partition in range(nodes):
+            deployment.start_supernode(partition, nodes)
+        deployment.wait_for_nodes(nodes, timeout=max(120.0, 10.0 * nodes))
+        run_settings = {**WORK, "num-server-rounds": rounds, "num-clients": nodes}
+        run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
+        spy = None if profile is None else py_spy(deployment.supernodes[0].process.pid, profile)
+        watch.excluded = set() if spy is None else {spy.pid}
+        logs = {node.process.pid: node.log_path for node in deployment.supernodes}
+        watch.receipts = LogWatch(logs, RECEIVED_TRAIN)
+        watch.open_window()
+        with PeakSampler(watch.sample, interval=interval) as sampler:
+            started = time.monotonic()
+            if app == "project":
+                run_dir = deployment.run(run_settings, timeout=timeout)
+            else:
+                log = flwr_run(deployment, quickstart_settings(rounds), timeout)
+            seconds = time.monotonic() - started
+        if spy is not None and profile is not None:
+            stop_py_spy(spy)
+            row["clientapp-profile"] = clientapp_profile(profile.read_text(encoding="utf-8"))
+        row["run-seconds"] = round(seconds, 2)
+        if app == "project":
+            metrics = read_metrics(run_dir)
+            row["app-round-seconds"] = [round(float(m["round-seconds"]), 2) for m in metrics[1:]]
+            row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
+        else:
+            outcome = run_outcome(deployment, log, seconds)
+            if not outcome.completed:
+                raise LaunchError(f"the quickstart did not complete: {outcome.tail(3000)}")
+            evaluated = outcome.final_metrics("ServerApp-side Evaluate Metrics")
+            row["final-accuracy"] = round(evaluated[max(evaluated)]["accuracy"], 4)
+        row.update(figures(watch, sampler.peaks, rounds))
+        row["status"] = "completed"
+    except (LaunchError, OSError, KeyError, ValueError) as error:
+        row["status"] = "failed"
+        row["error"] = f"{type(error).__name__}: {error}"[:3000]
+    finally:
+        if spy is not None:
+            stop_py_spy(spy)
+        deployment.close()
+    return row
+
+
+def py_spy(pid: int, output: Path) -> subprocess.Popen[bytes]:
+    """``py-spy record`` of process ``pid`` and every process below it, without pausing them
+    (``--nonblocking``), 50 samples a second, into ``output`` (collapsed stacks)."""
+    command = ["py-spy", "record", "--subprocesses", "--nonblocking", "--rate", "50"]
+    command += ["--format", "raw", "--output", str(output), "--pid", str(pid)]
+    # Below the benchmark, but left out of the figures (ProcessWatch.excluded).
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
+    """Make py-spy write its record and end (it does on SIGINT); kill it if it does not."""
+    if spy.poll() is None:
+        spy.send_signal(signal.SIGINT)
+        try:
+            spy.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            spy.wait()
+
+
+def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -> dict[str, Any]:
+    """The figures of one run from its process watch and the SuperNodes' peak memory."""
+    ticks = float(os.sysconf("SC_CLK_TCK"))
+    processes = watch.processes
+    seconds, recovered = cpu_seconds_by_kind(processes, ticks, watch.root)
+    kinds = kinds_of(processes, watch.root)
+    clientapps = [pid for pid, kind in kinds.items() if kind == "clientapp"]
+    receipts = {} if watch.receipts is None else watch.receipts.seen
+    intervals = round_intervals(receipts, rounds)
+    peak_rss = dict.fromkeys(KINDS, 0.0)
+    for pid, process in processes.items():
+        peak_rss[kinds[pid]] = max(peak_rss[kinds[pid]], process.peak_rss_pages * watch.page)
+    nodes = list(node_peaks.values())
+    return {
+        "round-seconds": None if intervals is None else [round(s, 2) for s in intervals],
+        "cpu-seconds": {kind: round(value, 2) for kind, value in seconds.items()},
+        "cpu-from-reaped-times": {k: round(v, 2) for k, v in recovered.items() if v},
+        "other-processes": sorted(processes[p].last.comm for p, k in kinds.items() if k == "other"),
+        "clientapp-processes": len(clientapps),
+        "clientapp-cpu-seconds-each": sorted(
+            round(processes[pid].own_ticks / ticks, 2) for pid in clientapps
+        ),
+        "train-messages-per-node": sorted(len(times) for times in receipts.values()),
+        "peak-rss-mb": {kind: round(value / MIB, 1) for kind, value in peak_rss.items() if value},
+        "node-peak-rss-mb": round(statistics.fmean(nodes) / MIB, 1) if nodes else None,
+        "node-peak-rss-mb-max": round(max(nodes) / MIB, 1) if nodes else None,
+        "load-average": [
+            round(value, 1)
+            for value in (min(watch.load), statistics.fmean(watch.load), max(watch.load))
+        ],
+        "samples": watch.samples,
+    }
+
+
+# ------------------------------------------------------------------------------- the summary
+def per_round(row: Mapping[str, Any], kind: str | None = None) -> float:
+    """CPU seconds per round of one run: of one kind, or (``None``) of the deployment's every
+    process (all but the benchmark's own)."""
+    cpu = row["cpu-seconds"]
+    if kind is not None:
+        return float(cpu.get(kind, 0.0)) / int(row["rounds"])
+    return sum(float(v) for k, v in cpu.items() if k != "benchmark") / int(row["rounds"])
+
+
+def round_median(row: Mapping[str, Any]) -> float:
+    """The run's median seconds per round: of its round intervals, else its wall time / rounds."""
+    intervals = row.get("round-seconds")
+    if intervals:
+        return float(statistics.median(intervals))
+    return float(row["run-seconds"]) / int(row["rounds"])
+
+
+def summarize(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Each app's figures (medians over its completed runs) and the ratios project/quickstart,
+    each taken within a repeat (both apps of a repeat ran back to back) and then the median."""
+    done = [row for row in rows if row["status"] == "completed"]
+    apps: dict[str, dict[str, Any]] = {}
+    for app in APPS:
+        mine = [row for row in done if row["app"] == app]
+        if not mine:
+            continue
+        intervals = [s for row in mine for s in row.get("round-seconds") or []]
+        kinds = {kind: statistics.median(per_round(row, kind) for row in mine) for kind in KINDS}
+        memory = {
+            kind: max(row["peak-rss-mb"].get(kind, 0.0) for row in mine)
+            for kind in KINDS
+            if any(kind in row["peak-rss-mb"] for row in mine)
+        }
+        apps[app] = {
+            "runs": len(mine),
+            "seconds-per-round": statistics.median(round_median(row) for row in mine),
+            "round-seconds": intervals,
+            "run-seconds": statistics.median(row["run-seconds"] for row in mine),
+            "cpu-per-round": statistics.median(per_round(row) for row in mine),
+            "cpu-per-round-by-kind": kinds,
+            "clientapps-per-round": statistics.median(
+                row["clientapp-processes"] / row["rounds"] for row in mine
+            ),
+            # Every node trains every round: nodes x rounds train instructions.
+            "cpu-per-message": statistics.median(
+                row["cpu-seconds"]["clientapp"] / (row["nodes"] * row["rounds"]) for row in mine
+            ),
+            "cpu-per-clientapp-median": statistics.median(
+                statistics.median(row["clientapp-cpu-seconds-each"]) for row in mine
+            ),
+            "node-peak-rss-mb": max(row["node-peak-rss-mb"] or 0.0 for row in mine),
+            "peak-rss-mb": memory,
+            "final-accuracy": [row["final-accuracy"] for row in mine],
+        }
+    ratios: dict[str, list[float]] = {"seconds-per-round": [], "cpu-per-round": []}
+    for repeat in sorted({row["repeat"] for row in done}):
+        pair = {row["app"]: row for row in done if row["repeat"] == repeat}
+        if set(pair) == set(APPS):
+            project, flower = pair["project"], pair["quickstart"]
+            ratios["seconds-per-round"].append(round_median(project) / round_median(flower))
+            ratios["cpu-per-round"].append(per_round(project) / per_round(flower))
+    return {
+        "apps": apps,
+        "ratios": {key: [round(v, 3) for v in values] for key, values in ratios.items()},
+        "ratio-medians": {
+            key: round(statistics.median(values), 3) for key, values in ratios.items() if values
+        },
+    }
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
+    """The published page: the headline table, each run, the method and the quickstart's diff."""
+    summary = summarize(rows)
+    apps, ratio = summary["apps"], summary["ratio-medians"]
+    project, flower = apps.get("project", {}), apps.get("quickstart", {})
+    lines = [
+        f"# A deployed round: this project's app beside Flower's quickstart (flwr {meta['flwr']}, "
+        f"{meta['transport']} Fleet API)",
+        "",
+        f"Measured {meta['date']} with `{meta['command']}` on {meta['machine']}: "
+        f"{meta['cpus']} CPU cores shared with other jobs (load average during the runs: "
+        f"{meta['load']}; the ratios are taken within each repeat, both apps back to back). "
+        f"One local deployment per app and repeat: a SuperLink (state in memory) and "
+        f"{meta['nodes']} SuperNodes as processes on loopback, insecure, flwr {meta['flwr']} "
+        f"(Fleet API over {meta['transport']}), each SuperNode starting a ClientApp process per "
+        f"message (Flower's default isolation); {meta['rounds']} rounds, {meta['repeats']} "
+        f"repeats, apps alternating ({meta['order']}); {meta['threads']} torch thread per "
+        "process (`OMP_NUM_THREADS`); processes niced by 10.",
+        "",
+        "The work, the same for both: digits, Dirichlet(0.5) partitions of this project's app "
+        f"(seed 0), its MLP ({meta['model']}: {meta['parameters']:,} parameters), "
+        f"{WORK['local-epochs']} local epochs, batch {WORK['batch-size']}, SGD with learning "
+        f"rate {WORK['learning-rate']} and momentum {WORK['momentum']} (this project's app with "
+        "`weight-decay = 0` and `lr-decay = 1`, so that its update is the quickstart's "
+        "`torch.optim.SGD(lr, momentum=0.9)`), FedAvg, every node trains every round, no client "
+        "evaluates, the server evaluates the global model on the same test split after every "
+        "round.",
+        "",
+    ]
+    cells: list[list[object]] = []
+
+    def add(name: str, key: str, digits: int = 1, ratio_key: str | None = None) -> None:
+        a, b = project.get(key), flower.get(key)
+        paired = ratio.get(ratio_key) if ratio_key else None
+        quotient = paired if paired is not None else (a / b if a and b else None)
+        cells.append([name, _f(a, digits), _f(b, digits), _f(quotient, 2)])
+
+    add("seconds per round (median)", "seconds-per-round", 1, "seconds-per-round")
+    add("`flwr run` wall seconds (whole run)", "run-seconds", 1)
+    add("CPU seconds per round, the deployment's processes", "cpu-per-round", 1, "cpu-per-round")
+    for kind, name in KINDS.items():
+        a = project.get("cpu-per-round-by-kind", {}).get(kind, 0.0)
+        b = flower.get("cpu-per-round-by-kind", {}).get(kind, 0.0)
+        if a or b:
+            cells.append([f"- {name}", _f(a, 2), _f(b, 2), _f(a / b if b else None, 2)])
+    add("ClientApp processes per round", "clientapps-per-round", 1)
+    add("ClientApp CPU seconds per train instruction", "cpu-per-message", 2)
+    add("CPU seconds of one ClientApp process (median)", "cpu-per-clientapp-median", 2)
+    add("peak RSS per node (MB): SuperNode + SuperExec + ClientApp", "node-peak-rss-mb", 0)
+    for kind in ("supernode", "superexec-node", "clientapp", "serverapp", "superlink"):
+        a = project.get("peak-rss-mb", {}).get(kind)
+        b = flower.get("peak-rss-mb", {}).get(kind)
+        cells.append(
+            [
+                f"- peak RSS of one {KINDS[kind]} (MB)",
+                _f(a, 0),
+                _f(b, 0),
+                _f(a / b if a and b else None, 2),
+            ]
+        )
+    header = ["per run (median of the repeats)", APPS["project"], APPS["quickstart"], "ratio"]
+    lines += [markdown_table(header, cells)]
+    lines += [
+        f"Ratio: {APPS['project']} / {APPS['quickstart']}; for seconds and CPU per round the "
+        "median of the per-repeat ratios "
+        f"(seconds: {summary['ratios']['seconds-per-round']}, CPU: "
+        f"{summary['ratios']['cpu-per-round']}). Final test accuracy: "
+        f"{project.get('final-accuracy')} (this project) and {flower.get('final-accuracy')} "
+        "(quickstart).",
+        "",
+        "## Each run",
+        "",
+    ]
+    run_cells = []
+    for row in rows:
+        if row["status"] != "completed":
+            error = row["error"].splitlines()[0][:300].replace("|", "/")
+            run_cells.append([row["repeat"], APPS[row["app"]], *["-"] * 6, f"failed: {error}"])
+            continue
+        run_cells.append(
+            [
+                row["repeat"],
+                APPS[row["app"]],
+                ", ".join(map(str, row["round-seconds"] or ["-"])),
+                row["run-seconds"],
+                _f(per_round(row), 1),
+                row["clientapp-processes"],
+                row["node-peak-rss-mb"],
+                " / ".join(map(str, row["load-average"])),
+                "completed",
+            ]
+        )
+    head = "repeat | app | seconds of each round | run seconds | CPU s per round"
+    head += " | ClientApp processes | peak RSS per node (MB) | load average min / mean / max"
+    head += " | status"
+    lines += [markdown_table(head.split(" | "), run_cells)]
+    lines += profile_section(rows)
+    lines += imports_section(meta.get("import-cpu"))
+    lines += METHOD.format(interval=meta["interval"]).splitlines()
+    lines += [
+        "",
+        "## What the quickstart copy changes",
+        "",
+        "`tests/apps/quickstart` holds Flower's examples/quickstart-pytorch "
+        "(`server_app.py` and `client_app.py` line for line). The benchmark copies it and "
+        "changes `task.py` only, as below; `pyproject.toml` is Flower's, and the run's settings "
+        "go in `--run-config` ("
+        + ", ".join(f"`{k} = {v}`" for k, v in quickstart_settings(meta["rounds"]).items())
+        + "). `Net` becomes this project's MLP; the data are this project's partitions and test "
+        "split, saved by the benchmark with the project's own helpers "
+        "(`load_client_partition`, `load_server_splits`) into one `.npz` file each ClientApp "
+        "reads with NumPy; a client trains on its whole partition (the quickstart's 80/20 split "
+        "served client evaluation, which is off). `train` and `test` are Flower's "
+        "(`torch.optim.SGD(momentum=0.9)`, a DataLoader loop).",
+        "",
+        "```diff",
+        meta["quickstart-diff"].rstrip("\n"),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def imports_section(measured: Mapping[str, Any] | None) -> list[str]:
+    """What a ClientApp process loads, in CPU seconds (``--import-cpu``)."""
+    if not measured:
+        return []
+    cells = [[s["step"], _f(s["cpu-seconds"], 2), _f(s["adds"], 2)] for s in measured["steps"]]
+    return [
+        "## What a ClientApp process loads",
+        "",
+        f"Measured {measured['date']} with `{measured['command']}`: the CPU (user + system) of "
+        "a fresh Python process that loads each step and exits, the median of "
+        f'{measured["repeats"]}; "adds" is the difference to the step it builds on (the '
+        "quickstart's module builds on torch, beside this project's). On this shared machine a "
+        "step's CPU varies by about 0.1 s from one process to the next, so smaller differences "
+        "are noise.",
+        "",
+        markdown_table(["step", "CPU seconds", "adds"], cells),
+    ]
+
+
+def profile_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where a ClientApp's CPU goes, per app (the median share over the profiled runs)."""
+    profiled = [row for row in rows if row.get("clientapp-profile")]
+    if not profiled:
+        return []
+    cells = []
+    for part, name in PROFILE_PARTS.items():
+        shares = [
+            statistics.median(
+                r["clientapp-profile"].get(part, 0.0) for r in profiled if r["app"] == app
+            )
+            if any(r["app"] == app for r in profiled)
+            else None
+            for app in APPS
+        ]
+        cells.append([name, *(_f(None if v is None else 100 * v, 0) for v in shares)])
+    return [
+        "## Where a ClientApp's CPU goes",
+        "",
+        "py-spy (`--profile`: `py-spy record --subprocesses --nonblocking --rate 50` on the "
+        "first SuperNode, its SuperExec and ClientApps, not pausing them) samples each process's "
+        "Python stack; the ClientApps' samples sorted by what they were doing, in % (median of "
+        "the repeats). An import counts as torch's (torch._dynamo's) while torch "
+        "(torch._dynamo) is being imported, whoever imports it; py-spy counts the samples of "
+        "threads that were not idle, so these are shares of active time, not exactly of CPU.",
+        "",
+        markdown_table(["ClientApp samples (%)", *APPS.values()], cells),
+    ]
+
+
+METHOD = """## Method
+
+- **Seconds per round**: the same for both apps, from the SuperNodes' logs, read at every
+  sample: a round starts when the first SuperNode logs that it received that round's train
+  instruction (`Receiving: train message`, timed to the sample), and lasts until the next
+  round starts (so R rounds give R - 1 figures: local training, uploads, aggregation, the
+  server's evaluation, the next round's instructions and the polling between). This project's
+  own `round-seconds` (metrics.jsonl) are in the JSON beside the page for comparison.
+- **ClientApp processes**: a SuperNode starts one per instruction, and one more whenever a
+  started one missed its heartbeat (Flower then invalidates its token: "Runtime task-token
+  authentication failed" in the SuperNode's log); on a loaded machine a ClientApp still
+  importing torch can miss it. ClientApp CPU per train instruction includes such restarts.
+- **CPU per round**: every process below the benchmark (SuperLink, the SuperExec that starts
+  the ServerApp, the ServerApp, each SuperNode, the SuperExec that starts its ClientApps, every
+  ClientApp, `flwr run`, and the benchmark itself), sampled every {interval} s from
+  `/proc/<pid>/stat` (utime + stime, all threads), from the moment `flwr run` starts until it
+  ends, divided by the rounds; a process that was alive when the window opened counts from
+  its reading then. A process is assigned its kind by its executable's name (`comm`), a
+  SuperExec by its parent. Short-lived ClientApp processes are read until they are reaped: one
+  that has exited stays a zombie, whose stat holds its final times, until its SuperExec
+  starts the next one. **Blind spot**, and its fix: a process reaped between two samples may
+  have run after its last reading (at most one interval). Its parent's reaped-children times
+  (cutime + cstime, exact) minus the last readings of the children seen to end are added to
+  those children's kind ("cpu-from-reaped-times" in the JSON says how much that was). Not
+  counted: CPU of processes outside the benchmark's tree (the kernel's own work for the
+  network and the disk, other jobs), and the deployment's CPU before and after the run (its
+  idle polling: about a SuperNode's figure per round, which both apps share).
+- **Startup is in the figure**: CPU per round is the whole run's CPU over its rounds, so the
+  ServerApp's start and `flwr run` (building and uploading the FAB) are spread over the
+  rounds.
+- **Memory**: the resident set (`/proc/<pid>/stat` rss) at each sample. Per node: the largest
+  sum of a SuperNode's processes at one sample (SuperNode, SuperExec and the ClientApp(s)
+  alive), the mean over the nodes; per kind: the largest single process of that kind.
+"""
+
+
+def command_line() -> str:
+    """This benchmark's command line as the page gives it."""
+    return f"nice -n 10 {interpreter()} -m benchmarks.deployment {shlex.join(sys.argv[1:])}"
+
+
+def profile_record(name: str, app: str, repeat: int) -> Path:
+    """Where ``--profile`` keeps the py-spy record of one run."""
+    return RESULTS / f"{name}-{app}-{repeat}.pyspy"
+
+
+def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Alternate the two apps for ``args.repeats`` repeats; the rows and the page's facts."""
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ba-deploy-bench-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        os.environ[CACHE_ENV] = str(scratch / "partitions")  # inherited by every process
+        settings = {**WORK, "num-clients": args.nodes}
+        data_file = scratch / "digits.npz"
+        features, classes = write_digits(data_file, settings, args.nodes)
+        hidden = HIDDEN
+        diff = quickstart_copy(scratch / "quickstart", data_file, features, hidden)
+        parameters = check_same_model(scratch / "quickstart", features, classes)
+        order = []
+        for repeat in range(1, args.repeats + 1):
+            apps = ["project", "quickstart"] if repeat % 2 else ["quickstart", "project"]
+            order.append(" ".join("A" if app == "project" else "B" for app in apps))
+            for app in apps:
+                row = measure(
+                    app,
+                    REPO if app == "project" else scratch / "quickstart",
+                    scratch / f"{app}-{repeat}",
+                    args.nodes,
+                    args.rounds,
+                    args.interval,
+                    args.timeout,
+                    profile_record(name, app, repeat) if args.profile else None,
+                )
+                rows.append({"repeat": repeat, **row})
+                print(json.dumps(rows[-1]), flush=True)
+    release = FlowerRelease.installed()
+    loads = [row["load-average"][1] for row in rows if row["status"] == "completed"]
+    meta = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command_line(),
+        "flwr": release.version,
+        "transport": "gRPC" if release.transport == "grpc" else "HTTP",
+        "machine": hardware(),
+        "cpus": os.cpu_count(),
+        "load": f"mean {min(loads):.1f} to {max(loads):.1f} per run" if loads else "-",
+        "nodes": args.nodes,
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "order": ", ".join(order),
+        "threads": args.threads,
+        "interval": args.interval,
+        "model": f"{features}-{hidden}-{hidden}-{classes}",
+        "parameters": parameters,
+        "quickstart-diff": diff,
+    }
+    return rows, meta
+
+
+def main() -> None:
+    """Measure (or, with ``--render``, read back) the runs; print and save the rows and page."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--interval", type=float, default=0.1, help="seconds between samples")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="record the first SuperNode's processes with py-spy (on PATH) and sort the "
+        "ClientApps' samples by what they were doing",
+    )
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="measure nothing: write the page again from this release's saved rows (and "
+        "py-spy records)",
+    )
+    parser.add_argument(
+        "--import-cpu",
+        action="store_true",
+        help="measure only the CPU of what a ClientApp process loads (fresh processes, median "
+        f"of {IMPORT_REPEATS}) and add it to this release's saved page",
+    )
+    parser.add_argument("--publish", action="store_true")
+    args = parser.parse_args()
+    # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
+    # background job ignores SIGINT).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.profile and not args.render and shutil.which("py-spy") is None:
+        parser.error("--profile needs py-spy on PATH: pip install py-spy")
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2: a round's seconds are read between rounds")
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)  # this process too (it loads the data)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = f"deployment-{FlowerRelease.installed().transport}"
+    saved = RESULTS / f"{name}.json"
+    if args.render or args.import_cpu:
+        if not saved.is_file():
+            parser.error(f"{saved} is missing: measure the runs first")
+        record = json.loads(saved.read_text(encoding="utf-8"))
+        rows, meta = record["rows"], record["meta"]
+        for row in rows:
+            spied = profile_record(name, row["app"], row["repeat"])
+            if spied.is_file():
+                row["clientapp-profile"] = clientapp_profile(spied.read_text(encoding="utf-8"))
+        if args.import_cpu:
+            with tempfile.TemporaryDirectory(prefix="ba-deploy-bench-") as scratch:
+                copy = Path(scratch) / "quickstart"
+                # Importing the copy reads no data: the file need not exist.
+                quickstart_copy(copy, Path(scratch) / "digits.npz", 64, HIDDEN)
+                meta["import-cpu"] = {
+                    "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                    "command": command_line(),
+                    "repeats": IMPORT_REPEATS,
+                    "steps": import_cpu(import_steps(copy), IMPORT_REPEATS),
+                }
+    else:
+        rows, meta = measure_all(args, name)
+    record = {"meta": meta, "rows": rows, "summary": summarize(rows)}
+    saved.write_text(json.dumps(record, indent=2), encoding="utf-8")
+    page = markdown(rows, meta)
+    print(page)
+    if args.publish:
+        (PUBLISHED / f"{name}.md").write_text(page, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
