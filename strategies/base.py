@@ -61,6 +61,7 @@ from beyond_averaging.tasks.protocol import (
     REQUEST_RECORDS_KEY,
 )
 
+from . import robust
 from .aggregate import NDArrayDict, normalise_weights
 from .influence import (
     RECORD_NORM_FACTOR_SCALE,
@@ -82,7 +83,7 @@ from .metrics import (
     reply_weight,
 )
 from .privacy import calling_privacy_wrapper, check_privacy_composition
-from .robust import GENERIC_METHODS, SELECTIONS, RobustAggregation, check_robust, krum_selection
+from .robust import GENERIC_METHODS, RobustAggregation, check_robust
 from .validation import (
     REPLY_OVERSIZED_ERROR_CODE,
     check_reply_size,
@@ -257,11 +258,11 @@ class ContractStrategy(Strategy):
     max_claim_factor : float
         No reply's weight (``weighted_by_key``) counts for more than this factor times the
         round's median weight; 0 turns the bound off.
-    robust_aggregation : {"none", "trimmed-mean", "median", "krum", "multi-krum"}
+    robust_aggregation : {"none", "trimmed-mean", "median", "krum", "multi-krum", "flame"}
         A Byzantine-robust aggregation in the rule's own terms (each rule's docs say what it
         is): the coordinate-wise trimmed mean or median of the updates in place of their
-        weighted mean, or Krum / Multi-Krum's selection of the replies the rule aggregates
-        (:mod:`strategies.robust`). FedLAW also takes ``"fltrust"``.
+        weighted mean, or Krum / Multi-Krum / FLAME's selection of the replies the rule
+        aggregates (:mod:`strategies.robust`); ``"fltrust"`` (:mod:`strategies.defended`).
     trim_fraction : float
         Share of clients left out at each end of every coordinate by ``trimmed-mean``, and the
         share Krum and Multi-Krum assume Byzantine (f = floor(trim_fraction x K)).
@@ -633,7 +634,7 @@ class ContractStrategy(Strategy):
         1. drop replies whose records share no key with the rest, whose update or record norm is
            a ``norm-outlier`` (``update_norm_factor``), or whose update is a
            ``direction-outlier`` (``direction_outlier_factor``);
-        2. Krum / Multi-Krum keep their selection (``robust_aggregation``, ``krum-rejected``);
+        2. Krum / Multi-Krum / FLAME keep their selection (``krum-`` / ``flame-rejected``);
         3. bound each kept reply's weight (``max_claim_factor``) and scale its update and
            records down to ``update_clip_factor`` x the round's median norm (direction kept).
 
@@ -803,11 +804,11 @@ class ContractStrategy(Strategy):
     def _drop_unselected(
         self, accepted: list[tuple[ClientReply, RecordDict]], rejected: dict[int, ReplyRejected]
     ) -> None:
-        """Krum / Multi-Krum: flag the replies their selection leaves out."""
+        """Krum / Multi-Krum / FLAME: flag the replies their selection leaves out."""
         candidates = [index for index in range(len(accepted)) if index not in rejected]
-        if self.robust_aggregation not in SELECTIONS or not candidates:
+        if self.robust_aggregation not in robust.SELECTIONS or not candidates:
             return
-        chosen = krum_selection(
+        chosen = robust.select_replies(
             self.global_arrays,
             [accepted[i][0].arrays for i in candidates],
             self.robust_aggregation,
@@ -816,7 +817,7 @@ class ContractStrategy(Strategy):
         for position, index in enumerate(candidates):
             if position not in chosen:
                 rejected[index] = ReplyRejected(
-                    "krum-rejected",
+                    robust.SELECTION_REASONS[self.robust_aggregation],
                     f"not among the {len(chosen)} replies {self.robust_aggregation} keeps of "
                     f"{len(candidates)} (trim-fraction = {self.trim_fraction:g})",
                 )
@@ -924,13 +925,13 @@ class ContractStrategy(Strategy):
         )
         # Krum's selection keeps fewer replies than were valid on purpose (one, for Krum): the
         # quorum counts the replies it chose from.
-        if len(valid) + dropped["krum-rejected"] < self.min_train_replies:
+        if len(valid) + sum(dropped[r] for r in robust.SELECTION_DROPS) < self.min_train_replies:
             log(
                 WARNING,
                 "round %d: %d valid replies < min-train-replies = %d: keeping the "
                 "global model of the previous round",
                 server_round,
-                len(valid) + dropped["krum-rejected"],
+                len(valid) + sum(dropped[r] for r in robust.SELECTION_DROPS),
                 self.min_train_replies,
             )
             metrics["aggregated"] = 0
