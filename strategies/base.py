@@ -86,11 +86,11 @@ from .privacy import calling_privacy_wrapper, check_privacy_composition
 from .robust import GENERIC_METHODS, RobustAggregation, check_robust
 from .validation import (
     REPLY_OVERSIZED_ERROR_CODE,
+    ModelGuard,
     check_reply_size,
     check_reply_weight,
     common_key_set,
     default_reply_byte_limit,
-    model_rejection,
 )
 from .wire import ReplyRejected as ReplyRejected  # re-exported: rules raise it too
 from .wire import decode_record, npy_view
@@ -402,6 +402,7 @@ class ContractStrategy(Strategy):
         self.max_reply_bytes = max_reply_bytes
         self.reply_byte_limit = max_reply_bytes
         self._median_update = 0.0
+        self._model_guard = ModelGuard()  # the run's honest scale (strategies.validation)
         #: Replies the last round's influence bounds dropped as Byzantine suspects (norm or
         #: direction outliers); FedGMA's hard mask counts them in its quorum as abstentions.
         self.last_suspects = 0
@@ -731,9 +732,7 @@ class ContractStrategy(Strategy):
             return
         flagged = np.flatnonzero(direction_outliers(cosines, self.direction_outlier_factor))
         if flagged.size and median < HETEROGENEITY_COSINE:
-            # On since its first round, where the clients agreed (every client learns the same
-            # shortcut first: median cosine 0.998 on colored MNIST with two digits per client),
-            # then they stopped agreeing: the replies it drops may be honest ones.
+            # The clients agreed on the check's first round, and no longer do (docs/reliability.md)
             log(
                 WARNING,
                 "round %d: the direction check drops %d replies in a round whose replies "
@@ -750,23 +749,18 @@ class ContractStrategy(Strategy):
                 candidates[int(position)],
                 ReplyRejected(
                     "direction-outlier",
-                    f"its update's cosine with the other replies' mean is "
-                    f"{cosines[position]:.3f}, far below the round's median {median:.3f} "
-                    f"(direction-outlier-factor = {self.direction_outlier_factor:g})",
+                    f"its update points against the mean of the {len(candidates) - 1} others "
+                    f"(cosine {cosines[position]:.3f} with it, the round's median {median:.3f}, "
+                    f"direction-outlier-factor = {self.direction_outlier_factor:g}); the check "
+                    "sides with the majority: if most replies are Byzantine (Sybil clients), this "
+                    "one may be honest (robust-aggregation = 'fltrust' tells them apart)",
                 ),
             )
 
     def _decide_direction_check(self, median_cosine: float) -> bool:
-        """On the first round the direction check runs, whether it runs at all in this run.
-
-        It needs honest clients that agree: their median cosine was 0.65-0.97 in the first
-        rounds of IID digits clients and -0.23 to 0.2 under Dirichlet(0.1) label skew. Where they
-        disagree from the start, the same honest clients fall below the round's spread round
-        after round (with two classes per client, three of ten honest FedGMA clients were
-        dropped in every round from round 7 on, and their classes never learned), so the check
-        is turned off for the run and a warning says what is left. The decision is part of the
-        strategy's checkpoint state.
-        """
+        """On the first round the direction check runs, whether it runs at all in this run: not
+        where the clients disagree from the start (median cosine below HETEROGENEITY_COSINE, as
+        under label skew), with a warning; kept in the checkpoint (docs/reliability.md)."""
         if self._direction_check is None:
             self._direction_check = median_cosine >= HETEROGENEITY_COSINE
             if not self._direction_check:
@@ -784,9 +778,9 @@ class ContractStrategy(Strategy):
         return self._direction_check
 
     def _bounds_state(self) -> dict[str, Any]:
-        """The reply bounds' part of :meth:`state_dict`: the direction check's decision and
-        secret, once they are made (nothing before)."""
-        bounds = {}
+        """The reply bounds' part of :meth:`state_dict`: the model guard's scale, the direction
+        check's decision and secret, once they are made (nothing before)."""
+        bounds = self._model_guard.state_dict()
         if self._direction_check is not None:
             bounds["direction-check"] = int(self._direction_check)
         if self._direction_secret is not None:
@@ -796,6 +790,7 @@ class ContractStrategy(Strategy):
     def _load_bounds_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Restore :meth:`_bounds_state` from ``state``; the rest of ``state``, for the rule."""
         bounds = state.get(BOUNDS_STATE_KEY) or {}
+        self._model_guard.load_state_dict(bounds)
         check, secret = bounds.get("direction-check"), bounds.get("direction-secret")
         self._direction_check = None if check is None else bool(check)
         self._direction_secret = None if secret is None else int(secret)
@@ -941,7 +936,7 @@ class ContractStrategy(Strategy):
         started = time.perf_counter()
         new_arrays = self.aggregate(server_round, self.global_arrays, valid)
         self.last_aggregation_seconds = time.perf_counter() - started
-        refusal = model_rejection(new_arrays, self.global_arrays, self._median_update)
+        refusal = self._model_guard.rejection(new_arrays, self.global_arrays, self._median_update)
         if refusal is not None:
             log(
                 WARNING,

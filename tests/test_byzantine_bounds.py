@@ -20,7 +20,6 @@ from beyond_averaging.strategies import (
     FedLAW,
 )
 from beyond_averaging.strategies.elastic import elastic_zeta
-from beyond_averaging.strategies.fedlaw import proxy_update
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD, ClientTask
 from tests.conftest import train_reply
@@ -259,7 +258,8 @@ def test_fltrust_leaves_out_a_reply_pointing_against_the_servers_proxy_update() 
     strategy._task = ClientTask.from_config(ConfigRecord(dict(task.to_config())))  # configure_train
     strategy.global_arrays = dict(state)
     strategy.reply_byte_limit = 1 << 20
-    g0 = proxy_update(model, state, strategy.proxy_batches, strategy._task, 1)
+    assert strategy.root_set is not None
+    g0 = strategy.root_set.update(state, strategy._task, 1)
     along = {k: v + g0[k] for k, v in state.items()}
     against = {k: v - 3.0 * g0[k] for k, v in state.items()}
     replies = [train_reply(m, 10, node_id=i + 1) for i, m in enumerate([along, along, against])]
