@@ -482,23 +482,26 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- condensed table
-def condensed_table(spec_path: Path, metric_rounds: int = 1) -> str:
-    """Per federation, one row per method and one column per attack: the test accuracy (%) of
-    the final round (``metric_rounds`` > 1: the mean of that many last rounds), seeds averaged,
-    and the largest loss against the method's own honest run. From the spec's run folders."""
+def condensed_table(
+    spec_path: Path, metric_rounds: int = 1, key: str = "test-accuracy", baseline: str = ""
+) -> str:
+    """Per federation, one row per method and one column per attack: the round metric ``key``
+    (%) of the final round (``metric_rounds`` > 1: the mean of that many last rounds), seeds
+    averaged, and the largest loss against the method's own honest run (``baseline``: against
+    that method's honest run instead). From the spec's run folders."""
     spec = load_spec(spec_path)
     cells: dict[tuple[str, ...], list[float]] = {}
     for data in filter(None, map(read_run, spec.runs())):
-        curve = list(data.curve("test-accuracy").values())
-        key = tuple(data.run.labels[axis] for axis in ("federation", "method", "attack"))
-        cells.setdefault(key, []).append(100.0 * float(np.mean(curve[-metric_rounds:])))
+        curve = list(data.curve(key).values())
+        cell = tuple(data.run.labels[axis] for axis in ("federation", "method", "attack"))
+        cells.setdefault(cell, []).append(100.0 * float(np.mean(curve[-metric_rounds:])))
     axes = {axis.name: axis.labels for axis in spec.axes}
     lines = []
     for setting in axes["federation"]:
         rows = []
         for method in axes["method"]:
             values = {a: cells.get((setting, method, a)) for a in axes["attack"]}
-            honest = values.get("none")
+            honest = cells.get((setting, baseline, "none")) if baseline else values.get("none")
             attacked = [v for a, v in values.items() if v and a != "none"]
             losses = [np.mean(honest) - np.mean(v) for v in attacked] if honest else []
             shown = [f"{np.mean(v):.1f}" if v else "-" for v in values.values()]
@@ -513,8 +516,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.attacks", description=__doc__)
     parser.add_argument("spec", type=Path, help="benchmarks/specs/attacks*.toml")
     parser.add_argument("--last", type=int, default=1, help="mean of this many last rounds")
+    parser.add_argument("--key", default="test-accuracy", help="the round metric shown")
+    parser.add_argument(
+        "--baseline", default="", help="losses against this method's honest run (e.g. fedavg)"
+    )
     options = parser.parse_args(argv)
-    print(condensed_table(options.spec, options.last))
+    print(condensed_table(options.spec, options.last, options.key, options.baseline))
     return 0
 
 

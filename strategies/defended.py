@@ -236,6 +236,14 @@ class DefendedStrategy(ContractStrategy):
                 "model's architecture) and proxy_set= (a few labelled samples, e.g. 10 per "
                 "class; run options: proxy-per-class)"
             )
+        if self.robust_aggregation == "fltrust" and self.direction_outlier_factor > 0.0:
+            log(
+                INFO,
+                "robust-aggregation = 'fltrust': the root set judges each reply's direction, so "
+                "the direction check, which sides with the round's majority, is off (a Byzantine "
+                "majority would have it drop the honest replies)",
+            )
+            self.direction_outlier_factor = 0.0
         if self.robust_aggregation == "flame":
             log(
                 INFO,
