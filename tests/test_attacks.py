@@ -12,7 +12,8 @@ to chance, and a backdoor that succeeds on most triggered images), and ``robust-
 "fltrust"`` holds both for every rule: the norm-aware attacker costs at most 5 points of the
 rule's honest run under the defaults, the backdoor at most 2 points of clean accuracy, and it
 succeeds on at most 10 % of the triggered images (mean of seeds 0-2: single runs of this
-setting move by several points, FedLAW's seed 0 reached 10.8 %).
+setting move by several points). Three of four clients sign-flipping (a Sybil majority) take the
+defaults to chance; root-set trust holds them.
 """
 
 from __future__ import annotations
@@ -131,6 +132,16 @@ def test_root_set_trust_holds_the_norm_aware_attacker_and_the_backdoor_for_every
     assert backdoors[0]["test-accuracy"] >= honest - 0.02, (rule, honest, backdoors[0])
     success = float(np.mean([run["backdoor-success"] for run in backdoors]))
     assert success <= 0.10, (rule, [run["backdoor-success"] for run in backdoors])
+
+
+def test_root_set_trust_holds_a_sybil_majority_that_takes_the_defaults_to_chance(
+    tmp_path: Path,
+) -> None:
+    # Three of four clients sign-flipping: the direction check sides with them and drops the
+    # honest reply, so the defaults end at chance; the root set trusts the honest one alone.
+    sybils = {"attackers": 3, "attack": "sign-flip", "strategy": "fedavg"}
+    assert final_accuracy(tmp_path, "defaults", **sybils) < 0.2
+    assert final_accuracy(tmp_path, "fltrust", **sybils, **FLTRUST) > 0.85
 
 
 class Replies:

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from flwr.app import ConfigRecord
 
 from benchmarks.attacks import shejwalkar_gamma
@@ -25,37 +24,10 @@ from beyond_averaging.strategies.robust import (
     median_length_scales,
 )
 from beyond_averaging.strategies.validation import ModelGuard
-from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD, ClientTask
 from tests.conftest import train_reply
-
-Model = dict[str, np.ndarray[Any, Any]]
-BOUNDS_OFF: dict[str, Any] = {
-    "update_norm_factor": 0.0,
-    "update_clip_factor": 0.0,
-    "direction_outlier_factor": 0.0,
-    "max_claim_factor": 0.0,
-    "min_train_replies": 1,
-}
-TASK = ClientTask(
-    dataset="digits",
-    data_dir="",
-    partition="iid",
-    dirichlet_alpha=0.5,
-    classes_per_client=2,
-    seed=0,
-    synthetic_alpha=1.0,
-    synthetic_beta=1.0,
-    model="mlp",
-    device="cpu",
-    local_epochs=1,
-    batch_size=10,
-    learning_rate=0.1,
-    lr_decay=1.0,
-    momentum=0.0,
-    weight_decay=0.0,
-    proximal_mu=0.0,
-)
+from tests.test_byzantine_bounds import BOUNDS_OFF, TASK, Model
+from tests.test_byzantine_bounds import fedlaw_setup as root_setup
 
 
 def flat(model: Model) -> np.ndarray[Any, Any]:
@@ -154,15 +126,6 @@ def test_median_length_scales_bring_every_vector_to_the_trusted_median_length() 
     trusted = np.array([True, True, True, False, False])
     np.testing.assert_allclose(median_length_scales(norms, trusted), [2.0, 2 / 3, 1.0, 0.02, 1.0])
     np.testing.assert_allclose(median_length_scales(norms, np.zeros(5, bool)), np.ones(5))
-
-
-def root_setup() -> tuple[torch.nn.Module, LabeledData, Model]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
-    features = np.random.default_rng(1).normal(size=(30, 4)).astype(np.float32)
-    labels = (np.arange(30) % 3).astype(np.int64)
-    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    return model, LabeledData(features, labels, 3), state
 
 
 def with_task(strategy: Any, state: Model) -> Any:

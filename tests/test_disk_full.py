@@ -31,15 +31,9 @@ from beyond_averaging.server.checkpoint import CHECKPOINT_FILE, RunCheckpoint
 from beyond_averaging.server.launch import main as ba_run
 from beyond_averaging.server.launch import run_config_argument
 from tests.deploy_helpers import REPO, read_metrics
+from tests.test_run_outcomes import LEAN as LEAN_RUN
 
-LEAN: dict[str, Any] = {
-    "dataset": "digits",
-    "model": "mlp",
-    "num-clients": 3,
-    "local-epochs": 1,
-    "device": "cpu",
-    "num-server-rounds": 3,
-}
+LEAN = {**LEAN_RUN, "num-server-rounds": 3}
 
 
 class Disk:
