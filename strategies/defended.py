@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from logging import INFO, WARNING
-from typing import Any, ClassVar, Unpack, cast
+from typing import Any, ClassVar, Literal, Unpack, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -107,13 +107,18 @@ def trusted_replies(
     trust: npt.NDArray[np.float64],
     update_norms: npt.NDArray[np.float64],
     record_names: Sequence[str] = (),
+    length: float | None = None,
 ) -> list[ClientReply]:
     """The replies of trust > 0, each weighted by its trust TS_k in place of its data size, its
-    update rescaled to the trusted updates' median norm (``update_scale``, in place of its clip
-    scale) and each record in ``record_names`` to the trusted records' median norm
-    (:func:`strategies.robust.median_length_scales`). Reply order is kept."""
+    update rescaled to ``length`` (None: the trusted updates' median norm) as its
+    ``update_scale``, in place of its clip scale, and each record in ``record_names`` to the
+    trusted records' median norm (:func:`strategies.robust.median_length_scales`). Reply order
+    is kept."""
     trusted = trust > 0.0
-    scales = {"": median_length_scales(update_norms, trusted)}
+    if length is None:
+        scales = {"": median_length_scales(update_norms, trusted)}
+    else:
+        scales = {"": np.divide(length, update_norms, out=np.ones(trust.shape), where=trusted)}
     for name in record_names:
         scales[name] = median_length_scales(received_norms(name, replies), trusted)
     return [
@@ -213,6 +218,9 @@ class DefendedStrategy(ContractStrategy):
     robust_methods: ClassVar[tuple[str, ...]] = (*GENERIC_METHODS, "fltrust")
     #: Whether the rule builds its root set itself (FedLAW, from its own proxy set).
     builds_root_set: ClassVar[bool] = False
+    #: The length of the trusted updates: the trusted updates' median norm, or the server
+    #: update's (``"root"``, FLTrust's own; FedLAW, which learns its weights on the root set).
+    trusted_length: ClassVar[Literal["median", "root"]] = "median"
 
     def __init__(
         self,
@@ -288,7 +296,9 @@ class DefendedStrategy(ContractStrategy):
         trust, scales = fltrust_scores(global_arrays, [reply.arrays for reply in replies], g0)
         # ||u_k|| = ||g_0|| / s_k (a zero update has trust 0 and is left out anyway)
         reference = math.sqrt(sum(float(np.vdot(value, value)) for value in g0.values()))
-        kept = trusted_replies(replies, trust, reference / scales, list(self.required_records))
+        length = reference if self.trusted_length == "root" else None
+        records = list(self.required_records)
+        kept = trusted_replies(replies, trust, reference / scales, records, length)
         # Replies of trust 0 are Byzantine suspects: FedGMA's hard mask counts them as abstaining.
         self.last_suspects += len(replies) - len(kept)
         self._defence_metrics = {

@@ -781,8 +781,10 @@ class FedLAW(DefendedStrategy):
         The proxy set is empty, lacks a class or is smaller than one batch.
     """
 
-    #: ``fltrust``'s root set is FedLAW's proxy set.
+    #: ``fltrust``'s root set is FedLAW's proxy set, and its trusted updates keep FLTrust's own
+    #: length, the server update's (docs/reliability.md, "Adaptive attacks").
     builds_root_set: ClassVar[bool] = True
+    trusted_length: ClassVar[Literal["median", "root"]] = "root"
 
     def __init__(
         self,

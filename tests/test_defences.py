@@ -15,7 +15,8 @@ import pytest
 from flwr.app import ConfigRecord
 
 from benchmarks.attacks import shejwalkar_gamma
-from beyond_averaging.strategies import ElasticAggregation, FedAvg, FedGMA, FedLAW
+from beyond_averaging.strategies import ClientReply, ElasticAggregation, FedAvg, FedGMA, FedLAW
+from beyond_averaging.strategies.defended import trusted_replies
 from beyond_averaging.strategies.robust import (
     FLAME_NOISE_LAMBDA,
     flame_noise,
@@ -172,6 +173,23 @@ def test_fltrust_weighs_each_update_by_its_trust_at_the_trusted_median_length(ru
     trust, expected = fltrust_reference(state, g0, updates)
     np.testing.assert_allclose(strategy.aggregation_metrics[1]["fltrust-trust"], trust, atol=1e-6)
     np.testing.assert_allclose(flat(result), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_trusted_replies_weigh_by_trust_at_the_trusted_median_or_the_root_length() -> None:
+    replies = [
+        ClientReply(node_id=k, arrays={}, num_examples=1000.0, metrics={}, update_scale=0.5)
+        for k in range(3)
+    ]
+    trust, norms = np.array([0.5, 0.0, 1.0]), np.array([1.0, 5.0, 4.0])
+    median = trusted_replies(replies, trust, norms)  # trusted norms 1 and 4: median 2.5
+    assert [(r.node_id, r.num_examples, r.update_scale) for r in median] == [
+        (0, 0.5, 2.5),
+        (2, 1.0, 0.625),
+    ]
+    root = trusted_replies(replies, trust, norms, length=2.0)  # FLTrust's ||g_0||: FedLAW's
+    assert [r.update_scale for r in root] == [2.0, 0.5]
+    assert FedLAW.trusted_length == "root"
+    assert FedAvg.trusted_length == "median"
 
 
 def test_fltrust_in_elastic_takes_zeta_from_the_trust_weighted_sensitivities() -> None:
