@@ -7,11 +7,15 @@ each rule the replies and the model they give:
 - ``"fltrust"`` (Cao et al., NDSS 2021): the server trains the global model on its own small
   root data set (FedLAW's proxy set: ``proxy-per-class`` samples per class, 100 by default) with
   the clients' local-training settings of the round, g_0 = theta_0 - w (:func:`root_update`).
-  Each reply gets trust TS_k = ReLU(cos(u_k, g_0)) and scale s_k = ||g_0|| / ||u_k||
-  (:func:`strategies.robust.fltrust_scores`). Replies of trust 0 are left out; the others enter
-  the rule with TS_k in place of their data-size weight and s_k u_k in place of their (clipped)
-  update (:func:`trusted_replies`), so a weighted mean is FLTrust's aggregate
-  w + sum_k TS_k s_k u_k / sum_k TS_k. Each rule's page says what its own quantities become.
+  Each reply gets trust TS_k = ReLU(cos(u_k, g_0)) (:func:`strategies.robust.fltrust_scores`).
+  Replies of trust 0 are left out (FedGMA's hard mask counts them as abstentions); the others
+  enter the rule with TS_k in place of their data-size weight (a claim buys nothing) and s_k u_k
+  in place of their clipped update (:func:`trusted_replies`), s_k bringing every trusted update
+  to the trusted updates' median norm (FedLAW: to ||g_0||, FLTrust's own length), and their
+  records to the trusted records' median norm; a weighted mean is then FLTrust's aggregate
+  w + sum_k TS_k s_k u_k / sum_k TS_k. The direction check, which sides with the round's
+  majority, is off: the root set judges direction. Each rule's page says what its own
+  quantities become.
 - ``"flame"`` (Nguyen et al., USENIX Security 2022): the majority cluster by cosine is kept by
   the base's selection step (:func:`strategies.robust.flame_selection`), every kept update and
   record is clipped at the round's median norm (``FLAME_CLIP_FACTOR`` in place of
