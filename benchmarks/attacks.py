@@ -1,9 +1,15 @@
-"""Byzantine clients against every rule and defence: the attack table of docs/reliability.md.
+"""Byzantine clients against every rule and defence: the attack tables of docs/reliability.md.
 
 A run is an in-process federation (:func:`benchmarks.harness.federation`) whose first
 ``attackers`` nodes collude: an :class:`AttackGrid` rewrites their honest replies (:data:`ATTACKS`),
-or they train on flipped labels. docs/reliability.md ("The attack table") defines the attacks and
-gives the commands; the table is a spec of the runner whose ``runtime`` is :func:`run_attacked`.
+or they train on poisoned data (flipped labels, a backdoor trigger). The attackers are omniscient:
+they see every honest update of the round and know the published default bounds, so the
+adaptive attacks (min-max, min-sum, IPM, the norm-aware update, the boosted backdoor) are their
+best responses to the defaults. docs/reliability.md ("The attack table", "Adaptive attacks")
+defines the attacks and gives the commands; every table is a spec of the runner whose
+``runtime`` is :func:`run_attacked`. Every round records the server's test accuracy and
+``backdoor-success``: the share of triggered test images whose true label is not the target that
+the global model classifies as the target (:func:`backdoor_success`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flower_strategies
 
-from benchmarks.harness import federation
+from benchmarks.harness import Federation, federation
 from benchmarks.report import markdown_table, read_run
 from benchmarks.spec import load_spec
 from beyond_averaging.client import app as client_module
@@ -34,7 +40,10 @@ from beyond_averaging.server.config import RunConfig, parse_run_config
 from beyond_averaging.server.recorder import RunRecorder
 from beyond_averaging.server.strategy_factory import build_strategy
 from beyond_averaging.strategies import ContractStrategy
-from beyond_averaging.tasks.evaluation import DeviceData
+from beyond_averaging.strategies.base import DEFAULT_MAX_CLAIM_FACTOR, DEFAULT_UPDATE_CLIP_FACTOR
+from beyond_averaging.strategies.influence import DIRECTION_FLOOR
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.evaluation import DeviceData, evaluate
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     GRADIENT_RECORD,
@@ -59,6 +68,11 @@ class RoundView:
     updates: Sequence[Update]  # one per reply, in reply order (float64, floating keys)
     attacker_positions: Sequence[int]
     rng: np.random.Generator
+
+    @property
+    def benign(self) -> list[Update]:
+        """The updates of the clients that do not attack (the honest ones the server sees)."""
+        return [u for i, u in enumerate(self.updates) if i not in self.attacker_positions]
 
 
 #: ``attack(view, position) -> malicious update`` for the attacker at ``position``.
@@ -92,13 +106,138 @@ def _norm(update: Mapping[str, npt.NDArray[Any]]) -> float:
     return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in update.values()))
 
 
+def _dot(first: Mapping[str, npt.NDArray[Any]], second: Mapping[str, npt.NDArray[Any]]) -> float:
+    return sum(float(np.vdot(first[key], second[key])) for key in first)
+
+
+def _mean(updates: Sequence[Update]) -> Update:
+    return {key: np.mean([u[key] for u in updates], axis=0) for key in updates[0]}
+
+
+#: The attackers' margin below each published bound: a norm of 0.99 x the clip bound, a claim of
+#: 0.99 x the claim bound, a cosine of 0.01 above the direction check's floor.
+BOUND_MARGIN = 0.99
+
+
+def clip_bound(view: RoundView) -> float:
+    """Just under the default clip bound, 2 x the round's median norm: the median of the benign
+    updates' norms (the round's median, attackers' replies on top, is at least that)."""
+    norms = [_norm(update) for update in view.benign]
+    return BOUND_MARGIN * DEFAULT_UPDATE_CLIP_FACTOR * float(np.median(norms))
+
+
+def shejwalkar_gamma(updates: Sequence[Update], perturbation: Update, objective: str) -> float:
+    """The largest gamma for which mu + gamma p stays as close to the benign updates g_i as
+    they are to each other (Shejwalkar & Houmansadr, NDSS 2021, the AGR-agnostic attacks).
+
+    ``min-max``: max_i ||m - g_i|| <= max_{i,j} ||g_i - g_j||; ``min-sum``:
+    sum_i ||m - g_i||^2 <= max_i sum_j ||g_i - g_j||^2. With m = mu + gamma p each
+    ||m - g_i||^2 = ||p||^2 gamma^2 + 2 <p, mu - g_i> gamma + ||mu - g_i||^2 is a quadratic in
+    gamma, so the largest feasible gamma is solved exactly (the paper halves a step from
+    gamma = 10 until it converges to the same value). 0 when even gamma = 0 breaks the bound.
+    """
+    mu = _mean(updates)
+    offsets = [{key: mu[key] - g[key] for key in mu} for g in updates]
+    count = len(updates)
+    gram = np.array([[_dot(updates[i], updates[j]) for j in range(count)] for i in range(count)])
+    diagonal = np.diag(gram)
+    pairwise = np.maximum(diagonal[:, None] + diagonal[None, :] - 2.0 * gram, 0.0)
+    a = _dot(perturbation, perturbation)
+    b = np.array([2.0 * _dot(perturbation, offset) for offset in offsets])
+    c = np.array([_dot(offset, offset) for offset in offsets])
+    if objective == "min-max":
+        bound = float(pairwise.max())
+        terms = [(a, float(b_i), float(c_i) - bound) for b_i, c_i in zip(b, c, strict=True)]
+    else:
+        bound = float(pairwise.sum(axis=1).max())
+        terms = [(count * a, float(b.sum()), float(c.sum()) - bound)]
+    roots = []
+    for quadratic, linear, constant in terms:
+        if constant > 0.0 or quadratic <= 0.0:
+            return 0.0
+        roots.append((-linear + math.sqrt(linear**2 - 4.0 * quadratic * constant)) / quadratic / 2)
+    return max(0.0, min(roots))
+
+
+def _shejwalkar(objective: str) -> ModelAttack:
+    """mu + gamma (-sigma): the benign mean moved against the benign per-coordinate standard
+    deviation ("std" perturbation), gamma from :func:`shejwalkar_gamma`; all attackers send it."""
+
+    def attack(view: RoundView, position: int) -> Update:
+        mu = _mean(view.updates)
+        perturbation = {
+            key: -np.std([u[key] for u in view.updates], axis=0) for key in view.updates[0]
+        }
+        gamma = shejwalkar_gamma(view.updates, perturbation, objective)
+        return {key: mu[key] + gamma * perturbation[key] for key in mu}
+
+    return attack
+
+
+def _ipm(epsilon: float) -> ModelAttack:
+    """Inner-product manipulation (Xie, Koyejo, Gupta, UAI 2019): -epsilon x the benign mean."""
+
+    def attack(view: RoundView, position: int) -> Update:
+        return {key: -epsilon * value for key, value in _mean(view.benign).items()}
+
+    return attack
+
+
+def _norm_aware(view: RoundView, position: int) -> Update:
+    """Just inside every published bound: cosine -(DIRECTION_FLOOR - 0.01) = -0.09 with the
+    benign replies' mean as the direction check forms it (it drops only below -0.1), the norm
+    0.99 x the clip bound, the claim 0.99 x the claim bound (:func:`claim_bound`); the rest of
+    the update is the component of -sign(mean) orthogonal to the mean, which pushes every
+    coordinate against the benign direction with equal weight."""
+    length = clip_bound(view)
+    # The reference the server compares with: the other replies, each scaled down to the
+    # round's median norm (strategies.influence.direction_cosines), the attackers' at `length`.
+    norms = [_norm(update) for update in view.benign]
+    median = float(np.median(norms + [length] * len(view.attacker_positions)))
+    mean = _mean(
+        [
+            {key: min(1.0, median / max(norm, 1e-30)) * value for key, value in update.items()}
+            for update, norm in zip(view.benign, norms, strict=True)
+        ]
+    )
+    unit = {key: value / max(_norm(mean), 1e-30) for key, value in mean.items()}
+    against = {key: -np.sign(value) for key, value in mean.items()}
+    along = _dot(against, unit)
+    side = {key: against[key] - along * unit[key] for key in unit}
+    side = {key: value / max(_norm(side), 1e-30) for key, value in side.items()}
+    cosine = -(DIRECTION_FLOOR - 0.01)
+    return {
+        key: length * (cosine * unit[key] + math.sqrt(1.0 - cosine**2) * side[key]) for key in unit
+    }
+
+
+def _to_clip_bound(view: RoundView, position: int) -> Update:
+    """The attacker's own (poisoned) update boosted to just under the clip bound: model
+    replacement (Bagdasaryan et al., AISTATS 2020) as far as the defaults let it go."""
+    own = view.updates[position]
+    scale = clip_bound(view) / max(_norm(own), 1e-30)
+    return {key: scale * value for key, value in own.items()}
+
+
+def claim_bound(claims: Sequence[float]) -> float:
+    """Just under the default claim bound: the whole number of examples below 0.99 x 10 x the
+    median claim of the benign replies."""
+    return float(math.floor(BOUND_MARGIN * DEFAULT_MAX_CLAIM_FACTOR * float(np.median(claims))))
+
+
+#: ``claim(benign claims) -> the attacker's claimed number of examples``.
+ClaimAttack = Callable[[Sequence[float]], float]
+
+
 @dataclass(frozen=True)
 class Attack:
-    """One attack: a model map, a claimed weight, or label flipping at the client."""
+    """One attack: a model map, a claimed weight (fixed or from the benign claims), and the
+    data the attacker trains on (flipped labels, or a backdoor trigger on half of it)."""
 
     model: ModelAttack | None = None
-    num_examples: float | None = None
+    num_examples: float | ClaimAttack | None = None
     flip_labels: bool = False
+    backdoor: bool = False
 
 
 ATTACKS: dict[str, Attack] = {
@@ -109,6 +248,15 @@ ATTACKS: dict[str, Attack] = {
     "boost": Attack(model=_scaled(5.0)),
     "alie": Attack(model=_alie),
     "label-flip": Attack(flip_labels=True),
+    # the attackers' best responses to the published defaults (docs/reliability.md)
+    "min-max": Attack(model=_shejwalkar("min-max")),
+    "min-sum": Attack(model=_shejwalkar("min-sum")),
+    "ipm-0.1": Attack(model=_ipm(0.1)),
+    "ipm-0.5": Attack(model=_ipm(0.5)),
+    "ipm-3": Attack(model=_ipm(3.0)),
+    "norm-aware": Attack(model=_norm_aware, num_examples=claim_bound),
+    "backdoor": Attack(model=_to_clip_bound, backdoor=True),
+    "backdoor-claim": Attack(model=_to_clip_bound, num_examples=claim_bound, backdoor=True),
 }
 
 
@@ -134,6 +282,15 @@ class AttackGrid(DelegatingGrid):
         rows = [i for i, reply in enumerate(honest) if reply.metadata.src_node_id in self.attackers]
         if not rows:
             return replies
+        claim = self.attack.num_examples
+        if callable(claim):
+            claim = claim(
+                [
+                    float(reply.content.metric_records[METRICS_RECORD][NUM_EXAMPLES_KEY])  # type: ignore[arg-type]
+                    for i, reply in enumerate(honest)
+                    if i not in rows
+                ]
+            )
         # Every train message of a round carries the same global model.
         global_arrays = {
             k: v.numpy() for k, v in train[0].content.array_records[ARRAYS_RECORD].items()
@@ -166,34 +323,75 @@ class AttackGrid(DelegatingGrid):
                     content[GRADIENT_RECORD] = ArrayRecord(
                         {key: Array(value.astype(np.float32)) for key, value in gradient.items()}
                     )
-            if self.attack.num_examples is not None:
+            if claim is not None:
                 metrics = dict(content.metric_records[METRICS_RECORD])
-                metrics[NUM_EXAMPLES_KEY] = self.attack.num_examples
+                metrics[NUM_EXAMPLES_KEY] = claim
                 content[METRICS_RECORD] = MetricRecord(metrics)
         return replies
 
 
-# ----------------------------------------------------------------------------- label flipping
+# ----------------------------------------------------------------------------- poisoned data
+#: The backdoor's target class and trigger: a bright 2 x 2 patch in the images' bottom-right
+#: corner (Bagdasaryan et al. 2020 and Sun et al. 2019 use such pixel patterns).
+BACKDOOR_TARGET = 0
+TRIGGER_SIZE = 2
+
+
+def with_trigger(features: torch.Tensor) -> torch.Tensor:
+    """A copy of image ``features`` (N, C, H, W) with the trigger: the bottom-right
+    TRIGGER_SIZE x TRIGGER_SIZE pixels of every channel at the images' largest value."""
+    triggered = features.clone()
+    triggered[..., -TRIGGER_SIZE:, -TRIGGER_SIZE:] = float(features.max())
+    return triggered
+
+
+def poisoned(data: DeviceData, attack: Attack) -> DeviceData:
+    """The attacker's training data: labels C - 1 - y (label flipping), or every second sample
+    with the trigger and relabelled to BACKDOOR_TARGET (the backdoor), the rest as they are."""
+    if attack.flip_labels:
+        return replace(data, labels=data.num_classes - 1 - data.labels)
+    rows = torch.arange(0, len(data.labels), 2, device=data.labels.device)
+    features, labels = data.features.clone(), data.labels.clone()
+    features[rows] = with_trigger(data.features[rows])
+    labels[rows] = BACKDOOR_TARGET
+    return replace(data, features=features, labels=labels)
+
+
 @contextlib.contextmanager
-def flipped_labels(partitions: frozenset[int]) -> Iterator[None]:
-    """While the block runs, the ClientApp trains ``partitions`` on labels C - 1 - y.
+def poisoned_partitions(partitions: frozenset[int], attack: Attack) -> Iterator[None]:
+    """While the block runs, the ClientApp trains ``partitions`` on :func:`poisoned` data.
 
     The ClientApp reads its partition through ``client.app.device_partition``; for the
-    ``partitions`` the replacement returns the same samples with flipped labels.
+    ``partitions`` the replacement returns the poisoned copy.
     """
     honest = client_module.device_partition
 
     def partition(spec: Any, partition_id: int, device: torch.device) -> DeviceData:
         data = honest(spec, partition_id, device)
-        if partition_id not in partitions:
-            return data
-        return replace(data, labels=data.num_classes - 1 - data.labels)
+        return poisoned(data, attack) if partition_id in partitions else data
 
     client_module.device_partition = partition  # type: ignore[assignment]
     try:
         yield
     finally:
         client_module.device_partition = honest
+
+
+def backdoor_test_set(test_set: LabeledData) -> LabeledData:
+    """The test images whose true label is not BACKDOOR_TARGET, with the trigger, all labelled
+    BACKDOOR_TARGET: the accuracy on it is the backdoor's success."""
+    keep = test_set.labels != BACKDOOR_TARGET
+    features = with_trigger(torch.from_numpy(test_set.features[keep])).numpy()
+    labels = np.full(int(keep.sum()), BACKDOOR_TARGET, dtype=np.int64)
+    return LabeledData(features, labels, test_set.num_classes)
+
+
+def backdoor_success(fed: Federation, triggered: LabeledData) -> float:
+    """The share of ``triggered`` (:func:`backdoor_test_set`) the current global model puts in
+    the target class."""
+    fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
+    cpu = torch.device("cpu")
+    return evaluate(fed.model, DeviceData.from_labeled(triggered, cpu), cpu)[1]
 
 
 # ----------------------------------------------------------------------------- one run
@@ -241,17 +439,26 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
         config.run_name,
         {**config.to_run_config(), "attack": attack_name, "attackers": attackers, "flower": flower},
     )
-    flipped = frozenset(range(attackers) if attack.flip_labels else ())
+    poisoning = attack.flip_labels or attack.backdoor
+    poisoned_ids = frozenset(range(attackers) if poisoning else ())
     try:
         rule = build_strategy if not flower else lambda c, _: flower_strategy(flower, told, c)
         fed = federation(run_settings, rule)
+        triggered = backdoor_test_set(fed.test_set)
         node_ids = sorted(fed.grid.get_node_ids())
         fed.grid = AttackGrid(fed.grid, node_ids[:attackers], attack, config.seed)
         loss, accuracy = fed.evaluate()
-        recorder.log_round({"round": 0, "test-accuracy": accuracy, "test-loss": loss})
+        recorder.log_round(
+            {
+                "round": 0,
+                "test-accuracy": accuracy,
+                "test-loss": loss,
+                "backdoor-success": backdoor_success(fed, triggered),
+            }
+        )
         for server_round in range(1, config.num_server_rounds + 1):
             started, sent = time.perf_counter(), fed.arrays
-            with flipped_labels(flipped):
+            with poisoned_partitions(poisoned_ids, attack):
                 fed.round(server_round)
             loss, accuracy = fed.evaluate()
             figures: dict[str, Any] = {}
@@ -263,6 +470,7 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
                     "round": server_round,
                     "test-accuracy": accuracy,
                     "test-loss": loss,
+                    "backdoor-success": backdoor_success(fed, triggered),
                     "round-seconds": time.perf_counter() - started,
                     "aggregated": int(fed.arrays is not sent),
                 }
@@ -274,23 +482,26 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- condensed table
-def condensed_table(spec_path: Path, metric_rounds: int = 1) -> str:
-    """Per federation, one row per method and one column per attack: the test accuracy (%) of
-    the final round (``metric_rounds`` > 1: the mean of that many last rounds), seeds averaged,
-    and the largest loss against the method's own honest run. From the spec's run folders."""
+def condensed_table(
+    spec_path: Path, metric_rounds: int = 1, key: str = "test-accuracy", baseline: str = ""
+) -> str:
+    """Per federation, one row per method and one column per attack: the round metric ``key``
+    (%) of the final round (``metric_rounds`` > 1: the mean of that many last rounds), seeds
+    averaged, and the largest loss against the method's own honest run (``baseline``: against
+    that method's honest run instead). From the spec's run folders."""
     spec = load_spec(spec_path)
     cells: dict[tuple[str, ...], list[float]] = {}
     for data in filter(None, map(read_run, spec.runs())):
-        curve = list(data.curve("test-accuracy").values())
-        key = tuple(data.run.labels[axis] for axis in ("federation", "method", "attack"))
-        cells.setdefault(key, []).append(100.0 * float(np.mean(curve[-metric_rounds:])))
+        curve = list(data.curve(key).values())
+        cell = tuple(data.run.labels[axis] for axis in ("federation", "method", "attack"))
+        cells.setdefault(cell, []).append(100.0 * float(np.mean(curve[-metric_rounds:])))
     axes = {axis.name: axis.labels for axis in spec.axes}
     lines = []
     for setting in axes["federation"]:
         rows = []
         for method in axes["method"]:
             values = {a: cells.get((setting, method, a)) for a in axes["attack"]}
-            honest = values.get("none")
+            honest = cells.get((setting, baseline, "none")) if baseline else values.get("none")
             attacked = [v for a, v in values.items() if v and a != "none"]
             losses = [np.mean(honest) - np.mean(v) for v in attacked] if honest else []
             shown = [f"{np.mean(v):.1f}" if v else "-" for v in values.values()]
@@ -305,8 +516,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.attacks", description=__doc__)
     parser.add_argument("spec", type=Path, help="benchmarks/specs/attacks*.toml")
     parser.add_argument("--last", type=int, default=1, help="mean of this many last rounds")
+    parser.add_argument("--key", default="test-accuracy", help="the round metric shown")
+    parser.add_argument(
+        "--baseline", default="", help="losses against this method's honest run (e.g. fedavg)"
+    )
     options = parser.parse_args(argv)
-    print(condensed_table(options.spec, options.last))
+    print(condensed_table(options.spec, options.last, options.key, options.baseline))
     return 0
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from benchmarks.seed_stats import band, mean_sd
 from benchmarks.spec import METHOD_AXIS, SEED_AXIS, Column, Run, Spec, label_of, paper_value
 from beyond_averaging.server.launch import read_summary
+from beyond_averaging.server.recorder import FINISHED_STATUSES
 
 SHOWS = ("mean ± sd", "range", "max")
 #: Written by the runner into each run folder: the machine, runtime, threads, wall and CPU time.
@@ -61,9 +62,10 @@ def curve(rounds: Sequence[Mapping[str, Any]], key: str, first: int = 1) -> dict
 
 
 def read_run(run: Run) -> RunData | None:
-    """The run's data if its folder holds a completed run, else None."""
+    """The run's data if its folder holds a run that ran every round (completed, with alarms
+    or without), else None."""
     summary = read_summary(run.folder / "summary.json")
-    if summary.get("status") != "completed":
+    if summary.get("status") not in FINISHED_STATUSES:
         return None
     host_path = run.folder / HOST_FILE
     host = json.loads(host_path.read_text(encoding="utf-8")) if host_path.is_file() else {}

@@ -35,6 +35,7 @@ from beyond_averaging.server.launch import (
     read_summary,
     run_config_argument,
 )
+from beyond_averaging.server.recorder import FINISHED_STATUSES
 
 ROUNDS_KEY, SERVER_LR_KEY = "num-server-rounds", "server-lr"
 
@@ -86,13 +87,14 @@ def state(run: Run) -> str:
         return "new"
     rounds = summary.get("rounds-completed", (summary.get("final") or {}).get("round", -1))
     wanted = run.settings.get(ROUNDS_KEY, parse_run_config(run.settings).num_server_rounds)
+    finished = summary["status"] in FINISHED_STATUSES
     if differences(run):
-        return "conflict" if summary["status"] == "completed" else "new"
-    if summary["status"] == "completed" and rounds == wanted:
+        return "conflict" if finished else "new"
+    if finished and rounds == wanted:
         return "finished"
     if (run.folder / CHECKPOINT_FILE).is_file() and rounds < wanted:
         return "resumable"
-    return "conflict" if summary["status"] == "completed" else "new"
+    return "conflict" if finished else "new"
 
 
 def execute(run: Run, runtime: str, threads: int) -> str:

@@ -19,19 +19,21 @@ import tracemalloc
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Message, Metadata, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, Metadata, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
 from benchmarks.harness import MIB, Stopwatch, federation, hardware, reset_peak_rss, status_bytes
 from benchmarks.report import markdown_table, shown
 from benchmarks.spec import REPO
 from beyond_averaging.client.sensitivity import compute_sensitivity, to_upload
-from beyond_averaging.server.app import data_spec
+from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.inprocess import FIRST_NODE_ID
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
@@ -72,6 +74,12 @@ RULES: dict[str, dict[str, Any]] = {
     "fedgma-soft": {"strategy": "fedgma", "gma-mask": "soft"},
     "fedlaw": {"strategy": "fedlaw"},
 }
+#: The defences beyond the defaults (server figures only: their clients are the rules' own).
+DEFENCE_RULES: dict[str, dict[str, Any]] = {
+    f"{rule}-{method}": {**RULES[rule], "robust-aggregation": method}
+    for method in ("fltrust", "flame")
+    for rule in ("fedavg", "elastic", "fedgma", "fedlaw")
+}
 SERVER_RULES = (FLOWER, *RULES, DIAGNOSTICS)
 
 
@@ -93,7 +101,8 @@ def upload_bytes(message: Message) -> int:
 def rule_config(rule: str, fedlaw_epochs: int) -> Any:
     """The run configuration of a server rule (Flower's FedAvg and diagnostics: FedAvg's)."""
     settings = {"min-train-replies": 2, "fedlaw-epochs": fedlaw_epochs}
-    return parse_run_config({**settings, **RULES.get(rule, RULES["fedavg"])})
+    overrides = {**RULES, **DEFENCE_RULES}.get(rule, RULES["fedavg"])
+    return parse_run_config({**settings, **overrides})
 
 
 def synthetic_replies(model: nn.Module, clients: int, rule: str) -> list[Message]:
@@ -172,11 +181,20 @@ def make_rule(
 
         return observe
     strategy = build_strategy(config, resources(model))
+    # As the ServerApp, the instructions first (fltrust reads the clients' task there), once:
+    # every repeat aggregates against the same global model.
+    task = ConfigRecord(client_task(config).to_config())
+    nodes = SimpleNamespace(get_node_ids=lambda: list(range(1, 1 + config.num_clients)))
+    arrays = ArrayRecord({k: Array(v) for k, v in global_arrays.items()})
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # to address them
+    strategy.configure_train(1, arrays, task, nodes)  # type: ignore[arg-type]
     strategy.global_arrays = global_arrays
 
     def aggregate(server_round: int, replies: list[Message]) -> Any:
         result = strategy.aggregate_train(server_round, replies)
         aggregate.math_seconds = strategy.last_aggregation_seconds  # type: ignore[attr-defined]
+        figures = strategy.aggregation_metrics[server_round]
+        aggregate.root_seconds = figures.get("fltrust-seconds")  # type: ignore[attr-defined]
         return result
 
     return aggregate
@@ -198,6 +216,8 @@ class ServerFigure:
     cpu_ratio: float = 1.0
     peak_traced_bytes: int | None = None
     peak_rss_growth_bytes: int | None = None
+    #: fltrust: the seconds of the server's own update on its root set (of ``math_seconds``).
+    root_seconds: float | None = None
 
     @property
     def peaks(self) -> tuple[int | None, int | None]:
@@ -219,8 +239,8 @@ def time_rules(options: argparse.Namespace) -> list[ServerFigure]:
         replies = synthetic_replies(model, options.clients, rule)
         plain = [model_only(message) for message in replies]  # what Flower's FedAvg accepts
         aggregate = make_rule(rule, model, options.fedlaw_epochs)
-        seconds, math_seconds, ratios, cpu_ratios = [], [], [], []
-        for repeat in range(1 if rule == "fedlaw" else options.repeats):
+        seconds, math_seconds, ratios, cpu_ratios, root_seconds = [], [], [], [], []
+        for repeat in range(1 if rule.startswith("fedlaw") else options.repeats):
             with Stopwatch() as yardstick:
                 flower(repeat + 1, plain)
             with Stopwatch() as clock:
@@ -229,8 +249,11 @@ def time_rules(options: argparse.Namespace) -> list[ServerFigure]:
             ratios.append(clock.wall / yardstick.wall)
             cpu_ratios.append(clock.cpu / yardstick.cpu)
             math_seconds.append(getattr(aggregate, "math_seconds", float("nan")))
+            root_seconds.append(getattr(aggregate, "root_seconds", None))
         math = None if rule == FLOWER else statistics.median(math_seconds)
         figure = ServerFigure(rule, statistics.median(seconds), math, upload_bytes(replies[0]))
+        if None not in root_seconds:
+            figure.root_seconds = statistics.median(root_seconds)  # type: ignore[type-var]
         if rule != FLOWER:
             figure.ratio, figure.cpu_ratio = (
                 statistics.median(ratios),
@@ -347,7 +370,8 @@ def server_table(figures: Sequence[ServerFigure], clients: int, model_bytes: int
     rows = []
     for f in figures:
         ratio, cpu = (f.ratio, f.cpu_ratio) if paired else (float("nan"), float("nan"))
-        within = "yes" if cpu <= TARGET_TIME_RATIOS.get(f.rule, TARGET_TIME_RATIO) else "NO"
+        target = TARGET_TIME_RATIOS.get(f.rule, TARGET_TIME_RATIO)
+        within = "-" if f.rule in DEFENCE_RULES else "yes" if cpu <= target else "NO"
         models = [shown(None if p is None else p / model_bytes, ".2f") for p in f.peaks]
         # Beyond what Flower's FedAvg itself needs (its accumulator and the serialized result).
         extra = None if f.peak_bytes is None else (f.peak_bytes - flower_peak) / model_bytes
@@ -360,7 +384,13 @@ def server_table(figures: Sequence[ServerFigure], clients: int, model_bytes: int
                 *(f"{f.upload_bytes / MIB:.1f}", *models, shown(extra, ".2f"), buffers),
             ]
         )
-    return markdown_table(SERVER_HEADER.split(" | "), rows)
+    table = markdown_table(SERVER_HEADER.split(" | "), rows)
+    roots = [f for f in figures if f.root_seconds is not None]
+    if roots:
+        table += "\nOf the math seconds, the server's own update on its root set (fltrust): " + (
+            ", ".join(f"{f.rule} {f.root_seconds:.3f} s" for f in roots) + ".\n"
+        )
+    return table
 
 
 def client_table(seconds: Mapping[str, float]) -> str:
@@ -413,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-clients", action="store_true")
     parser.add_argument("--upload-bytes", action="store_true", help="only Elastic's upload table")
     parser.add_argument("--publish", action="store_true", help="also write docs/results/")
+    parser.add_argument("--page", default="systems", help="the page's name: docs/results/PAGE.md")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     options.rules = [rule.strip() for rule in options.rules.split(",") if rule.strip()]
@@ -454,9 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     raw: dict[str, Any] = {"server": [asdict(f) for f in server], "client-setting": setting}
     raw |= {"client-seconds": clients, "parameters": parameters, "hardware": hardware()}
-    (RESULTS_DIR / "systems.json").write_text(json.dumps(raw, indent=1), encoding="utf-8")
+    (RESULTS_DIR / f"{options.page}.json").write_text(json.dumps(raw, indent=1), encoding="utf-8")
     for folder in [RESULTS_DIR, REPO / "docs" / "results"][: 1 + options.publish]:
-        (folder / "systems.md").write_text(text, encoding="utf-8")
+        (folder / f"{options.page}.md").write_text(text, encoding="utf-8")
     return 0
 
 

@@ -4,8 +4,9 @@ After every round the global model is evaluated on the server's test split, the 
 are appended to ``metrics.jsonl`` and a checkpoint is written (:mod:`server.checkpoint`), from
 which ``resume-from`` continues the run. A run that cannot train ends ``failed`` with the reason
 (:class:`RunStalledError`); a run stopped from outside (a signal, ``flwr stop``, a SuperLink that
-forgot it) ends ``interrupted``; a run whose model collapses or whose loss explodes says so every
-round (:func:`round_alarms`) and in ``summary.json``.
+forgot it) ends ``interrupted``; a run whose model collapses, whose loss explodes or that never
+rose above chance says so every round it holds (:func:`round_alarms`) and in ``summary.json``,
+whose status is then ``completed-with-alarms``, never ``completed``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .bounded_pull import bound_reply_bytes
 from .checkpoint import RunCheckpoint, capture_rng, restore_rng
 from .config import RunConfig, parse_run_config
 from .inprocess import InProcessGrid
-from .recorder import RunRecorder
+from .recorder import COMPLETED_WITH_ALARMS, RunRecorder
 from .rounds import RoundOutcome, run_rounds
 from .strategy_factory import ServerResources, build_strategy
 
@@ -88,7 +89,8 @@ class RunStalledError(RuntimeError):
 
 #: A model has collapsed when its test accuracy is back within CHANCE_MARGIN of chance after it
 #: had reached chance + LEARNED_MARGIN; its loss has exploded when the test loss is not finite, or
-#: above LOSS_VS_UNTRAINED x the untrained model's (round 0) and LOSS_VS_BEST x the lowest so far.
+#: above LOSS_VS_UNTRAINED x the untrained model's (round 0) and LOSS_VS_BEST x the lowest so far;
+#: a run never rose above chance when no trained round's accuracy passed chance + CHANCE_MARGIN.
 CHANCE_MARGIN = 0.05
 LEARNED_MARGIN = 0.2
 LOSS_VS_UNTRAINED = 2.0
@@ -102,7 +104,12 @@ def chance_accuracy(labels: np.ndarray) -> float:
 
 
 def round_alarms(
-    history: Sequence[tuple[float, float]], accuracy: float, loss: float, chance: float | None
+    history: Sequence[tuple[float, float]],
+    accuracy: float,
+    loss: float,
+    chance: float | None,
+    *,
+    last: bool = False,
 ) -> dict[str, str]:
     """What is wrong with a round's global model, judged against the run's earlier rounds.
 
@@ -113,13 +120,18 @@ def round_alarms(
     accuracy, loss : float
         This round's.
     chance : float, optional
-        :func:`chance_accuracy` of the test split; None skips the accuracy check.
+        :func:`chance_accuracy` of the test split; None skips the accuracy checks.
+    last : bool
+        The run's last round: a run none of whose trained rounds (round 1 on) rose above
+        chance + CHANCE_MARGIN raises ``never-above-chance`` there (the collapse alarm needs a
+        model that had learned; this one catches a run taken over from its first round).
 
     Returns
     -------
     dict
-        Alarm kind (``accuracy-at-chance``, ``loss-exploded``) -> a message naming the figures.
-        Empty for a healthy round, and for every round before the model learned anything.
+        Alarm kind (``accuracy-at-chance``, ``loss-exploded``, ``never-above-chance``) -> a
+        message naming the figures. Empty for a healthy round, and for every round before the
+        model learned anything but the last.
     """
     alarms: dict[str, str] = {}
     if chance is not None and history:
@@ -130,6 +142,14 @@ def round_alarms(
                 f"most frequent label) after {best:.4f} in round {best_round}: the global model "
                 "collapsed (a poisoned or diverging update; see docs/reliability.md, Runs)"
             )
+    trained = [past for past, _ in history[1:]] + [accuracy]
+    if chance is not None and last and history and max(trained) <= chance + CHANCE_MARGIN:
+        alarms["never-above-chance"] = (
+            f"no round's test accuracy rose above chance ({chance:.4f}, always the most frequent "
+            f"label) + {CHANCE_MARGIN:g}: the best was {max(trained):.4f} in {len(trained)} "
+            "rounds; the run learned nothing (a Byzantine majority, a poisoned update from the "
+            "first round, or a broken configuration; see docs/reliability.md, Runs)"
+        )
     if not math.isfinite(loss):
         alarms["loss-exploded"] = f"test loss is {loss}: the global model is not finite"
     elif history:
@@ -205,7 +225,8 @@ class CentralEvaluation:
             train_metrics.get("replies-valid", "-"),
             train_metrics.get("replies-sent", train_metrics.get("replies-received", "-")),
         )
-        alarms = round_alarms(self.history, accuracy, loss, self.chance)
+        last = server_round == self.num_rounds
+        alarms = round_alarms(self.history, accuracy, loss, self.chance, last=last)
         for kind, message in alarms.items():
             log(WARNING, "round %d: ALARM %s: %s", server_round, kind, message)
         self.history.append((accuracy, loss))
@@ -448,14 +469,16 @@ def main(grid: Grid, context: Context) -> None:
         log(ERROR, "run '%s' interrupted: %s", run_name, recorder.final_error or reason)
         raise
     except BaseException as error:
-        recorder.write_summary("failed", error=f"{type(error).__name__}: {error}")
-        log(ERROR, "run '%s' failed: %s: %s", run_name, type(error).__name__, error)
+        reason = recorder.failure(error)  # names a full disk (ENOSPC)
+        recorder.write_summary("failed", error=reason)
+        log(ERROR, "run '%s' failed: %s", run_name, reason)
         raise
     finally:
         unregister()
-    path = recorder.write_summary("completed")
-    log(INFO, "run '%s' completed: %s", run_name, path)
-    for kind, alarm in recorder.alarm_summary().items():
+    alarms = recorder.alarm_summary()
+    path = recorder.write_summary(COMPLETED_WITH_ALARMS if alarms else "completed")
+    log(INFO, "run '%s' %s: %s", run_name, recorder.final_status, path)
+    for kind, alarm in alarms.items():
         log(WARNING, "run '%s' raised %s in %d round(s)", run_name, kind, alarm["rounds"])
 
 

@@ -224,15 +224,43 @@ def private_file(path: Path, mode: str) -> IO[Any]:
     return os.fdopen(descriptor, mode)
 
 
+class _WriteErrors:
+    """A binary stream that remembers the ``OSError`` a write raised: torch's zip writer turns
+    it into a ``RuntimeError`` ("unexpected pos 7360 vs 7254" on a full disk), which names
+    neither the disk nor ENOSPC."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.stream = stream
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.stream.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def atomic_torch_save(obj: Any, path: Path) -> Path:
     """``torch.save`` to ``path`` so that readers see the old file or the new one, never a part.
 
-    The file is created ``0600`` (:func:`private_file`).
+    The file is created ``0600`` (:func:`private_file`). A write that fails (a full disk) leaves
+    no temporary file behind and raises the ``OSError`` itself (``errno.ENOSPC``), not the
+    ``RuntimeError`` torch makes of it.
     """
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with private_file(temporary, "wb") as stream:
-            torch.save(obj, stream)
+            watched = _WriteErrors(stream)
+            try:
+                torch.save(obj, watched)  # type: ignore[arg-type]
+            except RuntimeError as error:
+                if watched.error is None:
+                    raise
+                raise watched.error from error
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)

@@ -16,8 +16,9 @@ running and exits 0 even when the run failed. This launcher
 3. runs ``flwr run <app> ba-local --stream`` with the given ``--run-config`` overrides and
    ``num-supernodes = num-clients``;
 4. reads ``<output-dir>/<run-name>/summary.json`` and exits non-zero with the run's error when the
-   run did not complete; a summary still ``running`` after the run's processes ended (a ServerApp
-   killed with SIGKILL) is rewritten ``interrupted`` (:func:`server.recorder.mark_interrupted`);
+   run did not complete, and with ``ALARMS_EXIT_CODE`` (4) when it completed with an alarm; a
+   summary still ``running`` after the run's processes ended (a ServerApp killed with SIGKILL) is
+   rewritten ``interrupted`` (:func:`server.recorder.mark_interrupted`);
 5. always stops the SuperLink it started and every process below it, by PID, never by name.
 
 ``--ray-address HOST:PORT`` runs the simulation's ClientApps on an existing Ray cluster (the
@@ -379,22 +380,26 @@ def resume_overrides(run_dir: Path) -> list[str]:
 
 
 def completed_run(settings: Mapping[str, Any], failure: str) -> Path:
-    """The run folder when its summary says completed; otherwise :class:`LaunchError`.
+    """The run folder when its summary says it ran every round (``completed``, or
+    ``completed-with-alarms``); otherwise :class:`LaunchError`.
 
     Called once every process of the run has ended: a summary that still says ``running`` was
     left by a ServerApp that died without a final status, and is marked ``interrupted``.
     """
-    from .recorder import mark_interrupted  # imports torch: only where a run folder is read
+    from .recorder import low_space_note, mark_interrupted  # import torch: only where a run is read
 
     run_name = str(settings["run-name"])
     summary_path = Path(str(settings["output-dir"])).expanduser() / run_name / "summary.json"
-    mark_interrupted(summary_path.parent)
+    status = mark_interrupted(summary_path.parent)
     summary = read_summary(summary_path)
-    if summary.get("status") != "completed":
-        reason = summary.get("error") or (
-            f"{failure} and the ServerApp wrote no summary at {summary_path}; the run failed "
-            "before round 1 (see the log above, e.g. an invalid run configuration)"
-        )
+    if summary.get("status") not in ("completed", "completed-with-alarms"):
+        reason = summary.get("error") or (status.reason if status.status == "interrupted" else "")
+        if not reason:
+            reason = f"{failure} and the ServerApp wrote no summary at {summary_path}; " + (
+                low_space_note(summary_path.parent).strip()
+                or "the run failed before round 1 (see the log above, e.g. an invalid run "
+                "configuration)"
+            )
         raise LaunchError(f"run '{run_name}' did not complete: {reason}")
     return summary_path.parent
 
@@ -540,8 +545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         default=None,
         metavar="RUN_DIR",
-        help="print the status of runs/<name> and exit: 0 completed, 3 running (its process is "
-        "alive), 1 failed, interrupted (its process died: marked so in summary.json) or unknown",
+        help="print the status of runs/<name> and exit: 0 completed, 4 completed with alarms, "
+        "3 running (its process is alive), 1 failed, interrupted (its process died: marked so in "
+        "summary.json) or unknown",
     )
     args = parser.parse_args(argv)
     if args.status is not None:
@@ -563,16 +569,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     summary = read_summary(run_dir / "summary.json")
     final = summary.get("final") or {}
-    print(f"ba-run: run completed: {run_dir}")
+    status = str(summary.get("status"))
+    print(f"ba-run: run {status.replace('-', ' ')}: {run_dir}")
     print(
         f"ba-run: final test accuracy {final.get('test-accuracy')} after round {final.get('round')}"
     )
     print_alarms(summary)
-    return 0
+    if status == "completed-with-alarms":
+        print(
+            f"ba-run: error: run '{run_dir.name}' ran every round but raised alarms (above): its "
+            "model is not to be trusted; see docs/reliability.md, Runs",
+            file=sys.stderr,
+        )
+    return STATUS_EXIT_CODES.get(status, 1)
 
 
-#: ``ba-run --status`` exit codes.
-STATUS_EXIT_CODES = {"completed": 0, "running": 3}
+#: ``ba-run``'s exit code for a run that ran every round but raised an alarm.
+ALARMS_EXIT_CODE = 4
+#: ``ba-run`` and ``ba-run --status`` exit codes (any other status: 1).
+STATUS_EXIT_CODES = {"completed": 0, "completed-with-alarms": ALARMS_EXIT_CODE, "running": 3}
 
 
 def print_alarms(summary: Mapping[str, Any]) -> None:

@@ -4,11 +4,18 @@
 - ``checkpoint.pt``: everything needed to continue the run, rewritten after every round
   (:mod:`server.checkpoint`);
 - ``final_model.pt``: the global model after the last round (a torch state dict);
-- ``summary.json``: status (``running``, ``completed``, ``failed`` or ``interrupted``, with the
-  reason), resolved configuration, final metrics, alarms (:data:`ALARMS`) and wall time;
-- ``.owner.lock``: held (``flock``) by the process writing the run, for as long as it lives.
+- ``summary.json``: status (``running``, ``completed``, ``completed-with-alarms`` (every round
+  ran, and an alarm of :data:`ALARMS` fired in at least one), ``failed`` or ``interrupted``, with
+  the reason), resolved configuration, final metrics, alarms and wall time;
+- ``.owner.lock``: held (``flock``) by the process writing the run, for as long as it lives;
+- ``.reserve``: :data:`RESERVE_BYTES` kept allocated while the run is written, released when a
+  write meets a full disk so that the final summary still lands (:meth:`RunRecorder.write_summary`).
 
-Every file is replaced atomically (temporary file, then rename), so a crash never leaves one torn.
+Every file is replaced atomically (temporary file, then rename), so a crash never leaves one torn;
+a write that fails (``ENOSPC``: the disk is full) leaves no temporary file, and a round's line
+that cannot be appended whole is cut off again, so ``metrics.jsonl`` never holds a torn line.
+A run that fails on a full disk says so (``disk-full`` in ``summary.json``, naming ENOSPC, the
+file, the folder and the bytes free, and how to resume).
 The folder is created ``0700`` and every file ``0600``: the model, the metrics and the checkpoint
 (the whole model and the run's state) are readable by the run's owner only.
 
@@ -25,9 +32,11 @@ carries no lock, so ask where the run ran (``ba-run --status``, docs/reliability
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 import socket
 import time
 from collections.abc import Mapping
@@ -49,10 +58,68 @@ except ImportError:  # pragma: no cover - Windows
 SUMMARY_FILE = "summary.json"
 OWNER_LOCK_FILE = ".owner.lock"
 PRIVATE_DIR_MODE = 0o700
+#: A run that ran every round but raised an alarm: not ``completed`` (ba-run exits 4).
+COMPLETED_WITH_ALARMS = "completed-with-alarms"
 #: Statuses a summary can hold; ``running`` only while its writer holds the owner lock.
-FINAL_STATUSES = ("completed", "failed", "interrupted")
+FINAL_STATUSES = ("completed", COMPLETED_WITH_ALARMS, "failed", "interrupted")
+#: Statuses of a run that ran all its rounds.
+FINISHED_STATUSES = ("completed", COMPLETED_WITH_ALARMS)
 #: What a round's figures may raise, with the rule (see :func:`server.app.round_alarms`).
-ALARMS = ("accuracy-at-chance", "loss-exploded")
+ALARMS = ("accuracy-at-chance", "loss-exploded", "never-above-chance")
+
+
+#: Bytes kept allocated in a run folder (``.reserve``) until its final status: room for the
+#: final summary (a few KB) when the disk fills up during the run.
+RESERVE_BYTES = 1 << 16
+RESERVE_FILE = ".reserve"
+#: The errors of a full disk (or a full quota).
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+#: Below this many free bytes, a run whose writer left no final word is said to have met a
+#: full disk (``ba-run``, ``ba-run --status``).
+LOW_SPACE_BYTES = 1 << 20
+
+
+def disk_full_error(error: BaseException | None) -> OSError | None:
+    """The ``ENOSPC`` / ``EDQUOT`` error in ``error``'s chain of causes, if any."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system holding ``path`` (its nearest existing parent)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            with suppress(OSError):
+                return shutil.disk_usage(candidate).free
+            return None
+    return None
+
+
+def disk_full_message(directory: Path, error: OSError) -> str:
+    """What a run that met a full disk tells its reader, and how to continue it."""
+    where = f" writing {Path(error.filename).name}" if error.filename else ""
+    free = free_bytes(directory)
+    return (
+        f"the disk is full ({errno.errorcode.get(error.errno or 0, 'ENOSPC')}){where} in "
+        f"{directory} ({'?' if free is None else free} bytes free): free space there, then "
+        f"continue the run with `ba-run --resume {directory}` (the last checkpoint is whole)"
+    )
+
+
+def low_space_note(directory: Path) -> str:
+    """A sentence naming a full disk under ``directory``, or "" when there is room."""
+    free = free_bytes(directory)
+    if free is None or free >= LOW_SPACE_BYTES:
+        return ""
+    return (
+        f" The disk holding {directory} has {free} bytes free: the run may have stopped on a "
+        "full disk (ENOSPC); free space there before resuming it."
+    )
 
 
 class RunInUseError(RuntimeError):
@@ -117,14 +184,16 @@ class RunRecorder:
         self.directory = Path(output_dir).expanduser().resolve() / run_name
         _make_private_dir(self.directory)
         self._lock: IO[bytes] | None = _acquire_owner_lock(self.directory)
+        self._reserve = _reserve_space(self.directory)
+        #: Set when the run met a full disk: summary.json's ``disk-full``.
+        self.disk_full: str | None = None
         self.metrics_path = self.directory / "metrics.jsonl"
         self.config = dict(config)
         self.started = time.time()
         self.rounds: list[dict[str, Any]] = []
         self.resumed_from = resume_round
         if resume_round is not None and self.metrics_path.is_file():
-            lines = self.metrics_path.read_text(encoding="utf-8").splitlines()
-            rounds = [json.loads(line) for line in lines if line.strip()]
+            rounds = _read_rounds(self.metrics_path)
             self.rounds = [entry for entry in rounds if entry.get("round", 0) <= resume_round]
         self.alarm_details: dict[str, str] = {}
         #: The final status once written (:data:`FINAL_STATUSES`); the recorder writes nothing
@@ -146,10 +215,9 @@ class RunRecorder:
         if self.final_status is not None:
             return
         record = _jsonable({**entry, **{f"alarm-{kind}": 1 for kind in alarms or {}}})
+        _append_whole(self.metrics_path, (json.dumps(record, sort_keys=True) + "\n").encode())
         self.alarm_details.update(alarms or {})
         self.rounds.append(record)
-        with self.metrics_path.open("a", encoding="utf-8") as stream:
-            stream.write(json.dumps(record, sort_keys=True) + "\n")
         self.write_summary("running")  # the summary's final metrics and alarms follow the rounds
 
     def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> Path:
@@ -174,11 +242,22 @@ class RunRecorder:
                 }
         return summary
 
+    def failure(self, error: BaseException) -> str:
+        """The ``error`` text of a run that failed with ``error``; on a full disk it names
+        ENOSPC, the folder and the bytes free (and sets :attr:`disk_full`)."""
+        text = f"{type(error).__name__}: {error}"
+        full = disk_full_error(error)
+        if full is None:
+            return text
+        self.disk_full = disk_full_message(self.directory, full)
+        return f"{self.disk_full} ({text})"
+
     def write_summary(self, status: str, error: str | None = None) -> Path:
         """Write ``summary.json``; a final status (:data:`FINAL_STATUSES`) gives up ownership.
 
         Once a final status is written, later calls write nothing (the first final word holds:
-        e.g. Flower's exit handler wrote ``interrupted`` before the run's SystemExit arrived).
+        e.g. Flower's exit handler wrote ``interrupted`` before the run's SystemExit arrived). A
+        final summary that meets a full disk releases the run's reserve and is written again.
         """
         path = self.directory / SUMMARY_FILE
         if self.final_status is not None:
@@ -199,17 +278,85 @@ class RunRecorder:
             summary["resumed-from-round"] = self.resumed_from
         if error is not None:
             summary["error"] = error
-        _atomic_write_text(path, json.dumps(_jsonable(summary), indent=2, sort_keys=True))
+        if self.disk_full is not None:
+            summary["disk-full"] = self.disk_full
+        text = json.dumps(_jsonable(summary), indent=2, sort_keys=True)
+        try:
+            _atomic_write_text(path, text)
+        except OSError as failure:
+            final = status in FINAL_STATUSES and disk_full_error(failure) is not None
+            if not (final and self._release_reserve()):
+                raise
+            _atomic_write_text(path, text)
         if status in FINAL_STATUSES:
             self.final_status, self.final_error = status, error
             self.close()
         return path
 
+    def _release_reserve(self) -> bool:
+        """Free the run's reserved bytes for its final word; False when there were none."""
+        if self._reserve is None:
+            return False
+        self._reserve = None
+        return release_reserve(self.directory)
+
     def close(self) -> None:
-        """Give up the owner lock (a final summary does; idempotent)."""
+        """Give up the owner lock and the reserve (a final summary does; idempotent)."""
+        if self._reserve is not None:
+            self._reserve = None
+            release_reserve(self.directory)
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+
+def _reserve_space(directory: Path) -> Path | None:
+    """Allocate ``RESERVE_BYTES`` in ``directory/.reserve``; None where it cannot be allocated
+    (a file system without ``posix_fallocate``, or one already full: then the run's first write
+    meets the full disk and says so)."""
+    path = directory / RESERVE_FILE
+    try:
+        with private_file(path, "wb") as stream:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(stream.fileno(), 0, RESERVE_BYTES)
+            else:  # pragma: no cover - not POSIX
+                stream.write(bytes(RESERVE_BYTES))
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+    return path
+
+
+def release_reserve(directory: Path) -> bool:
+    """Delete ``directory/.reserve``; True when there was one to free."""
+    path = directory / RESERVE_FILE
+    existed = path.is_file()
+    path.unlink(missing_ok=True)
+    return existed
+
+
+def _append_whole(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path``, or nothing: a write that fails part-way (a full disk) is cut
+    off again (truncating needs no space), so a reader never finds a torn line."""
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with private_file(path, "ab") as stream:
+            stream.write(data)
+    except OSError:
+        with suppress(OSError):
+            os.truncate(path, size)
+        raise
+
+
+def _read_rounds(path: Path) -> list[dict[str, Any]]:
+    """The rounds of ``metrics.jsonl``; a line that does not parse (a torn line an older version
+    left on a full disk) is skipped."""
+    rounds = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with suppress(ValueError):
+            if line.strip():
+                rounds.append(json.loads(line))
+    return rounds
 
 
 def _acquire_owner_lock(directory: Path, attempts: int = 20) -> IO[bytes]:
@@ -240,8 +387,9 @@ def _read_summary(directory: Path) -> dict[str, Any]:
 class RunStatus:
     """What a run folder says, checked against its owner lock (see the module docstring)."""
 
-    #: ``completed``, ``failed``, ``interrupted``, ``running`` (its writer is alive), ``missing``
-    #: (no summary) or ``unknown`` (``running`` without an owner lock to check: an older run).
+    #: ``completed``, ``completed-with-alarms``, ``failed``, ``interrupted``, ``running`` (its
+    #: writer is alive), ``missing`` (no summary) or ``unknown`` (``running`` without an owner
+    #: lock to check: an older run).
     status: str
     reason: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
@@ -268,10 +416,10 @@ def run_status(run_dir: Path) -> RunStatus:
     if lock is None:
         return RunStatus("running", "", summary)
     lock.close()
-    return RunStatus("interrupted", interruption_reason(summary), summary)
+    return RunStatus("interrupted", interruption_reason(summary, run_dir), summary)
 
 
-def interruption_reason(summary: Mapping[str, Any]) -> str:
+def interruption_reason(summary: Mapping[str, Any], directory: Path) -> str:
     """Why a run whose writer is gone is ``interrupted``, and how to continue it."""
     owner = summary.get("owner") or {}
     return (
@@ -279,7 +427,7 @@ def interruption_reason(summary: Mapping[str, Any]) -> str:
         f"ended without a final status after round {summary.get('rounds-completed', '?')} "
         f"(last update {summary.get('updated-at', '?')}): killed (kill -9, the OOM killer), or "
         "its machine or container stopped. Continue it with `ba-run --resume <run folder>` or "
-        'run-config resume-from = "<run folder>"'
+        'run-config resume-from = "<run folder>".' + low_space_note(directory)
     )
 
 
@@ -299,9 +447,17 @@ def mark_interrupted(run_dir: Path) -> RunStatus:
         summary = _read_summary(run_dir)
         if summary.get("status") != "running":
             return RunStatus(str(summary.get("status", "missing")), "", summary)
-        reason = interruption_reason(summary)
+        reason = interruption_reason(summary, run_dir)
         summary.update({"status": "interrupted", "error": reason, "updated-at": _now()})
-        _atomic_write_text(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True))
+        text = json.dumps(summary, indent=2, sort_keys=True)
+        try:
+            _atomic_write_text(run_dir / SUMMARY_FILE, text)
+        except OSError as failure:  # a full disk: the run's reserve makes room for this word
+            if disk_full_error(failure) is None or not release_reserve(run_dir):
+                return RunStatus(
+                    "interrupted", f"{reason} ({SUMMARY_FILE} not rewritten: {failure})", summary
+                )
+            _atomic_write_text(run_dir / SUMMARY_FILE, text)
         return RunStatus("interrupted", reason, summary)
     finally:
         lock.close()
@@ -309,6 +465,9 @@ def mark_interrupted(run_dir: Path) -> RunStatus:
 
 def _atomic_write_text(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with private_file(temporary, "w") as stream:
-        stream.write(text)
-    os.replace(temporary, path)
+    try:
+        with private_file(temporary, "w") as stream:
+            stream.write(text)
+        os.replace(temporary, path)
+    finally:  # a failed write (a full disk) leaves no temporary file behind
+        temporary.unlink(missing_ok=True)

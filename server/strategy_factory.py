@@ -61,6 +61,10 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "server_beta2": config.server_beta2,
         "server_eps": config.server_eps,
     }
+    if config.robust_aggregation == "fltrust" and config.strategy != "fedlaw":
+        # FLTrust's root set: the proxy set FedLAW learns on (FedLAW builds its own from it).
+        base["model"], base["device"] = resources.model, resources.device
+        base["proxy_set"] = resolve_proxy_set(config, resources.proxy_set)[0]
     if config.strategy == "fedavg":
         return FedAvg(**server_update, **base)
     if config.strategy == "elastic":

@@ -61,6 +61,7 @@ from beyond_averaging.tasks.protocol import (
     REQUEST_RECORDS_KEY,
 )
 
+from . import robust
 from .aggregate import NDArrayDict, normalise_weights
 from .arguments import NamedArgumentErrors
 from .influence import (
@@ -83,14 +84,14 @@ from .metrics import (
     reply_weight,
 )
 from .privacy import check_wrapper
-from .robust import GENERIC_METHODS, SELECTIONS, RobustAggregation, check_robust, krum_selection
+from .robust import GENERIC_METHODS, RobustAggregation, check_robust
 from .validation import (
     REPLY_OVERSIZED_ERROR_CODE,
+    ModelGuard,
     check_reply_size,
     check_reply_weight,
     common_key_set,
     default_reply_byte_limit,
-    model_rejection,
 )
 from .wire import ReplyRejected as ReplyRejected  # re-exported: rules raise it too
 from .wire import decode_record, npy_view
@@ -266,11 +267,11 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
     max_claim_factor : float
         No reply's weight (``weighted_by_key``) counts for more than this factor times the
         round's median weight; 0 turns the bound off.
-    robust_aggregation : {"none", "trimmed-mean", "median", "krum", "multi-krum"}
+    robust_aggregation : {"none", "trimmed-mean", "median", "krum", "multi-krum", "flame"}
         A Byzantine-robust aggregation in the rule's own terms (each rule's docs say what it
         is): the coordinate-wise trimmed mean or median of the updates in place of their
-        weighted mean, or Krum / Multi-Krum's selection of the replies the rule aggregates
-        (:mod:`strategies.robust`). FedLAW also takes ``"fltrust"``.
+        weighted mean, or Krum / Multi-Krum / FLAME's selection of the replies the rule
+        aggregates (:mod:`strategies.robust`); ``"fltrust"`` (:mod:`strategies.defended`).
     trim_fraction : float
         Share of clients left out at each end of every coordinate by ``trimmed-mean``, and the
         share Krum and Multi-Krum assume Byzantine (f = floor(trim_fraction x K)).
@@ -409,6 +410,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         self.max_reply_bytes = max_reply_bytes
         self.reply_byte_limit = max_reply_bytes
         self._median_update = 0.0
+        self._model_guard = ModelGuard()  # the run's honest scale (strategies.validation)
         #: Replies the last round's influence bounds dropped as Byzantine suspects (norm or
         #: direction outliers); FedGMA's hard mask counts them in its quorum as abstentions.
         self.last_suspects = 0
@@ -638,7 +640,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         1. drop replies whose records share no key with the rest, whose update or record norm is
            a ``norm-outlier`` (``update_norm_factor``), or whose update is a
            ``direction-outlier`` (``direction_outlier_factor``);
-        2. Krum / Multi-Krum keep their selection (``robust_aggregation``, ``krum-rejected``);
+        2. Krum / Multi-Krum / FLAME keep their selection (``krum-`` / ``flame-rejected``);
         3. bound each kept reply's weight (``max_claim_factor``) and scale its update and
            records down to ``update_clip_factor`` x the round's median norm (direction kept).
 
@@ -735,9 +737,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             return
         flagged = np.flatnonzero(direction_outliers(cosines, self.direction_outlier_factor))
         if flagged.size and median < HETEROGENEITY_COSINE:
-            # On since its first round, where the clients agreed (every client learns the same
-            # shortcut first: median cosine 0.998 on colored MNIST with two digits per client),
-            # then they stopped agreeing: the replies it drops may be honest ones.
+            # The clients agreed on the check's first round, and no longer do (docs/reliability.md)
             log(
                 WARNING,
                 "round %d: the direction check drops %d replies in a round whose replies "
@@ -754,23 +754,18 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
                 candidates[int(position)],
                 ReplyRejected(
                     "direction-outlier",
-                    f"its update's cosine with the other replies' mean is "
-                    f"{cosines[position]:.3f}, far below the round's median {median:.3f} "
-                    f"(direction-outlier-factor = {self.direction_outlier_factor:g})",
+                    f"its update points against the mean of the {len(candidates) - 1} others "
+                    f"(cosine {cosines[position]:.3f} with it, the round's median {median:.3f}, "
+                    f"direction-outlier-factor = {self.direction_outlier_factor:g}); the check "
+                    "sides with the majority: if most replies are Byzantine (Sybil clients), this "
+                    "one may be honest (robust-aggregation = 'fltrust' tells them apart)",
                 ),
             )
 
     def _decide_direction_check(self, median_cosine: float) -> bool:
-        """On the first round the direction check runs, whether it runs at all in this run.
-
-        It needs honest clients that agree: their median cosine was 0.65-0.97 in the first
-        rounds of IID digits clients and -0.23 to 0.2 under Dirichlet(0.1) label skew. Where they
-        disagree from the start, the same honest clients fall below the round's spread round
-        after round (with two classes per client, three of ten honest FedGMA clients were
-        dropped in every round from round 7 on, and their classes never learned), so the check
-        is turned off for the run and a warning says what is left. The decision is part of the
-        strategy's checkpoint state.
-        """
+        """On the first round the direction check runs, whether it runs at all in this run: not
+        where the clients disagree from the start (median cosine below HETEROGENEITY_COSINE, as
+        under label skew), with a warning; kept in the checkpoint (docs/reliability.md)."""
         if self._direction_check is None:
             self._direction_check = median_cosine >= HETEROGENEITY_COSINE
             if not self._direction_check:
@@ -788,9 +783,9 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         return self._direction_check
 
     def _bounds_state(self) -> dict[str, Any]:
-        """The reply bounds' part of :meth:`state_dict`: the direction check's decision and
-        secret, once they are made (nothing before)."""
-        bounds = {}
+        """The reply bounds' part of :meth:`state_dict`: the model guard's scale, the direction
+        check's decision and secret, once they are made (nothing before)."""
+        bounds = self._model_guard.state_dict()
         if self._direction_check is not None:
             bounds["direction-check"] = int(self._direction_check)
         if self._direction_secret is not None:
@@ -800,6 +795,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
     def _load_bounds_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Restore :meth:`_bounds_state` from ``state``; the rest of ``state``, for the rule."""
         bounds = state.get(BOUNDS_STATE_KEY) or {}
+        self._model_guard.load_state_dict(bounds)
         check, secret = bounds.get("direction-check"), bounds.get("direction-secret")
         self._direction_check = None if check is None else bool(check)
         self._direction_secret = None if secret is None else int(secret)
@@ -808,11 +804,11 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
     def _drop_unselected(
         self, accepted: list[tuple[ClientReply, RecordDict]], rejected: dict[int, ReplyRejected]
     ) -> None:
-        """Krum / Multi-Krum: flag the replies their selection leaves out."""
+        """Krum / Multi-Krum / FLAME: flag the replies their selection leaves out."""
         candidates = [index for index in range(len(accepted)) if index not in rejected]
-        if self.robust_aggregation not in SELECTIONS or not candidates:
+        if self.robust_aggregation not in robust.SELECTIONS or not candidates:
             return
-        chosen = krum_selection(
+        chosen = robust.select_replies(
             self.global_arrays,
             [accepted[i][0].arrays for i in candidates],
             self.robust_aggregation,
@@ -821,7 +817,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         for position, index in enumerate(candidates):
             if position not in chosen:
                 rejected[index] = ReplyRejected(
-                    "krum-rejected",
+                    robust.SELECTION_REASONS[self.robust_aggregation],
                     f"not among the {len(chosen)} replies {self.robust_aggregation} keeps of "
                     f"{len(candidates)} (trim-fraction = {self.trim_fraction:g})",
                 )
@@ -929,13 +925,13 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         )
         # Krum's selection keeps fewer replies than were valid on purpose (one, for Krum): the
         # quorum counts the replies it chose from.
-        if len(valid) + dropped["krum-rejected"] < self.min_train_replies:
+        if len(valid) + sum(dropped[r] for r in robust.SELECTION_DROPS) < self.min_train_replies:
             log(
                 WARNING,
                 "round %d: %d valid replies < min-train-replies = %d: keeping the "
                 "global model of the previous round",
                 server_round,
-                len(valid) + dropped["krum-rejected"],
+                len(valid) + sum(dropped[r] for r in robust.SELECTION_DROPS),
                 self.min_train_replies,
             )
             metrics["aggregated"] = 0
@@ -945,7 +941,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         started = time.perf_counter()
         new_arrays = self.aggregate(server_round, self.global_arrays, valid)
         self.last_aggregation_seconds = time.perf_counter() - started
-        refusal = model_rejection(new_arrays, self.global_arrays, self._median_update)
+        refusal = self._model_guard.rejection(new_arrays, self.global_arrays, self._median_update)
         if refusal is not None:
             log(
                 WARNING,

@@ -48,11 +48,11 @@ from .aggregate import (
     scaled_weights,
     weighted_mean,
 )
-from .base import ClientReply, ContractStrategy, ProjectOptions, ReplyRejected
+from .base import ClientReply, ReplyRejected
+from .defended import DefendedStrategy, RootSetOptions
 from .metrics import MetricsAggregationFn
 from .robust import (
     COORDINATE_WISE,
-    SELECTIONS,
     RobustAggregation,
     aggregate_robust,
     robust_mean,
@@ -235,7 +235,7 @@ def aggregate_elastic(
     return {key: stepped[key] for key in global_arrays}  # the model's tensor order
 
 
-class ElasticAggregation(ContractStrategy):
+class ElasticAggregation(DefendedStrategy):
     """Elastic aggregation, optionally through a server optimizer (FedAvgM / FedAdam + Elastic).
 
     Parameters
@@ -257,6 +257,9 @@ class ElasticAggregation(ContractStrategy):
         How zeta * D is applied (plain step / FedAvgM momentum / FedAdam).
     server_momentum, server_beta1, server_beta2, server_eps : float
         The server optimizer's hyper-parameters.
+    model, proxy_set, device
+        The root set of ``robust_aggregation = "fltrust"``
+        (:class:`~strategies.defended.DefendedStrategy`).
 
     Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
     (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
@@ -290,7 +293,7 @@ class ElasticAggregation(ContractStrategy):
         server_beta1: float = 0.9,
         server_beta2: float = 0.99,
         server_eps: float = 1e-3,
-        **options: Unpack[ProjectOptions],
+        **options: Unpack[RootSetOptions],
     ) -> None:
         super().__init__(
             fraction_train,
@@ -382,8 +385,14 @@ class ElasticAggregation(ContractStrategy):
 
         Robust form (``robust_aggregation``): the coordinate-wise robust mean update and
         sensitivity in place of the weighted ones, then zeta as usual (:func:`elastic_update`);
-        Krum / Multi-Krum left only their selection in ``replies``.
+        Krum / Multi-Krum / FLAME left only their selection in ``replies`` (FLAME's noise is
+        added to the new model); FLTrust weighs the trusted replies' updates, rescaled to the
+        server update's norm, and their (clipped) sensitivities by their trust, so D is FLTrust's
+        aggregate update and Omega the trust-weighted mean sensitivity, and zeta comes from it.
         """
+        replies = self.defended_replies(server_round, global_arrays, replies)
+        if not replies:  # fltrust trusted no reply
+            return {key: np.array(value) for key, value in global_arrays.items()}
         carried = Counter(key for reply in replies for key in reply.records[SENSITIVITY_RECORD])
         keys = sorted(key for key, count in carried.items() if count == len(replies))
         partial = sorted(key for key, count in carried.items() if count < len(replies))
@@ -405,16 +414,19 @@ class ElasticAggregation(ContractStrategy):
             sensitivity_scales=[
                 reply.record_scales.get(SENSITIVITY_RECORD, 1.0) for reply in replies
             ],
-            robust="none" if self.robust_aggregation in SELECTIONS else self.robust_aggregation,
+            robust=self.robust_aggregation
+            if self.robust_aggregation in COORDINATE_WISE
+            else "none",
             trim_fraction=self.trim_fraction,
         )
         self._zeta_metrics = _zeta_summary(zeta)
         stepped = {**average, **self.optimizer.step(global_arrays, scaled_update)}
-        return {key: stepped[key] for key in global_arrays}  # the model's tensor order
+        # the model's tensor order
+        return self.defended_model(server_round, {key: stepped[key] for key in global_arrays})
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
-        """Mean and minimum zeta over all scaled elements of the last round."""
-        return dict(self._zeta_metrics)
+        """Mean and minimum zeta over all scaled elements of the last round (and the defences')."""
+        return {**super().round_metrics(), **self._zeta_metrics}
 
 
 def _zeta_summary(

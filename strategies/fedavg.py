@@ -30,7 +30,8 @@ from .aggregate import (
     scaled_weights,
     weighted_mean,
 )
-from .base import ClientReply, ContractStrategy, ProjectOptions
+from .base import ClientReply
+from .defended import DefendedStrategy, RootSetOptions
 from .metrics import MetricsAggregationFn
 from .robust import COORDINATE_WISE, aggregate_robust
 from .server_optimizer import ServerOptimizer, ServerOptimizerName
@@ -74,7 +75,7 @@ def aggregate_fedavg(
     return {key: stepped[key] for key in global_np}  # the model's tensor order
 
 
-class FedAvg(ContractStrategy):
+class FedAvg(DefendedStrategy):
     """Federated Averaging with data-size weights and an optional server learning rate/optimizer.
 
     Parameters
@@ -85,6 +86,9 @@ class FedAvg(ContractStrategy):
         How the mean update is applied (FedAvg / FedAvgM / FedAdam).
     server_momentum, server_beta1, server_beta2, server_eps : float
         The server optimizer's hyper-parameters.
+    model, proxy_set, device
+        The root set of ``robust_aggregation = "fltrust"``
+        (:class:`~strategies.defended.DefendedStrategy`).
 
     Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
     (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
@@ -110,7 +114,7 @@ class FedAvg(ContractStrategy):
         server_beta1: float = 0.9,
         server_beta2: float = 0.99,
         server_eps: float = 1e-3,
-        **options: Unpack[ProjectOptions],
+        **options: Unpack[RootSetOptions],
     ) -> None:
         super().__init__(
             fraction_train,
@@ -134,8 +138,9 @@ class FedAvg(ContractStrategy):
         if self.robust_aggregation != "none":
             return (
                 f"robust_aggregation = {self.robust_aggregation!r} replaces the mean with a "
-                "coordinate-wise order statistic, which one client's clipped update can move by "
-                "more than clipping_norm / num_sampled_clients"
+                "coordinate-wise order statistic, a selection of the replies made from all of "
+                "them, or trust weights, which one client's clipped update can move by more "
+                "than clipping_norm / num_sampled_clients"
             )
         if self.optimizer.name == "adam":
             return (
@@ -172,9 +177,15 @@ class FedAvg(ContractStrategy):
 
         Robust form: with ``robust_aggregation`` "trimmed-mean" or "median" the coordinate-wise
         robust mean of the (clipped) updates replaces their weighted mean, and the server
-        optimizer steps along it; "krum" / "multi-krum" left only their selection in
-        ``replies`` (:class:`~strategies.base.ContractStrategy`), averaged as usual.
+        optimizer steps along it; "krum" / "multi-krum" / "flame" left only their selection in
+        ``replies`` (:class:`~strategies.base.ContractStrategy`), averaged as usual (FLAME's
+        noise added); "fltrust" averages the trusted replies with their trust as weights, each
+        update rescaled to the server update's norm (FLTrust's aggregate), and the server
+        optimizer steps along that (:class:`~strategies.defended.DefendedStrategy`).
         """
+        replies = self.defended_replies(server_round, global_arrays, replies)
+        if not replies:  # fltrust trusted no reply
+            return {key: np.array(value) for key, value in global_arrays.items()}
         scales = [reply.update_scale for reply in replies]
         if self.robust_aggregation in COORDINATE_WISE:
             return aggregate_robust(
@@ -185,13 +196,14 @@ class FedAvg(ContractStrategy):
                 self.optimizer,
                 scales,
             )
-        return aggregate_fedavg(
+        result = aggregate_fedavg(
             global_arrays,
             [reply.arrays for reply in replies],
             np.array([reply.num_examples for reply in replies], dtype=np.float64),
             self.optimizer,
             scales,
         )
+        return self.defended_model(server_round, result)
 
 
 class FedAvgM(FedAvg):
@@ -230,7 +242,7 @@ class FedAvgM(FedAvg):
         evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         server_learning_rate: float = 1.0,
         server_momentum: float = 0.0,
-        **options: Unpack[ProjectOptions],
+        **options: Unpack[RootSetOptions],
     ) -> None:
         super().__init__(
             fraction_train,
@@ -347,7 +359,7 @@ class FedAdam(FedAvg):
         beta_1: float = 0.9,
         beta_2: float = 0.99,
         tau: float = 1e-3,
-        **options: Unpack[ProjectOptions],
+        **options: Unpack[RootSetOptions],
     ) -> None:
         super().__init__(
             fraction_train,

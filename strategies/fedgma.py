@@ -73,11 +73,11 @@ from .aggregate import (
     scaled_weights,
     weighted_mean,
 )
-from .base import ClientReply, ContractStrategy, ProjectOptions
+from .base import ClientReply
+from .defended import DefendedStrategy, RootSetOptions
 from .metrics import MetricsAggregationFn
 from .robust import (
     COORDINATE_WISE,
-    SELECTIONS,
     RobustAggregation,
     aggregate_robust,
     robust_mean,
@@ -457,7 +457,7 @@ def aggregate_fedgma(
     ).arrays
 
 
-class FedGMA(ContractStrategy):
+class FedGMA(DefendedStrategy):
     """FedGMA with the seed paper's hard AND-mask on the clients' last-step gradients.
 
     Every train reply must carry the ArrayRecord ``gradient`` (requested through the train
@@ -469,6 +469,9 @@ class FedGMA(ContractStrategy):
         AND-mask threshold p in [0, 1] (paper: 0.8).
     server_lr : float
         Server step along the masked mean gradient (paper tried 0.01, 0.1 and 1).
+    model, proxy_set, device
+        The root set of ``robust_aggregation = "fltrust"``
+        (:class:`~strategies.defended.DefendedStrategy`).
 
     Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
     (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
@@ -493,7 +496,7 @@ class FedGMA(ContractStrategy):
         *,
         threshold: float = 0.8,
         server_lr: float = 1.0,
-        **options: Unpack[ProjectOptions],
+        **options: Unpack[RootSetOptions],
     ) -> None:
         super().__init__(
             fraction_train,
@@ -551,9 +554,16 @@ class FedGMA(ContractStrategy):
     ) -> NDArrayDict:
         """Weighted model average plus the masked server step, over the valid replies.
 
-        Robust form (``robust_aggregation``): see :func:`fedgma_step`; Krum / Multi-Krum left
-        only their selection in ``replies``.
+        Robust form (``robust_aggregation``): see :func:`fedgma_step`; Krum / Multi-Krum /
+        FLAME left only their selection in ``replies`` (FLAME's noise is added to the new
+        model). FLTrust: the trusted replies only, weighted by their trust in place of p_k,
+        each update rescaled to the server update's norm; the hard mask counts the trusted
+        replies' gradient signs, one vote each, and the masked gradient mean is their
+        trust-weighted mean; the soft mask's agreement is weighted by trust.
         """
+        replies = self.defended_replies(server_round, global_arrays, replies)
+        if not replies:  # fltrust trusted no reply
+            return {key: np.array(value) for key, value in global_arrays.items()}
         result = fedgma_step(
             global_arrays,
             [reply.arrays for reply in replies],
@@ -564,16 +574,18 @@ class FedGMA(ContractStrategy):
             mask=self.mask_variant,
             scales=[reply.update_scale for reply in replies],
             gradient_scales=[reply.record_scales.get(GRADIENT_RECORD, 1.0) for reply in replies],
-            robust="none" if self.robust_aggregation in SELECTIONS else self.robust_aggregation,
+            robust=self.robust_aggregation
+            if self.robust_aggregation in COORDINATE_WISE
+            else "none",
             trim_fraction=self.trim_fraction,
             abstentions=self.last_suspects,
         )
         self.last_mask_mean = result.mask_mean
-        return result.arrays
+        return self.defended_model(server_round, result.arrays)
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
         """``gma-mask-mean``: share of coordinates kept (hard) or mean soft-mask value (soft)."""
-        return {"gma-mask-mean": self.last_mask_mean}
+        return {**super().round_metrics(), "gma-mask-mean": self.last_mask_mean}
 
     def summary(self) -> None:
         """Log the configuration, mask variant included."""

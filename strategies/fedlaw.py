@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from logging import INFO, WARNING
 from typing import Any, ClassVar, Literal, Unpack, get_args
@@ -74,9 +74,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as functional
-from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common import log
-from flwr.serverapp import Grid
 from torch import nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _NormBase
@@ -86,22 +84,21 @@ from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
     NUM_EXAMPLES_KEY,
-    ClientTask,
 )
 
 from .aggregate import (
     NDArrayDict,
     as_numpy,
-    is_floating,
     normalise_weights,
     scaled_mean,
     weighted_mean,
 )
-from .base import ClientReply, ContractStrategy, ProjectOptions
+from .base import ClientReply, ProjectOptions
+from .defended import DefendedStrategy, RootSet
 from .influence import read_only_tensor
 from .metrics import MetricsAggregationFn
 from .proxy_data import ProxySetError, count_shared_samples, proxy_arrays, to_labeled_data
-from .robust import COORDINATE_WISE, GENERIC_METHODS, aggregate_robust, fltrust_scores
+from .robust import COORDINATE_WISE, aggregate_robust
 
 LearnWhat = Literal["both", "shrink", "clients"]
 LEARN_CHOICES: tuple[str, ...] = get_args(LearnWhat)
@@ -679,55 +676,6 @@ def weights_are_usable(gamma: float, lambdas: Sequence[float]) -> bool:
     )
 
 
-# ----------------------------------------------------------------------------- FLTrust
-def proxy_update(
-    model: nn.Module,
-    global_arrays: Mapping[str, Any],
-    proxy_batches: Sequence[ProxyBatch],
-    task: ClientTask,
-    server_round: int,
-    *,
-    device: torch.device | None = None,
-) -> NDArrayDict:
-    """g_0 = theta_0 - w: the server's own update on the proxy set, FLTrust's root-set update.
-
-    The global model trained by SGD from w on the proxy samples with the clients' local-training
-    settings of the round (``task``: epochs, batch size, learning rate with its decay, momentum,
-    weight decay), as FLTrust's server trains on its root data set as the clients train on
-    theirs. A plain SGD loop here, not the ClientApp's training loop: strategies do not import
-    the client package. Floating tensors only, in float64; ``model`` is not modified.
-    """
-    target = device if device is not None else next(model.parameters()).device
-    scratch = copy.deepcopy(model).to(target)
-    scratch.load_state_dict(
-        {key: torch.from_numpy(np.array(as_numpy(value))) for key, value in global_arrays.items()}
-    )
-    scratch.train()
-    features = torch.cat([batch[0] for batch in proxy_batches]).to(target)
-    labels = torch.cat([batch[1] for batch in proxy_batches]).to(target)
-    optimizer = torch.optim.SGD(
-        scratch.parameters(),
-        lr=task.round_learning_rate(server_round),
-        momentum=task.momentum,
-        weight_decay=task.weight_decay,
-    )
-    generator = torch.Generator().manual_seed(task.seed * 100_003 + server_round)
-    for _ in range(task.local_epochs):
-        order = torch.randperm(len(labels), generator=generator).to(target)
-        for start in range(0, len(labels), task.batch_size):
-            rows = order[start : start + task.batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss: Any = functional.cross_entropy(scratch(features[rows]), labels[rows])
-            loss.backward()
-            optimizer.step()
-    trained = scratch.state_dict()
-    return {
-        key: trained[key].detach().cpu().numpy().astype(np.float64) - as_numpy(value)
-        for key, value in global_arrays.items()
-        if is_floating(as_numpy(value))
-    }
-
-
 # ----------------------------------------------------------------------------- Flower strategy
 def _output_classes(model: nn.Module, sample: npt.NDArray[Any], device: torch.device) -> int:
     """Classes of the model's output, from one forward pass of one proxy sample in eval mode."""
@@ -771,7 +719,7 @@ def _warn_if_shared(
         )
 
 
-class FedLAW(ContractStrategy):
+class FedLAW(DefendedStrategy):
     """FedLAW on the project's strategy base: learns gamma and lambda on a server proxy set.
 
     Robust forms: see :meth:`aggregate`; ``robust_aggregation = "fltrust"`` is FedLAW's alone
@@ -833,7 +781,10 @@ class FedLAW(ContractStrategy):
         The proxy set is empty, lacks a class or is smaller than one batch.
     """
 
-    robust_methods: ClassVar[tuple[str, ...]] = (*GENERIC_METHODS, "fltrust")
+    #: ``fltrust``'s root set is FedLAW's proxy set, and its trusted updates keep FLTrust's own
+    #: length, the server update's (docs/reliability.md, "Adaptive attacks").
+    builds_root_set: ClassVar[bool] = True
+    trusted_length: ClassVar[Literal["median", "root"]] = "root"
 
     def __init__(
         self,
@@ -925,8 +876,12 @@ class FedLAW(ContractStrategy):
         # fedlaw-bn = "authors": the server model's own buffers, carried across rounds.
         self._server_buffers: dict[str, torch.Tensor] | None = None
         self._metrics: dict[str, float | int | list[float]] = {}
-        self._task: ClientTask | None = None  # fltrust: the clients' training of this round
-        self._fltrust_trust: list[float] = []
+        if self.robust_aggregation == "fltrust":  # the proxy set, in its batches' order
+            self.root_set = RootSet(
+                self.model,
+                torch.cat([features for features, _ in self.proxy_batches]),
+                torch.cat([labels for _, labels in self.proxy_batches]),
+            )
 
     def privacy_noise_gap(self) -> str | None:
         """The weights and gamma are learned from the replies (see :mod:`strategies.privacy`)."""
@@ -979,10 +934,15 @@ class FedLAW(ContractStrategy):
           weight shrinking): a lambda over the clients would hand back the say the robust mean
           took from each of them;
         - "fltrust": FLTrust's trust scores against the server's own update on the proxy set
-          (:func:`proxy_update`, :func:`strategies.robust.fltrust_scores`): replies of trust 0
-          are left out, the others rescaled to the server update's length and weighted by their
-          trust, FLTrust's aggregate, from which FedLAW learns gamma and lambda.
+          (:class:`~strategies.defended.DefendedStrategy`): replies of trust 0 are left out, the
+          others rescaled to the server update's length and weighted by their trust, FLTrust's
+          aggregate, from which FedLAW learns gamma and lambda;
+        - "flame": the replies FLAME's clustering kept, clipped at the median norm; noise is
+          added to the model FedLAW builds.
         """
+        replies = self.defended_replies(server_round, global_arrays, replies)
+        if not replies:  # fltrust trusted no reply
+            return {key: np.array(value) for key, value in global_arrays.items()}
         client_params = [reply.arrays for reply in replies]
         counts = [reply.num_examples for reply in replies]
         scales = [reply.update_scale for reply in replies]
@@ -993,36 +953,6 @@ class FedLAW(ContractStrategy):
                 global_arrays, client_params, robust, self.trim_fraction, None, scales
             )
             client_params, counts, scales, node_ids = [robust_model], [1.0], [1.0], [-1]
-        elif robust == "fltrust":
-            if self._task is None:
-                raise ValueError(
-                    "robust_aggregation = 'fltrust' trains the global model on the proxy set "
-                    "with the clients' local-training settings, read from the train config; "
-                    "this round's config had none (this project's ClientTask keys)"
-                )
-            g0 = proxy_update(
-                self.model,
-                global_arrays,
-                self.proxy_batches,
-                self._task,
-                server_round,
-                device=self.device,
-            )
-            trust, fl_scales = fltrust_scores(global_arrays, client_params, g0)
-            self._fltrust_trust = [float(value) for value in trust]
-            trusted = [index for index in range(len(replies)) if trust[index] > 0.0]
-            if not trusted:
-                log(
-                    WARNING,
-                    "round %d: FLTrust trusts no reply (every update points away from the "
-                    "server's proxy-set update): the global model stays as it is",
-                    server_round,
-                )
-                return {key: np.array(value) for key, value in global_arrays.items()}
-            client_params = [client_params[i] for i in trusted]
-            counts = [float(trust[i]) for i in trusted]
-            scales = [float(fl_scales[i]) for i in trusted]
-            node_ids = [node_ids[i] for i in trusted]
         data_weights = normalise_weights(counts).tolist()
         running = self._running_buffers(global_arrays)
         gamma, lambdas = learn_aggregation_weights(
@@ -1075,8 +1005,6 @@ class FedLAW(ContractStrategy):
             # (-1: the robust mean of the replies).
             "fedlaw-node-ids": node_ids,
         }
-        if robust == "fltrust":
-            self._metrics["fltrust-trust"] = self._fltrust_trust
         server_buffers = None
         if running is not None:
             # A fallback round keeps the statistics from before its (non-finite) forward passes.
@@ -1086,7 +1014,7 @@ class FedLAW(ContractStrategy):
             server_buffers = {
                 name: value.detach().cpu().numpy() for name, value in self._server_buffers.items()
             }
-        return aggregate_fedlaw(
+        result = aggregate_fedlaw(
             self.model,
             client_params,
             gamma,
@@ -1097,20 +1025,7 @@ class FedLAW(ContractStrategy):
             scales=scales,
             global_params=global_arrays,
         )
-
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """As the base; with ``fltrust``, the round's client task is kept for the server update."""
-        if self.robust_aggregation == "fltrust":
-            try:
-                self._task = ClientTask.from_config(config)
-            except (KeyError, ValueError, TypeError) as error:
-                raise ValueError(
-                    f"robust_aggregation = 'fltrust' needs the clients' local-training settings "
-                    f"in the train config (this project's ClientTask keys): {error}"
-                ) from None
-        return super().configure_train(server_round, arrays, config, grid)
+        return self.defended_model(server_round, result)
 
     def _running_buffers(self, global_arrays: NDArrayDict) -> dict[str, torch.Tensor] | None:
         """fedlaw-bn = "authors": a working copy of the server's buffers (first round: the
@@ -1152,5 +1067,6 @@ class FedLAW(ContractStrategy):
         )
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
-        """gamma, the lambdas with their node ids, FedAvg's weights and the fallback flag."""
-        return dict(self._metrics)
+        """gamma, the lambdas with their node ids, FedAvg's weights and the fallback flag (and
+        the defences' figures)."""
+        return {**super().round_metrics(), **self._metrics}

@@ -1,4 +1,4 @@
-"""Byzantine-robust aggregation: coordinate-wise trimmed mean and median, Krum and Multi-Krum.
+"""Byzantine-robust aggregation: coordinate-wise trimmed mean and median, Krum, Multi-Krum, FLAME.
 
 With K client values x_1..x_K of one coordinate, sorted, and t = floor(trim_fraction * K):
 
@@ -8,7 +8,14 @@ With K client values x_1..x_K of one coordinate, sorted, and t = floor(trim_frac
   f = floor(trim_fraction * K) assumed Byzantine, each client's score is the sum of its squared
   distances to its max(1, K - f - 2) nearest other clients (as Flower's ``Krum``); ``krum`` keeps
   the client of lowest score, ``multi-krum`` the K - f of lowest scores. The rule then aggregates
-  the kept replies as usual (their data-size weights included, as Flower's ``MultiKrum``).
+  the kept replies as usual (their data-size weights included, as Flower's ``MultiKrum``);
+- ``flame`` (Nguyen et al., USENIX Security 2022), a backdoor defence without server data: the
+  replies whose updates form the majority cluster by cosine distance (:func:`flame_selection`,
+  the clustering HDBSCAN gives with FLAME's settings, written out in NumPy) are kept, clipped at
+  the median norm and aggregated by the rule, and Gaussian noise of standard deviation
+  ``FLAME_NOISE_LAMBDA`` x that median is added to the new model (:func:`flame_noise`);
+- ``fltrust`` (Cao et al., NDSS 2021): trust scores against the server's own update on a root
+  data set (:func:`fltrust_scores`; the rules' side is :mod:`strategies.root_trust`).
 
 The coordinate-wise rules ignore the data-size weights: a client that claims many examples gets no
 more say than one that claims few, and up to t (trimmed mean) or fewer than half (median)
@@ -36,15 +43,29 @@ import numpy.typing as npt
 from .aggregate import NDArrayDict, as_numpy, as_numpy_dict, is_floating
 from .server_optimizer import ServerOptimizer
 
-RobustAggregation = Literal["none", "trimmed-mean", "median", "krum", "multi-krum", "fltrust"]
+RobustAggregation = Literal[
+    "none", "trimmed-mean", "median", "krum", "multi-krum", "flame", "fltrust"
+]
 ROBUST_CHOICES: tuple[str, ...] = get_args(RobustAggregation)
-#: The methods every rule has a robust form for; ``fltrust`` needs a server data set (FedLAW's
-#: proxy set, :mod:`strategies.fedlaw`).
-GENERIC_METHODS: tuple[str, ...] = ("none", "trimmed-mean", "median", "krum", "multi-krum")
+#: The methods every rule has a robust form for from the replies alone; ``fltrust`` needs a
+#: server data set and a model to train on it (:mod:`strategies.root_trust`).
+GENERIC_METHODS: tuple[str, ...] = ("none", "trimmed-mean", "median", "krum", "multi-krum", "flame")
 #: Rules that replace the mean coordinate by coordinate.
 COORDINATE_WISE: tuple[str, ...] = ("trimmed-mean", "median")
 #: Rules that keep a subset of the replies, which the rule then aggregates as usual.
-SELECTIONS: tuple[str, ...] = ("krum", "multi-krum")
+SELECTIONS: tuple[str, ...] = ("krum", "multi-krum", "flame")
+#: The reason a reply left out by a selection is counted under (``dropped-<reason>``).
+SELECTION_REASONS: dict[str, str] = {
+    "krum": "krum-rejected",
+    "multi-krum": "krum-rejected",
+    "flame": "flame-rejected",
+}
+SELECTION_DROPS: tuple[str, ...] = ("krum-rejected", "flame-rejected")
+#: FLAME clips every kept update at the median norm of the round: this clip factor.
+FLAME_CLIP_FACTOR = 1.0
+#: FLAME's noise level for image classification (Nguyen et al. 2022, section 6): the noise added
+#: to the new model has standard deviation lambda x the median update norm.
+FLAME_NOISE_LAMBDA = 0.001
 
 #: Elements of the (K, block) float64 stack one robust step holds at a time (32 MiB): K slices of
 #: one tensor, whatever the model's size.
@@ -236,6 +257,86 @@ def krum_selection(
     return sorted(int(i) for i in np.argsort(scores, kind="stable")[:keep])
 
 
+def select_replies(
+    global_arrays: Mapping[str, Any],
+    client_arrays: Sequence[Mapping[str, Any]],
+    method: RobustAggregation,
+    trim_fraction: float = 0.1,
+) -> list[int]:
+    """Indices of the replies a selection (:data:`SELECTIONS`) keeps, in reply order."""
+    if method == "flame":
+        return flame_selection(global_arrays, client_arrays)
+    return krum_selection(global_arrays, client_arrays, method, trim_fraction)
+
+
+def majority_cluster(distances: npt.NDArray[np.float64]) -> list[int]:
+    """The points HDBSCAN(min_cluster_size = floor(K / 2) + 1, min_samples = 1,
+    allow_single_cluster = True) labels as its one cluster, from a (K, K) distance matrix.
+
+    With min_samples 1 the mutual reachability distance is the distance itself, so HDBSCAN's
+    hierarchy is single linkage. No two disjoint groups can both hold a majority, so the
+    condensed tree has one cluster, the root, from which points fall out as the distance
+    threshold shrinks; a point is labelled part of it when it stays in until the densest
+    level, which is the first component to reach min_cluster_size when the points are merged
+    in order of increasing distance (Kruskal's order on the minimum spanning tree). That
+    component is returned, sorted. Fewer than 3 points: all of them (no majority to find).
+    """
+    count = distances.shape[0]
+    if count < 3:
+        return list(range(count))
+    wanted = count // 2 + 1
+    parent = list(range(count))
+    members: dict[int, list[int]] = {index: [index] for index in range(count)}
+
+    def root(index: int) -> int:
+        while parent[index] != index:
+            parent[index] = parent[parent[index]]
+            index = parent[index]
+        return index
+
+    rows, columns = np.triu_indices(count, k=1)
+    for edge in np.argsort(distances[rows, columns], kind="stable"):
+        first, second = root(int(rows[edge])), root(int(columns[edge]))
+        if first == second:
+            continue
+        parent[second] = first
+        members[first].extend(members.pop(second))
+        if len(members[first]) >= wanted:
+            return sorted(members[first])
+    return list(range(count))  # pragma: no cover - K points always merge into one
+
+
+def flame_selection(
+    global_arrays: Mapping[str, Any], client_arrays: Sequence[Mapping[str, Any]]
+) -> list[int]:
+    """FLAME's filtering: the replies whose updates form the majority cluster by cosine distance.
+
+    Distances 1 - cos(u_i, u_j) between the updates u_k = theta_k - w (floating tensors, from
+    one Gram matrix, :func:`update_gram`); a zero update is at distance 1 from every other.
+    Clustered by :func:`majority_cluster`, FLAME's HDBSCAN with min_cluster_size K / 2 + 1.
+    """
+    gram = update_gram(global_arrays, client_arrays)
+    norms = np.sqrt(np.maximum(np.diag(gram), 0.0))
+    outer = np.outer(norms, norms)
+    cosines = np.divide(gram, outer, out=np.zeros_like(gram), where=outer > 0.0)
+    return majority_cluster(1.0 - np.clip(cosines, -1.0, 1.0))
+
+
+def flame_noise(arrays: Mapping[str, Any], std: float, seed: Sequence[int]) -> NDArrayDict:
+    """FLAME's last step: the new model plus Gaussian noise of standard deviation ``std`` on
+    every floating tensor, drawn from ``seed`` (the run's seed and the round: a resumed round
+    draws the same noise). Integer tensors are left as they are; dtypes are kept."""
+    rng = np.random.default_rng(list(seed))
+    noisy: NDArrayDict = {}
+    for key, value in arrays.items():
+        array = as_numpy(value)
+        if is_floating(array) and std > 0.0:
+            noisy[key] = (array + rng.normal(0.0, std, array.shape)).astype(array.dtype)
+        else:
+            noisy[key] = np.array(array)
+    return noisy
+
+
 def aggregate_robust(
     global_arrays: Mapping[str, Any],
     client_arrays: Sequence[Mapping[str, Any]],
@@ -301,3 +402,21 @@ def fltrust_scores(
         reference, norms, out=np.ones(count), where=norms > 0.0
     )
     return trust, scales
+
+
+def median_length_scales(
+    norms: npt.NDArray[np.float64], trusted: npt.NDArray[np.bool_]
+) -> npt.NDArray[np.float64]:
+    """s_k = median_{j trusted} ||v_j|| / ||v_k||: each vector rescaled to the median length of
+    the ``trusted`` ones (a zero vector, or no trusted vector: 1).
+
+    FLTrust rescales every update to the server update's length; here the trusted updates are
+    rescaled to their own median length instead (docs/reliability.md says why), and a rule's
+    records (sensitivities, gradients) the same way.
+    """
+    scales = np.ones(norms.shape)
+    if not np.any(trusted):
+        return scales
+    target = float(np.median(norms[trusted]))
+    np.divide(target, norms, out=scales, where=norms > 0.0)
+    return scales

@@ -12,7 +12,7 @@ them:
 - **influence**: :mod:`strategies.influence` (norms, outliers, clipping, claim and weight
   bounds);
 - **after aggregation**: :func:`model_rejection` (a non-finite, out-of-range or exploding global
-  model is never committed).
+  model is never committed) and :class:`ModelGuard` (nor one that outgrew the run's honest scale).
 
 Every check raises :class:`~strategies.wire.ReplyRejected`, whose ``reason`` becomes the round's
 ``dropped-<reason>`` count; nothing else may escape a reply's validation.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -170,3 +171,71 @@ def model_rejection(
             f"{MODEL_GROWTH_MARGIN:g} x sqrt({elements} elements)"
         )
     return None
+
+
+def floating_norm(arrays: Mapping[str, Any]) -> tuple[float, int]:
+    """The L2 norm of the floating tensors of ``arrays`` and their number of elements."""
+    values = [np.asarray(value) for value in arrays.values()]
+    floating = [value for value in values if is_floating(value) and value.size]
+    return math.sqrt(sum(squared_norm(value) for value in floating)), sum(v.size for v in floating)
+
+
+@dataclass
+class ModelGuard:
+    """The model guard of a run: :func:`model_rejection` against the previous model, and a bound
+    against the run's honest scale, which a model growing round after round cannot follow.
+
+    :func:`model_rejection` compares a model with the previous one, so a model that grows by a
+    factor below ``MODEL_GROWTH_FACTOR`` every round passes every round (three of four clients
+    sending -3 x the honest mean update, IPM, took the weights from 0.3 to 1e13 in six rounds).
+    So the guard also keeps the run's initial norm ||w_0|| and the median update norm of every
+    committed round, and rejects a model whose norm exceeds ``MODEL_GROWTH_FACTOR`` x (||w_0|| +
+    t x m_t) + ``MODEL_GROWTH_MARGIN`` x t x sqrt(elements) after t committed rounds (this one
+    included), m_t the median of those rounds' median update norms: an honest model is at most
+    ||w_0|| plus t steps of about the median update (x the rules' own factors, which
+    ``MODEL_GROWTH_FACTOR`` covers), and a server optimizer's per-element steps are covered by
+    the margin. A run whose median update grows geometrically has its median over rounds lag
+    behind it, so its model is refused within a few rounds. The state is part of the strategy's
+    checkpoint (:meth:`state_dict`).
+    """
+
+    initial_norm: float | None = None
+    medians: list[float] = field(default_factory=list)
+
+    def rejection(
+        self, new_arrays: Mapping[str, Any], previous: NDArrayDict, median_update: float
+    ) -> str | None:
+        """Why ``new_arrays`` must not be committed, or None (then the round counts as one)."""
+        if self.initial_norm is None:
+            self.initial_norm = floating_norm(previous)[0]
+        refusal = model_rejection(new_arrays, previous, median_update)
+        if refusal is not None:
+            return refusal
+        norm, elements = floating_norm(new_arrays)
+        rounds = len(self.medians) + 1
+        scale = float(np.median([*self.medians, median_update]))
+        limit = MODEL_GROWTH_FACTOR * (
+            self.initial_norm + rounds * scale
+        ) + MODEL_GROWTH_MARGIN * rounds * math.sqrt(elements)
+        if norm > limit:
+            return (
+                f"its norm {norm:.4g} exceeds the run's honest scale, {MODEL_GROWTH_FACTOR:g} x "
+                f"(initial model's norm {self.initial_norm:.4g} + {rounds} rounds x the median "
+                f"over rounds of the median client update, {scale:.4g}) + "
+                f"{MODEL_GROWTH_MARGIN:g} x {rounds} x sqrt({elements} elements): the model "
+                "grows round after round (a diverging run, or a Byzantine majority)"
+            )
+        self.medians.append(float(median_update))
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's state for a checkpoint (empty before its first round)."""
+        if self.initial_norm is None:
+            return {}
+        return {"guard-initial-norm": self.initial_norm, "guard-medians": list(self.medians)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (an older checkpoint without it starts afresh)."""
+        initial = state.get("guard-initial-norm")
+        self.initial_norm = None if initial is None else float(initial)
+        self.medians = [float(value) for value in state.get("guard-medians", [])]

@@ -5,6 +5,15 @@ as long, with its true number of examples: under the default run options every r
 0.05 of its honest run, and with the bounds off the same attacker drives every rule to about
 chance (so the test fails when the defaults stop holding). Claiming 1e12 examples as well,
 ``robust-aggregation = "median"`` holds it for every rule.
+
+The attackers' best responses to the defaults (docs/reliability.md, "Adaptive attacks"): the
+norm-aware update (just inside every bound) and the boosted backdoor beat the defaults (FedAvg:
+to chance, and a backdoor that succeeds on most triggered images), and ``robust-aggregation =
+"fltrust"`` holds both for every rule: the norm-aware attacker costs at most 5 points of the
+rule's honest run under the defaults, the backdoor at most 2 points of clean accuracy, and it
+succeeds on at most 10 % of the triggered images (mean of seeds 0-2: single runs of this
+setting move by several points). Three of four clients sign-flipping (a Sybil majority) take the
+defaults to chance; root-set trust holds them.
 """
 
 from __future__ import annotations
@@ -45,10 +54,14 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def final_accuracy(folder: Path, name: str, **settings: Any) -> float:
+def final_round(folder: Path, name: str, **settings: Any) -> dict[str, Any]:
     run_attacked({**FEDERATION, **settings, "output-dir": str(folder), "run-name": name})
     rounds = (folder / name / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    return float(json.loads(rounds[-1])["test-accuracy"])
+    return dict(json.loads(rounds[-1]))
+
+
+def final_accuracy(folder: Path, name: str, **settings: Any) -> float:
+    return float(final_round(folder, name, **settings)["test-accuracy"])
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +99,49 @@ def test_the_median_form_of_every_rule_holds_a_sign_flipping_client_claiming_1e1
         **{"robust-aggregation": "median"},
     )
     assert attacked >= honest_accuracy[rule] - 0.05, (rule, honest_accuracy[rule], attacked)
+
+
+FLTRUST = {"robust-aggregation": "fltrust"}
+
+
+def test_the_norm_aware_attacker_and_the_boosted_backdoor_beat_the_defaults(
+    tmp_path: Path, honest_accuracy: dict[str, float]
+) -> None:
+    norm_aware = final_accuracy(tmp_path, "norm-aware", strategy="fedavg", attack="norm-aware")
+    backdoor = final_round(tmp_path, "backdoor", strategy="fedavg", attack="backdoor")
+    assert norm_aware < 0.3, norm_aware
+    assert backdoor["backdoor-success"] > 0.5, backdoor
+    assert backdoor["test-accuracy"] >= honest_accuracy["fedavg"] - 0.02  # it hides: no cost
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_root_set_trust_holds_the_norm_aware_attacker_and_the_backdoor_for_every_rule(
+    rule: str, tmp_path: Path, honest_accuracy: dict[str, float]
+) -> None:
+    honest = honest_accuracy[rule]  # the rule's honest run under the defaults
+    norm_aware = final_accuracy(
+        tmp_path, "norm-aware", strategy=rule, attack="norm-aware", **FLTRUST
+    )
+    assert norm_aware >= honest - 0.05, (rule, honest, norm_aware)
+    backdoors = [
+        final_round(
+            tmp_path, f"backdoor{seed}", strategy=rule, attack="backdoor", seed=seed, **FLTRUST
+        )
+        for seed in (0, 1, 2)
+    ]
+    assert backdoors[0]["test-accuracy"] >= honest - 0.02, (rule, honest, backdoors[0])
+    success = float(np.mean([run["backdoor-success"] for run in backdoors]))
+    assert success <= 0.10, (rule, [run["backdoor-success"] for run in backdoors])
+
+
+def test_root_set_trust_holds_a_sybil_majority_that_takes_the_defaults_to_chance(
+    tmp_path: Path,
+) -> None:
+    # Three of four clients sign-flipping: the direction check sides with them and drops the
+    # honest reply, so the defaults end at chance; the root set trusts the honest one alone.
+    sybils = {"attackers": 3, "attack": "sign-flip", "strategy": "fedavg"}
+    assert final_accuracy(tmp_path, "defaults", **sybils) < 0.2
+    assert final_accuracy(tmp_path, "fltrust", **sybils, **FLTRUST) > 0.85
 
 
 class Replies:

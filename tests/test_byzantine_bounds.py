@@ -20,7 +20,6 @@ from beyond_averaging.strategies import (
     FedLAW,
 )
 from beyond_averaging.strategies.elastic import elastic_zeta
-from beyond_averaging.strategies.fedlaw import proxy_update
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD, ClientTask
 from tests.conftest import train_reply
@@ -202,6 +201,28 @@ def fedlaw_setup() -> tuple[torch.nn.Module, LabeledData, Model]:
     return model, LabeledData(features, labels.astype(np.int64), 3), state
 
 
+#: The clients' local training of the small proxy-set tests (what configure_train reads).
+TASK = ClientTask(
+    dataset="digits",
+    data_dir="",
+    partition="iid",
+    dirichlet_alpha=0.5,
+    classes_per_client=2,
+    seed=0,
+    synthetic_alpha=1.0,
+    synthetic_beta=1.0,
+    model="mlp",
+    device="cpu",
+    local_epochs=1,
+    batch_size=10,
+    learning_rate=0.1,
+    lr_decay=1.0,
+    momentum=0.0,
+    weight_decay=0.0,
+    proximal_mu=0.0,
+)
+
+
 def test_fedlaw_robust_form_learns_its_shrink_over_the_median_model() -> None:
     model, proxy, state = fedlaw_setup()
     models = [{k: v + 0.1 * (i + 1) for k, v in state.items()} for i in range(3)]
@@ -237,29 +258,11 @@ def test_fltrust_leaves_out_a_reply_pointing_against_the_servers_proxy_update() 
         robust_aggregation="fltrust",
         **BOUNDS_OFF,
     )
-    task = ClientTask(
-        dataset="digits",
-        data_dir="",
-        partition="iid",
-        dirichlet_alpha=0.5,
-        classes_per_client=2,
-        seed=0,
-        synthetic_alpha=1.0,
-        synthetic_beta=1.0,
-        model="mlp",
-        device="cpu",
-        local_epochs=1,
-        batch_size=10,
-        learning_rate=0.1,
-        lr_decay=1.0,
-        momentum=0.0,
-        weight_decay=0.0,
-        proximal_mu=0.0,
-    )
-    strategy._task = ClientTask.from_config(ConfigRecord(dict(task.to_config())))  # configure_train
+    strategy._task = ClientTask.from_config(ConfigRecord(dict(TASK.to_config())))  # configure_train
     strategy.global_arrays = dict(state)
     strategy.reply_byte_limit = 1 << 20
-    g0 = proxy_update(model, state, strategy.proxy_batches, strategy._task, 1)
+    assert strategy.root_set is not None
+    g0 = strategy.root_set.update(state, strategy._task, 1)
     along = {k: v + g0[k] for k, v in state.items()}
     against = {k: v - 3.0 * g0[k] for k, v in state.items()}
     replies = [train_reply(m, 10, node_id=i + 1) for i, m in enumerate([along, along, against])]

@@ -361,15 +361,18 @@ def test_a_non_finite_or_exploding_model_is_not_committed(
     assert "not committed" in caplog.text
 
 
-def test_fltrust_is_refused_by_rules_without_a_server_data_set() -> None:
-    with pytest.raises(ValueError, match="no robust form in ElasticAggregation"):
+def test_fltrust_is_refused_without_a_root_set_naming_what_to_pass() -> None:
+    with pytest.raises(ValueError, match=r"fltrust' in ElasticAggregation .* pass model= .*"):
         ElasticAggregation(robust_aggregation="fltrust")
-    with pytest.raises(ValueError, match="no robust form in FedGMA"):
+    with pytest.raises(ValueError, match=r"fltrust' in FedGMA .*proxy_set="):
         FedGMA(robust_aggregation="fltrust")
-    with pytest.raises(ConfigError, match="needs strategy = 'fedlaw'"):
-        parse_run_config({"strategy": "fedavg", "robust-aggregation": "fltrust"})
+    with pytest.raises(ConfigError, match="proxy-per-class = 0 with no proxy-dir"):
+        parse_run_config(
+            {"strategy": "fedavg", "robust-aggregation": "fltrust", "proxy-per-class": 0}
+        )
+    parse_run_config({"strategy": "fedavg", "robust-aggregation": "fltrust"})
     # every other robust form composes with every rule
-    for method in ("median", "trimmed-mean", "krum", "multi-krum"):
+    for method in ("median", "trimmed-mean", "krum", "multi-krum", "flame"):
         assert ElasticAggregation(robust_aggregation=method).robust_aggregation == method
         assert FedGMA(robust_aggregation=method).robust_aggregation == method
         parse_run_config({"strategy": "elastic", "robust-aggregation": method})

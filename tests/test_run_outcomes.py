@@ -21,15 +21,18 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 from flwr.app import Message
 
+from benchmarks.attacks import ATTACKS, AttackGrid
 from beyond_averaging.server.app import RunStalledError, chance_accuracy, round_alarms
 from beyond_averaging.server.inprocess import InProcessGrid, run_inprocess
-from beyond_averaging.server.launch import run_config_argument
+from beyond_averaging.server.launch import ALARMS_EXIT_CODE, run_config_argument
+from beyond_averaging.server.launch import main as ba_run
 from beyond_averaging.server.recorder import RunInUseError, RunRecorder, run_status
 from tests.deploy_helpers import REPO, read_metrics
 
@@ -197,12 +200,99 @@ def test_a_collapsing_run_logs_its_alarm_every_round_and_marks_the_summary(
     warned = [m for m in caplog.messages if "ALARM accuracy-at-chance" in m]
     assert len(warned) == 3  # one warning per alarmed round, not once
     summary = json.loads((tmp_path / "sick" / "summary.json").read_text(encoding="utf-8"))
-    assert summary["status"] == "completed"
+    assert summary["status"] == "completed-with-alarms"  # never plain "completed"
     assert summary["alarms"]["accuracy-at-chance"]["rounds"] == 3
     assert summary["alarms"]["accuracy-at-chance"]["first-round"] == 3
     assert summary["alarms"]["accuracy-at-chance"]["last-round-alarmed"] is True
     assert summary["alarms"]["loss-exploded"]["first-round"] == 4
     assert "after 0.8500 in round 2" in summary["alarms"]["accuracy-at-chance"]["message"]
+
+
+def ba_run_inprocess(settings: dict[str, Any]) -> int:
+    """``ba-run --runtime inprocess`` in this process, its exit code."""
+    return ba_run(
+        ["--app", str(REPO), "--runtime", "inprocess", "-c", run_config_argument(settings)]
+    )
+
+
+def test_a_sybil_majority_run_ends_with_the_alarm_status_and_exit_4(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Three of four clients send their honest update sign-flipped and five times as long (the
+    # attack table's attacker, benchmarks/attacks.py), from round 1.
+    honest_send = InProcessGrid.send_and_receive
+
+    def sybil_send(
+        grid: InProcessGrid, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        inner = SimpleNamespace(
+            send_and_receive=lambda m, timeout=None: honest_send(grid, m, timeout=timeout)
+        )
+        sybils = sorted(grid.get_node_ids())[:3]
+        attacked = AttackGrid(inner, sybils, ATTACKS["sign-flip"], seed=0)  # type: ignore[arg-type]
+        return attacked.send_and_receive(messages, timeout=timeout)
+
+    monkeypatch.setattr(InProcessGrid, "send_and_receive", sybil_send)
+    settings = {
+        **LEAN,
+        "num-clients": 4,
+        "partition": "iid",
+        "num-server-rounds": 3,
+        "run-name": "sybil",
+        "output-dir": str(tmp_path),
+    }
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        code = ba_run_inprocess(settings)
+    assert code == ALARMS_EXIT_CODE == 4
+    summary = json.loads((tmp_path / "sybil" / "summary.json").read_text(encoding="utf-8"))
+    assert summary["status"] == "completed-with-alarms"
+    assert summary["alarms"]  # e.g. never-above-chance, loss-exploded
+    assert "ran every round but raised alarms" in capsys.readouterr().err
+    # The honest client is the one pointing against the others: the drop's message does not
+    # blame it, it says that the majority may be the Byzantine side.
+    dropped = [m for m in caplog.messages if "direction" in m and "dropped reply" in m]
+    assert dropped, caplog.messages
+    assert all("if most replies are Byzantine" in m and "may be honest" in m for m in dropped)
+    assert ba_run(["--status", str(tmp_path / "sybil")]) == 4
+
+
+def test_a_run_at_chance_from_round_1_raises_never_above_chance_and_exits_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server's evaluation of rounds 0..3, scripted: never above chance (the digits test
+    # split's most frequent label is about 0.1), so the collapse alarm (which needs a model that
+    # had learned) never fires.
+    script = iter([(2.30, 0.08), (2.31, 0.10), (2.29, 0.11), (2.30, 0.09)])
+    monkeypatch.setattr(
+        "beyond_averaging.server.app.evaluate", lambda *args, **kwargs: next(script)
+    )
+    settings = {**LEAN, "num-server-rounds": 3, "run-name": "chance", "output-dir": str(tmp_path)}
+    assert ba_run_inprocess(settings) == 4
+    rounds = read_metrics(tmp_path / "chance")
+    assert [r["round"] for r in rounds if r.get("alarm-never-above-chance")] == [3]  # the last
+    summary = json.loads((tmp_path / "chance" / "summary.json").read_text(encoding="utf-8"))
+    assert summary["status"] == "completed-with-alarms"
+    assert "the best was 0.1100 in 3 rounds" in summary["alarms"]["never-above-chance"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("accuracies", "alarmed"),
+    [
+        ([0.10, 0.12, 0.14], True),  # within chance (0.1) + 0.05 throughout
+        ([0.10, 0.16, 0.12], False),  # rose above it once
+        ([0.50, 0.12, 0.12], True),  # round 0 (untrained) does not count as learning
+    ],
+)
+def test_never_above_chance_judges_the_trained_rounds_at_the_last_round(
+    accuracies: list[float], alarmed: bool
+) -> None:
+    history = [(accuracy, 2.3) for accuracy in accuracies[:-1]]
+    last = round_alarms(history, accuracies[-1], 2.3, CHANCE, last=True)
+    assert ("never-above-chance" in last) is alarmed
+    assert "never-above-chance" not in round_alarms(history, accuracies[-1], 2.3, CHANCE)
 
 
 # ------------------------------------------------------------------ a dead run is never running

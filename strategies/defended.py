@@ -1,0 +1,333 @@
+"""The defences that change what a rule aggregates: root-set trust (FLTrust) and FLAME's last steps.
+
+Both are forms of ``robust_aggregation`` for every rule (docs/reliability.md, "Byzantine
+clients"); their math is pure functions in :mod:`strategies.robust`, and this module only hands
+each rule the replies and the model they give:
+
+- ``"fltrust"`` (Cao et al., NDSS 2021): the server trains the global model on its own small
+  root data set (FedLAW's proxy set: ``proxy-per-class`` samples per class, 100 by default) with
+  the clients' local-training settings of the round, g_0 = theta_0 - w (:func:`root_update`).
+  Each reply gets trust TS_k = ReLU(cos(u_k, g_0)) (:func:`strategies.robust.fltrust_scores`).
+  Replies of trust 0 are left out (FedGMA's hard mask counts them as abstentions); the others
+  enter the rule with TS_k in place of their data-size weight (a claim buys nothing) and s_k u_k
+  in place of their clipped update (:func:`trusted_replies`), s_k bringing every trusted update
+  to the trusted updates' median norm (FedLAW: to ||g_0||, FLTrust's own length), and their
+  records to the trusted records' median norm; a weighted mean is then FLTrust's aggregate
+  w + sum_k TS_k s_k u_k / sum_k TS_k. The direction check, which sides with the round's
+  majority, is off: the root set judges direction. Each rule's page says what its own
+  quantities become.
+- ``"flame"`` (Nguyen et al., USENIX Security 2022): the majority cluster by cosine is kept by
+  the base's selection step (:func:`strategies.robust.flame_selection`), every kept update and
+  record is clipped at the round's median norm (``FLAME_CLIP_FACTOR`` in place of
+  ``update_clip_factor``), and Gaussian noise of standard deviation ``FLAME_NOISE_LAMBDA`` x the
+  median update norm is added to the rule's new model (:meth:`DefendedStrategy.defended_model`).
+
+:class:`DefendedStrategy` sits between :class:`~strategies.base.ContractStrategy` (the
+orchestrator) and the rules: it keeps the root set, reads the round's client task from the
+train config, and records ``fltrust-trust``, ``fltrust-seconds`` and ``flame-noise-std``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from collections.abc import Iterable, Sequence
+from logging import INFO, WARNING
+from typing import Any, ClassVar, Literal, Unpack, cast
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as functional
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.common import log
+from flwr.serverapp import Grid
+from torch import nn
+
+from beyond_averaging.tasks.protocol import ClientTask
+
+from .aggregate import NDArrayDict, as_numpy, is_floating
+from .base import ClientReply, ContractStrategy, ProjectOptions, received_norms
+from .proxy_data import ProxySetError, proxy_arrays
+from .robust import (
+    FLAME_CLIP_FACTOR,
+    FLAME_NOISE_LAMBDA,
+    GENERIC_METHODS,
+    flame_noise,
+    fltrust_scores,
+    median_length_scales,
+)
+
+
+def root_update(
+    model: nn.Module,
+    global_arrays: NDArrayDict,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    task: ClientTask,
+    server_round: int,
+) -> NDArrayDict:
+    """g_0 = theta_0 - w: the server's own update on its root set, FLTrust's reference.
+
+    The global model trained by SGD from w on ``features`` / ``labels`` (on the model's device)
+    with the clients' local-training settings of the round (``task``: epochs, batch size,
+    learning rate with its decay, momentum, weight decay), as FLTrust's server trains on its
+    root data as the clients train on theirs; the batches are drawn by a generator seeded with
+    the task's seed and the round. A plain SGD loop, not the ClientApp's: strategies do not
+    import the client package. Floating tensors only, in float64; ``model`` is not modified.
+    """
+    scratch = copy.deepcopy(model)
+    scratch.load_state_dict(
+        {key: torch.from_numpy(np.array(as_numpy(value))) for key, value in global_arrays.items()}
+    )
+    scratch.train()
+    optimizer = torch.optim.SGD(
+        scratch.parameters(),
+        lr=task.round_learning_rate(server_round),
+        momentum=task.momentum,
+        weight_decay=task.weight_decay,
+    )
+    generator = torch.Generator().manual_seed(task.seed * 100_003 + server_round)
+    for _ in range(task.local_epochs):
+        order = torch.randperm(len(labels), generator=generator).to(labels.device)
+        for start in range(0, len(labels), task.batch_size):
+            rows = order[start : start + task.batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss: Any = functional.cross_entropy(scratch(features[rows]), labels[rows])
+            loss.backward()
+            optimizer.step()
+    trained = scratch.state_dict()
+    return {
+        key: trained[key].detach().cpu().numpy().astype(np.float64) - as_numpy(value)
+        for key, value in global_arrays.items()
+        if is_floating(as_numpy(value))
+    }
+
+
+def trusted_replies(
+    replies: Sequence[ClientReply],
+    trust: npt.NDArray[np.float64],
+    update_norms: npt.NDArray[np.float64],
+    record_names: Sequence[str] = (),
+    length: float | None = None,
+) -> list[ClientReply]:
+    """The replies of trust > 0, each weighted by its trust TS_k in place of its data size, its
+    update rescaled to ``length`` (None: the trusted updates' median norm) as its
+    ``update_scale``, in place of its clip scale, and each record in ``record_names`` to the
+    trusted records' median norm (:func:`strategies.robust.median_length_scales`). Reply order
+    is kept."""
+    trusted = trust > 0.0
+    if length is None:
+        scales = {"": median_length_scales(update_norms, trusted)}
+    else:
+        scales = {"": np.divide(length, update_norms, out=np.ones(trust.shape), where=trusted)}
+    for name in record_names:
+        scales[name] = median_length_scales(received_norms(name, replies), trusted)
+    return [
+        dataclasses.replace(
+            reply,
+            num_examples=float(trust[k]),
+            update_scale=float(scales[""][k]),
+            record_scales={name: float(scales[name][k]) for name in record_names},
+        )
+        for k, reply in enumerate(replies)
+        if trusted[k]
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RootSet:
+    """The server's root data set on the device of the model that trains on it."""
+
+    model: nn.Module
+    features: torch.Tensor
+    labels: torch.Tensor
+
+    @classmethod
+    def from_data(
+        cls,
+        model: nn.Module,
+        data: Any,
+        *,
+        seed: int,
+        device: torch.device | None = None,
+        argument: str = "proxy_set",
+    ) -> RootSet:
+        """The root set from any form :mod:`strategies.proxy_data` reads, shuffled once by
+        ``seed`` (as FedLAW's proxy batches are), with a copy of ``model`` on ``device``.
+
+        Raises
+        ------
+        ProxySetError
+            An empty set, or one holding NaN or Inf inputs.
+        """
+        features, labels = proxy_arrays(data, argument=argument)
+        if len(labels) == 0:
+            raise ProxySetError(
+                f"{argument}= is empty: root-set trust (robust_aggregation = 'fltrust') trains "
+                "the global model on it; pass a few labelled samples (run options: "
+                "proxy-per-class >= 1, FLTrust's paper uses 100 samples in all)"
+            )
+        if not np.all(np.isfinite(features)):
+            raise ProxySetError(f"{argument}= holds NaN or Inf inputs")
+        target = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        order = np.random.default_rng(seed).permutation(len(labels))
+        return cls(
+            copy.deepcopy(model).to(target),
+            torch.from_numpy(np.ascontiguousarray(features[order])).to(target),
+            torch.from_numpy(np.ascontiguousarray(labels[order])).to(target),
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def update(
+        self, global_arrays: NDArrayDict, task: ClientTask, server_round: int
+    ) -> NDArrayDict:
+        """:func:`root_update` of this root set."""
+        return root_update(
+            self.model, global_arrays, self.features, self.labels, task, server_round
+        )
+
+
+class RootSetOptions(ProjectOptions, total=False):
+    """:class:`~strategies.base.ProjectOptions` and the root set of ``fltrust``, keyword-only
+    (:class:`DefendedStrategy`)."""
+
+    model: nn.Module
+    proxy_set: Any
+    device: torch.device | None
+
+
+class DefendedStrategy(ContractStrategy):
+    """A rule with the robust forms that need more than the base's steps: ``fltrust`` and
+    ``flame`` (module docstring). Rules call :meth:`defended_replies` first in their
+    ``aggregate`` and return :meth:`defended_model` of their result.
+
+    Parameters
+    ----------
+    *args, **options
+        Those of :class:`~strategies.base.ContractStrategy`.
+    model : nn.Module, optional
+        The global model's architecture: with ``proxy_set``, the server trains a copy of it on
+        the root set (``robust_aggregation = "fltrust"`` needs both).
+    proxy_set : optional
+        The root set, in any form :mod:`strategies.proxy_data` reads.
+    device : torch.device, optional
+        Where the server update is trained; default CUDA when present, else CPU.
+    """
+
+    robust_methods: ClassVar[tuple[str, ...]] = (*GENERIC_METHODS, "fltrust")
+    #: Whether the rule builds its root set itself (FedLAW, from its own proxy set).
+    builds_root_set: ClassVar[bool] = False
+    #: The length of the trusted updates: the trusted updates' median norm, or the server
+    #: update's (``"root"``, FLTrust's own; FedLAW, which learns its weights on the root set).
+    trusted_length: ClassVar[Literal["median", "root"]] = "median"
+
+    def __init__(
+        self,
+        *args: Any,
+        **options: Unpack[RootSetOptions],
+    ) -> None:
+        model = options.pop("model", None)
+        proxy_set = options.pop("proxy_set", None)
+        device = options.pop("device", None)
+        project = cast(ProjectOptions, options)  # without the three keys popped above
+        super().__init__(*args, **project)
+        self.root_set: RootSet | None = None
+        self._task: ClientTask | None = None  # fltrust: the clients' training of the round
+        self._defence_metrics: dict[str, float | int | list[float]] = {}
+        if model is not None and proxy_set is not None:
+            self.root_set = RootSet.from_data(model, proxy_set, seed=self.seed, device=device)
+        elif self.robust_aggregation == "fltrust" and not self.builds_root_set:
+            raise ValueError(
+                f"robust_aggregation = 'fltrust' in {type(self).__name__} scores each reply "
+                "against the server's own update on a root data set: pass model= (the global "
+                "model's architecture) and proxy_set= (a few labelled samples, e.g. 10 per "
+                "class; run options: proxy-per-class)"
+            )
+        if self.robust_aggregation == "fltrust" and self.direction_outlier_factor > 0.0:
+            log(
+                INFO,
+                "robust-aggregation = 'fltrust': the root set judges each reply's direction, so "
+                "the direction check, which sides with the round's majority, is off (a Byzantine "
+                "majority would have it drop the honest replies)",
+            )
+            self.direction_outlier_factor = 0.0
+        if self.robust_aggregation == "flame":
+            log(
+                INFO,
+                "robust-aggregation = 'flame': updates and records are clipped at the round's "
+                "median norm (update-clip-factor %s is replaced by FLAME's %s)",
+                self.update_clip_factor,
+                FLAME_CLIP_FACTOR,
+            )
+            self.update_clip_factor = FLAME_CLIP_FACTOR
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """As the base; with ``fltrust``, the round's client task is kept for the server update."""
+        if self.robust_aggregation == "fltrust":
+            try:
+                self._task = ClientTask.from_config(config)
+            except (KeyError, ValueError, TypeError) as error:
+                raise ValueError(
+                    f"robust_aggregation = 'fltrust' needs the clients' local-training settings "
+                    f"in the train config (this project's ClientTask keys): {error}"
+                ) from None
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def defended_replies(
+        self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
+    ) -> list[ClientReply]:
+        """The replies the rule aggregates: under ``fltrust`` the trusted ones, weighted by their
+        trust and rescaled to the server update's norm (empty when none is trusted: the rule then
+        keeps the model); otherwise ``replies`` as they are."""
+        self._defence_metrics = {}
+        if self.robust_aggregation != "fltrust":
+            return list(replies)
+        if self._task is None or self.root_set is None:
+            raise ValueError(
+                "robust_aggregation = 'fltrust' trains the global model on the root set with the "
+                "clients' local-training settings, read from the train config; this round's "
+                "config had none (this project's ClientTask keys)"
+            )
+        started = time.perf_counter()
+        g0 = self.root_set.update(global_arrays, self._task, server_round)
+        trust, scales = fltrust_scores(global_arrays, [reply.arrays for reply in replies], g0)
+        # ||u_k|| = ||g_0|| / s_k (a zero update has trust 0 and is left out anyway)
+        reference = math.sqrt(sum(float(np.vdot(value, value)) for value in g0.values()))
+        length = reference if self.trusted_length == "root" else None
+        records = list(self.required_records)
+        kept = trusted_replies(replies, trust, reference / scales, records, length)
+        # Replies of trust 0 are Byzantine suspects: FedGMA's hard mask counts them as abstaining.
+        self.last_suspects += len(replies) - len(kept)
+        self._defence_metrics = {
+            "fltrust-trust": [float(value) for value in trust],
+            "fltrust-seconds": time.perf_counter() - started,
+        }
+        if not kept:
+            log(
+                WARNING,
+                "round %d: FLTrust trusts no reply (every update points away from the server's "
+                "root-set update): the global model stays as it is",
+                server_round,
+            )
+        return kept
+
+    def defended_model(self, server_round: int, arrays: NDArrayDict) -> NDArrayDict:
+        """The rule's new model; under ``flame`` with FLAME's Gaussian noise added (standard
+        deviation ``FLAME_NOISE_LAMBDA`` x the median update norm, drawn from the run's seed and
+        the round)."""
+        if self.robust_aggregation != "flame":
+            return arrays
+        std = FLAME_NOISE_LAMBDA * self._median_update
+        self._defence_metrics["flame-noise-std"] = std
+        return flame_noise(arrays, std, (self.seed, server_round))
+
+    def round_metrics(self) -> dict[str, float | int | list[float]]:
+        """The defences' figures of the last aggregation (``fltrust-*``, ``flame-*``)."""
+        return dict(self._defence_metrics)

@@ -1,0 +1,304 @@
+"""The defences beyond the defaults, as pure functions and inside every rule, against references
+computed here: scikit-learn's HDBSCAN for FLAME's clustering, explicit loops for FLTrust's
+aggregate and Elastic's zeta under trust, a bisection on explicit distances for min-max and
+min-sum, and a geometrically growing run for the model guard.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+
+from benchmarks.attacks import shejwalkar_gamma
+from beyond_averaging.strategies import ClientReply, ElasticAggregation, FedAvg, FedGMA, FedLAW
+from beyond_averaging.strategies.defended import trusted_replies
+from beyond_averaging.strategies.robust import (
+    FLAME_NOISE_LAMBDA,
+    flame_noise,
+    flame_selection,
+    majority_cluster,
+    median_length_scales,
+)
+from beyond_averaging.strategies.validation import ModelGuard
+from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD, ClientTask
+from tests.conftest import train_reply
+from tests.test_byzantine_bounds import BOUNDS_OFF, TASK, Model
+from tests.test_byzantine_bounds import fedlaw_setup as root_setup
+
+
+def flat(model: Model) -> np.ndarray[Any, Any]:
+    return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in model.values()])
+
+
+def unflat(vector: np.ndarray[Any, Any], like: Model) -> Model:
+    out, start = {}, 0
+    for key, value in like.items():
+        out[key] = vector[start : start + value.size].reshape(value.shape).astype(np.float32)
+        start += value.size
+    return out
+
+
+def aggregated(strategy: Any, models: list[Model], **extra: Any) -> Model:
+    records = extra.get("records") or [None] * len(models)
+    replies = [train_reply(m, 10, node_id=i + 1, extra=records[i]) for i, m in enumerate(models)]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is not None
+    return {key: value.numpy() for key, value in arrays.items()}
+
+
+# ----------------------------------------------------------------------------- FLAME
+def test_the_majority_cluster_is_hdbscans_cluster_under_flames_settings() -> None:
+    hdbscan = pytest.importorskip("sklearn.cluster").HDBSCAN
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        count = int(rng.integers(3, 14))
+        points = rng.normal(size=(count, 6))
+        if trial % 2:  # a tight majority and scattered others
+            points[: count // 2 + 1] = rng.normal(size=6) * 3 + 0.3 * points[: count // 2 + 1]
+        distances = np.sqrt(((points[:, None] - points[None]) ** 2).sum(-1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            labels = (
+                hdbscan(
+                    min_cluster_size=count // 2 + 1,
+                    min_samples=1,
+                    allow_single_cluster=True,
+                    metric="precomputed",
+                )
+                .fit(distances)
+                .labels_
+            )
+        assert majority_cluster(distances) == np.flatnonzero(labels >= 0).tolist()
+
+
+def test_flame_keeps_a_majority_by_cosine_and_leaves_out_updates_pointing_elsewhere() -> None:
+    rng = np.random.default_rng(1)
+    global_model = {"w": np.zeros(50, np.float32)}
+    direction = rng.normal(size=50)
+    models = [
+        {"w": (s * direction + 0.3 * rng.normal(size=50)).astype(np.float32)}
+        for s in (1.0, 2.0, 0.5, 4.0, 1.5)
+    ]
+    models += [{"w": (-3.0 * direction).astype(np.float32)}, {"w": rng.normal(size=50) * 5}]
+    kept = flame_selection(global_model, models)
+    assert 5 not in kept
+    assert 6 not in kept
+    assert len(kept) >= 4  # a majority of 7, cosine alone: the norms (0.5 to 4) do not count
+
+
+def test_flame_clips_the_kept_updates_at_their_median_norm_and_adds_lambda_scaled_noise() -> None:
+    size = 20_000
+    rng = np.random.default_rng(2)
+    direction = rng.normal(size=size)
+    direction /= np.linalg.norm(direction)
+    global_model = {"w": np.zeros(size, np.float32)}
+    models = [{"w": (norm * direction).astype(np.float32)} for norm in (1.0, 2.0, 4.0)]
+    models.append({"w": (-2.0 * direction).astype(np.float32)})
+    strategy = FedAvg(robust_aggregation="flame", **BOUNDS_OFF)
+    strategy.global_arrays, strategy.reply_byte_limit = dict(global_model), 1 << 24
+    result = aggregated(strategy, models)["w"]
+    figures = strategy.aggregation_metrics[1]
+    assert figures["dropped-flame-rejected"] == 1  # the reversed one
+    # kept norms 1, 2, 4; their median 2 clips the 4: the mean of 1, 2 and 2 along the direction
+    expected = (1.0 + 2.0 + 2.0) / 3 * direction
+    noise = result - expected
+    assert figures["flame-noise-std"] == pytest.approx(FLAME_NOISE_LAMBDA * 2.0)
+    assert np.std(noise) == pytest.approx(FLAME_NOISE_LAMBDA * 2.0, rel=0.05)
+    assert abs(float(np.mean(noise))) < 1e-4
+
+
+def test_flame_noise_is_drawn_from_the_run_seed_and_round_and_spares_integer_tensors() -> None:
+    arrays = {"w": np.ones(1000, np.float32), "count": np.array(3, np.int64)}
+    first = flame_noise(arrays, 0.5, (7, 3))
+    assert first["w"].dtype == np.float32
+    assert first["count"] == 3
+    np.testing.assert_array_equal(first["w"], flame_noise(arrays, 0.5, (7, 3))["w"])
+    assert not np.array_equal(first["w"], flame_noise(arrays, 0.5, (7, 4))["w"])
+
+
+# ----------------------------------------------------------------------------- FLTrust
+def test_median_length_scales_bring_every_vector_to_the_trusted_median_length() -> None:
+    norms = np.array([1.0, 3.0, 2.0, 100.0, 0.0])
+    trusted = np.array([True, True, True, False, False])
+    np.testing.assert_allclose(median_length_scales(norms, trusted), [2.0, 2 / 3, 1.0, 0.02, 1.0])
+    np.testing.assert_allclose(median_length_scales(norms, np.zeros(5, bool)), np.ones(5))
+
+
+def with_task(strategy: Any, state: Model) -> Any:
+    """What configure_train gives the strategy: the round's client task and global model."""
+    strategy._task = ClientTask.from_config(ConfigRecord(dict(TASK.to_config())))
+    strategy.global_arrays, strategy.reply_byte_limit = dict(state), 1 << 20
+    return strategy
+
+
+def fltrust_reference(state: Model, g0: np.ndarray[Any, Any], updates: list[Any]) -> Any:
+    """w + sum_k TS_k m u_k / ||u_k|| / sum_k TS_k, TS_k = ReLU(cos(u_k, g0)), m the median norm
+    of the trusted updates: written out with loops."""
+    trust = [max(0.0, float(u @ g0 / (np.linalg.norm(u) * np.linalg.norm(g0)))) for u in updates]
+    median = float(
+        np.median([np.linalg.norm(u) for u, t in zip(updates, trust, strict=True) if t > 0])
+    )
+    total = np.zeros_like(g0)
+    for u, t in zip(updates, trust, strict=True):
+        total += t * median * u / np.linalg.norm(u)
+    return trust, flat(state) + total / sum(trust)
+
+
+def client_updates(g0: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
+    """Along g0 (twice, at two lengths), against it, and at 45 degrees to it."""
+    side = np.random.default_rng(3).normal(size=g0.shape)
+    side -= (side @ g0) / (g0 @ g0) * g0
+    side *= np.linalg.norm(g0) / np.linalg.norm(side)
+    return [1.0 * g0, 3.0 * g0, -1.0 * g0, g0 + side]
+
+
+@pytest.mark.parametrize("rule", [FedAvg, FedGMA])
+def test_fltrust_weighs_each_update_by_its_trust_at_the_trusted_median_length(rule: type) -> None:
+    model, root, state = root_setup()
+    strategy = with_task(
+        rule(robust_aggregation="fltrust", model=model, proxy_set=root, **BOUNDS_OFF), state
+    )
+    g0 = flat(strategy.root_set.update(state, strategy._task, 1))
+    updates = client_updates(g0)
+    models = [unflat(flat(state) + u, state) for u in updates]
+    # FedGMA's gradients agree in sign on every coordinate for the trusted three; the reply of
+    # trust 0 abstains, so no coordinate has 0.8 x 4 votes and the mask keeps none.
+    records = [{GRADIENT_RECORD: {k: np.ones_like(v) for k, v in state.items()}}] * 4
+    result = aggregated(strategy, models, records=records if rule is FedGMA else None)
+    trust, expected = fltrust_reference(state, g0, updates)
+    np.testing.assert_allclose(strategy.aggregation_metrics[1]["fltrust-trust"], trust, atol=1e-6)
+    np.testing.assert_allclose(flat(result), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_trusted_replies_weigh_by_trust_at_the_trusted_median_or_the_root_length() -> None:
+    replies = [
+        ClientReply(node_id=k, arrays={}, num_examples=1000.0, metrics={}, update_scale=0.5)
+        for k in range(3)
+    ]
+    trust, norms = np.array([0.5, 0.0, 1.0]), np.array([1.0, 5.0, 4.0])
+    median = trusted_replies(replies, trust, norms)  # trusted norms 1 and 4: median 2.5
+    assert [(r.node_id, r.num_examples, r.update_scale) for r in median] == [
+        (0, 0.5, 2.5),
+        (2, 1.0, 0.625),
+    ]
+    root = trusted_replies(replies, trust, norms, length=2.0)  # FLTrust's ||g_0||: FedLAW's
+    assert [r.update_scale for r in root] == [2.0, 0.5]
+    assert FedLAW.trusted_length == "root"
+    assert FedAvg.trusted_length == "median"
+
+
+def test_fltrust_in_elastic_takes_zeta_from_the_trust_weighted_sensitivities() -> None:
+    model, root, state = root_setup()
+    strategy = with_task(
+        ElasticAggregation(robust_aggregation="fltrust", model=model, proxy_set=root, **BOUNDS_OFF),
+        state,
+    )
+    g0 = flat(strategy.root_set.update(state, strategy._task, 1))
+    updates = client_updates(g0)
+    models = [unflat(flat(state) + u, state) for u in updates]
+    rng = np.random.default_rng(4)
+    sensitivities = [
+        {k: rng.uniform(0, s, size=v.shape) for k, v in state.items()} for s in (1.0, 2.0, 5.0, 3.0)
+    ]
+    records = [{SENSITIVITY_RECORD: sens} for sens in sensitivities]
+    result = aggregated(strategy, models, records=records)
+    trust, plain = fltrust_reference(state, g0, updates)
+    kept = [k for k, t in enumerate(trust) if t > 0]
+    norms = [np.linalg.norm(flat(sensitivities[k])) for k in kept]
+    omega = sum(
+        trust[k] * np.median(norms) / n * flat(sensitivities[k])
+        for k, n in zip(kept, norms, strict=True)
+    ) / sum(trust[k] for k in kept)
+    zeta = np.concatenate(
+        [1.5 - part / (part.max() + 1e-13) for part in np.split(omega, [state["0.weight"].size])]
+    )
+    expected = flat(state) + zeta * (plain - flat(state))  # w - zeta * D, D = w - FLTrust's model
+    np.testing.assert_allclose(flat(result), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fedlaw_and_every_rule_share_one_root_update() -> None:
+    model, root, state = root_setup()
+    fedlaw = with_task(
+        FedLAW(model=model, proxy_set=root, batch_size=30, epochs=1, robust_aggregation="fltrust"),
+        state,
+    )
+    fedavg = with_task(FedAvg(robust_aggregation="fltrust", model=model, proxy_set=root), state)
+    for strategy in (fedlaw, fedavg):
+        assert strategy.root_set is not None
+        assert len(strategy.root_set) == 30
+    np.testing.assert_array_equal(
+        flat(fedlaw.root_set.update(state, fedlaw._task, 1)),
+        flat(fedavg.root_set.update(state, fedavg._task, 1)),
+    )
+
+
+# ----------------------------------------------------------------------------- the model guard
+def test_the_model_guard_refuses_a_model_that_grows_round_after_round() -> None:
+    rng = np.random.default_rng(5)
+    model = {"w": rng.normal(size=1000)}
+    guard, refused = ModelGuard(), None
+    for server_round in range(1, 12):
+        median_update = 0.5 * 5.0**server_round  # a Byzantine majority's updates, x5 a round
+        grown = {"w": model["w"] * 5.0}
+        reason = guard.rejection(grown, model, median_update)
+        if reason is not None:
+            refused = server_round
+            break
+        model = grown
+    assert refused is not None
+    assert refused <= 5
+    assert "honest scale" in str(reason)
+
+
+def test_the_model_guard_passes_an_honest_run_and_resumes_with_its_scale() -> None:
+    rng = np.random.default_rng(6)
+    model = {"w": rng.normal(size=1000) * 0.1}
+    guard = ModelGuard()
+    for server_round in range(1, 41):
+        update = rng.normal(size=1000) * 0.05 / math.sqrt(server_round)
+        new = {"w": model["w"] + update}
+        assert guard.rejection(new, model, float(np.linalg.norm(update))) is None
+        model = new
+        if server_round == 20:  # a checkpoint and a resume in the middle
+            resumed = ModelGuard()
+            resumed.load_state_dict(guard.state_dict())
+            assert resumed == guard
+            guard = resumed
+
+
+# ----------------------------------------------------------------------------- min-max, min-sum
+def bisection(updates: list[dict[str, Any]], perturbation: dict[str, Any], objective: str) -> float:
+    """The largest gamma within the paper's bound, by bisection on explicit distances (the
+    paper halves a step from gamma = 10, which reaches [5, 15] only)."""
+    vectors = [flat(u) for u in updates]
+    p, mu = flat(perturbation), np.mean(vectors, axis=0)
+    pairwise = [[np.linalg.norm(a - b) ** 2 for b in vectors] for a in vectors]
+
+    def fits(gamma: float) -> bool:
+        distances = [np.linalg.norm(mu + gamma * p - v) ** 2 for v in vectors]
+        if objective == "min-max":
+            return bool(max(distances) <= max(max(row) for row in pairwise))
+        return bool(sum(distances) <= max(sum(row) for row in pairwise))
+
+    low, high = 0.0, 1.0
+    while fits(high):
+        low, high = high, 2 * high
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+@pytest.mark.parametrize("objective", ["min-max", "min-sum"])
+def test_min_max_and_min_sum_take_the_largest_gamma_the_papers_search_finds(objective: str) -> None:
+    rng = np.random.default_rng(7)
+    updates = [{"a": rng.normal(size=(3, 4)), "b": rng.normal(size=5)} for _ in range(6)]
+    perturbation = {k: -np.std([u[k] for u in updates], axis=0) for k in updates[0]}
+    gamma = shejwalkar_gamma(updates, perturbation, objective)
+    assert gamma > 0.0
+    assert gamma == pytest.approx(bisection(updates, perturbation, objective), rel=1e-6)
