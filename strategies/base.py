@@ -203,14 +203,6 @@ def _to_numpy(record: ArrayRecord) -> NDArrayDict:
     return {key: npy_view(array.data) for key, array in record.items()}
 
 
-def _ascending(node_ids: Iterable[int]) -> Sequence[int]:
-    """Node ids in ascending order; an ascending ``range`` as it is (the in-process Grid's
-    million nodes: sampling from it draws the same nodes as from the sorted list, without one)."""
-    if isinstance(node_ids, range) and node_ids.step > 0:
-        return node_ids
-    return sorted(node_ids)
-
-
 class ContractStrategy(NamedArgumentErrors, Strategy):
     """Base of this project's strategies (Flower Message API).
 
@@ -518,7 +510,12 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
     def _sample(self, grid: Grid, fraction: float, min_nodes: int, server_round: int) -> list[int]:
         """Flower's sampling: max(fraction * connected, min_nodes) nodes, seeded by the round."""
         wanted = max(self.min_available_nodes, min_nodes, 1)
-        while len(nodes := _ascending(grid.get_node_ids())) < wanted:
+        while True:
+            ids = grid.get_node_ids()
+            # An ascending range (the in-process Grid's million nodes) draws as its sorted list.
+            nodes = ids if isinstance(ids, range) and ids.step > 0 else sorted(ids)
+            if len(nodes) >= wanted:
+                break
             log(INFO, "Waiting for nodes: %d connected, %d needed", len(nodes), wanted)
             time.sleep(1.0)
         size = min(len(nodes), max(int(len(nodes) * fraction), min_nodes, 1))
