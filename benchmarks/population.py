@@ -48,7 +48,13 @@ from benchmarks.load import descendants, process_table
 from benchmarks.report import markdown_table, read_metrics, shown
 from benchmarks.spec import REPO
 from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
-from beyond_averaging.server.launch import read_summary, run_config_argument, stop_process_tree
+from beyond_averaging.server.launch import (
+    ALARMS_EXIT_CODE,
+    read_summary,
+    run_config_argument,
+    stop_process_tree,
+)
+from beyond_averaging.server.recorder import FINISHED_STATUSES
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.tasks.synthetic import device_size
 
@@ -183,16 +189,20 @@ def measure(
     wall = time.perf_counter() - started
     log.close()
     summary = read_summary(runs / name / "summary.json")
-    if status == "completed" and code != 0:
+    if status == "completed" and code not in (0, ALARMS_EXIT_CODE):
         tail = (runs / f"{name}.log").read_text(errors="replace")
         status = "timeout" if "did not finish within" in tail else "failed"
+    elif status == "completed":
+        # Every round ran; a few rounds of the synthetic task may end `completed-with-alarms`
+        # (never-above-chance): the row says so, and its costs count as a completed run's.
+        status = str(summary.get("status", status))
     row = Row(runtime, strategy, population, status, wall_seconds=wall)
     if runtime == "inprocess" and usage is not None:
         row.peak_rss_mib = usage.ru_maxrss * 1024 / MIB  # kB on Linux
         row.cpu_seconds = usage.ru_utime + usage.ru_stime
     else:
         row.peak_rss_mib = sampler.peaks["tree"] / MIB
-    if summary.get("status") == "completed":
+    if summary.get("status") in FINISHED_STATUSES:
         rounds = read_metrics(runs / name)[1:]
         row.rounds = len(rounds)
         row.seconds_per_round = sum(r["round-seconds"] for r in rounds) / len(rounds)
@@ -214,7 +224,7 @@ def table(rows: Sequence[Row]) -> str:
     """The rows with their ratios against the smallest in-process population's row."""
     base: dict[str, Row] = {}
     for row in rows:
-        if row.runtime == "inprocess" and row.status == "completed":
+        if row.runtime == "inprocess" and row.status in FINISHED_STATUSES:
             current = base.get(row.strategy)
             if current is None or row.population < current.population:
                 base[row.strategy] = row
@@ -265,7 +275,7 @@ def verdict(rows: Sequence[Row]) -> str:
         done = [
             r
             for r in rows
-            if r.strategy == strategy and r.runtime == "inprocess" and r.status == "completed"
+            if r.strategy == strategy and r.runtime == "inprocess" and r.status in FINISHED_STATUSES
         ]
         if len(done) < 2:
             continue
@@ -357,7 +367,7 @@ def measure_all(args: argparse.Namespace, runs: Path, argv: Sequence[str] | None
     for population in args.simulation_populations:
         row = measure("simulation", "fedavg", population, args, runs)
         rows.append(row)
-        if row.status != "completed":
+        if row.status not in FINISHED_STATUSES:
             break
     torch.set_num_threads(1)  # the hardware line then names the runs' threads (--client-cpus 1)
     saved = {

@@ -386,13 +386,17 @@ def completed_run(settings: Mapping[str, Any], failure: str) -> Path:
     Called once every process of the run has ended: a summary that still says ``running`` was
     left by a ServerApp that died without a final status, and is marked ``interrupted``.
     """
-    from .recorder import low_space_note, mark_interrupted  # import torch: only where a run is read
+    from .recorder import (  # imports torch: only where a run is read
+        FINISHED_STATUSES,
+        low_space_note,
+        mark_interrupted,
+    )
 
     run_name = str(settings["run-name"])
     summary_path = Path(str(settings["output-dir"])).expanduser() / run_name / "summary.json"
     status = mark_interrupted(summary_path.parent)
     summary = read_summary(summary_path)
-    if summary.get("status") not in ("completed", "completed-with-alarms"):
+    if summary.get("status") not in FINISHED_STATUSES:
         reason = summary.get("error") or (status.reason if status.status == "interrupted" else "")
         if not reason:
             reason = f"{failure} and the ServerApp wrote no summary at {summary_path}; " + (

@@ -123,7 +123,10 @@ def test_every_rule_trains_a_million_client_synthetic_population_in_process(
     }
     run_inprocess(REPO, settings)
     summary = json.loads((tmp_path / strategy / "summary.json").read_text(encoding="utf-8"))
-    assert summary["status"] == "completed"
+    # Two rounds of 10 clients do not lift the synthetic task above chance (0.16 here): the run
+    # says so with never-above-chance, and with no other alarm.
+    assert summary["status"] in ("completed", "completed-with-alarms")
+    assert set(summary.get("alarms", {})) <= {"never-above-chance"}
     for entry in read_metrics(tmp_path / strategy)[1:]:
         assert entry["replies-sent"] == 10
         assert entry["replies-valid"] == 10
