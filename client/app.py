@@ -31,9 +31,9 @@ from beyond_averaging.tasks.protocol import (
     check_library_version,
     requested_records,
 )
+from beyond_averaging.tasks.training import train_local
 
 from .sensitivity import sensitivity_record
-from .training import train_local
 
 app = ClientApp()
 

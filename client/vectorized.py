@@ -7,7 +7,7 @@ cohort (:func:`torch.func.vmap` over :func:`torch.func.functional_call`). The re
 ClientApp's, record for record, so every strategy runs unchanged.
 
 What makes it the same arithmetic as the ClientApp's sequential loop
-(:func:`client.training.train_local`):
+(:func:`tasks.training.train_local`):
 
 - **Batches**: each client's steps come from :func:`tasks.batching.shuffled_batches` with the
   ClientApp's shuffle seed, so client ``i`` sees the same samples in the same order.
@@ -278,7 +278,7 @@ def train_stacked(
 ) -> CohortTrainResult:
     """Local SGD of every client of ``plan`` at once; updates ``parameters`` in place.
 
-    Per client and step, the same arithmetic as :func:`client.training.train_local` with
+    Per client and step, the same arithmetic as :func:`tasks.training.train_local` with
     ``torch.optim.SGD(lr, momentum, weight_decay)`` and cross-entropy averaged over the batch's
     real samples.
 

@@ -40,13 +40,14 @@ from typing import Any, ClassVar, Literal, Unpack, cast
 import numpy as np
 import numpy.typing as npt
 import torch
-import torch.nn.functional as functional
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common import log
 from flwr.serverapp import Grid
 from torch import nn
 
+from beyond_averaging.tasks.evaluation import DeviceData
 from beyond_averaging.tasks.protocol import ClientTask
+from beyond_averaging.tasks.training import train_local
 
 from .aggregate import NDArrayDict, as_numpy, is_floating
 from .base import ClientReply, ContractStrategy, ProjectOptions, received_norms
@@ -74,30 +75,29 @@ def root_update(
     The global model trained by SGD from w on ``features`` / ``labels`` (on the model's device)
     with the clients' local-training settings of the round (``task``: epochs, batch size,
     learning rate with its decay, momentum, weight decay), as FLTrust's server trains on its
-    root data as the clients train on theirs; the batches are drawn by a generator seeded with
-    the task's seed and the round. A plain SGD loop, not the ClientApp's: strategies do not
-    import the client package. Floating tensors only, in float64; ``model`` is not modified.
+    root data as the clients train on theirs, with the clients' own loop
+    (:func:`tasks.training.train_local`); the batch plan is one ``torch.randperm`` of the root
+    set per epoch from a generator seeded with ``task.seed x 100_003 + server_round``. Floating
+    tensors only, in float64; ``model`` is not modified.
     """
     scratch = copy.deepcopy(model)
     scratch.load_state_dict(
         {key: torch.from_numpy(np.array(as_numpy(value))) for key, value in global_arrays.items()}
     )
-    scratch.train()
-    optimizer = torch.optim.SGD(
-        scratch.parameters(),
-        lr=task.round_learning_rate(server_round),
+    generator = torch.Generator().manual_seed(task.seed * 100_003 + server_round)
+    plan = [
+        batch
+        for _ in range(task.local_epochs)
+        for batch in torch.split(torch.randperm(len(labels), generator=generator), task.batch_size)
+    ]
+    train_local(
+        scratch,
+        DeviceData(features, labels, int(labels.max()) + 1),
+        plan,
+        learning_rate=task.round_learning_rate(server_round),
         momentum=task.momentum,
         weight_decay=task.weight_decay,
     )
-    generator = torch.Generator().manual_seed(task.seed * 100_003 + server_round)
-    for _ in range(task.local_epochs):
-        order = torch.randperm(len(labels), generator=generator).to(labels.device)
-        for start in range(0, len(labels), task.batch_size):
-            rows = order[start : start + task.batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss: Any = functional.cross_entropy(scratch(features[rows]), labels[rows])
-            loss.backward()
-            optimizer.step()
     trained = scratch.state_dict()
     return {
         key: trained[key].detach().cpu().numpy().astype(np.float64) - as_numpy(value)

@@ -6,17 +6,20 @@ min-sum, and a geometrically growing run for the model guard.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import warnings
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import ConfigRecord
 
 from benchmarks.attacks import shejwalkar_gamma
 from beyond_averaging.strategies import ClientReply, ElasticAggregation, FedAvg, FedGMA, FedLAW
-from beyond_averaging.strategies.defended import trusted_replies
+from beyond_averaging.strategies.defended import root_update, trusted_replies
 from beyond_averaging.strategies.robust import (
     FLAME_NOISE_LAMBDA,
     flame_noise,
@@ -235,6 +238,53 @@ def test_fedlaw_and_every_rule_share_one_root_update() -> None:
         flat(fedlaw.root_set.update(state, fedlaw._task, 1)),
         flat(fedavg.root_set.update(state, fedavg._task, 1)),
     )
+
+
+@pytest.mark.parametrize(
+    ("momentum", "weight_decay", "epochs", "batch_size", "server_round"),
+    [(0.9, 5e-4, 2, 32, 3), (0.0, 0.0, 1, 7, 1), (0.5, 1e-3, 3, 100, 9)],
+)
+def test_the_root_update_is_sgd_on_the_root_set_with_the_clients_settings(
+    momentum: float, weight_decay: float, epochs: int, batch_size: int, server_round: int
+) -> None:
+    # The reference: FLTrust's server update written with torch.optim.SGD and a plain loop over
+    # one seeded permutation per epoch, as the docstring states it; root_update trains with the
+    # clients' own loop (tasks.training.train_local), which must give the same bits.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    features, labels = torch.randn(90, 12), torch.arange(90) % 4
+    task = dataclasses.replace(
+        TASK,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        local_epochs=epochs,
+        batch_size=batch_size,
+    )
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(
+        reference.parameters(),
+        lr=task.round_learning_rate(server_round),
+        momentum=momentum,
+        weight_decay=weight_decay,
+    )
+    generator = torch.Generator().manual_seed(task.seed * 100_003 + server_round)
+    for _ in range(epochs):
+        order = torch.randperm(len(labels), generator=generator)
+        for start in range(0, len(labels), batch_size):
+            rows = order[start : start + batch_size]
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(reference(features[rows]), labels[rows]).backward()
+            optimizer.step()
+    expected = {
+        k: v.detach().numpy().astype(np.float64) - state[k]
+        for k, v in reference.state_dict().items()
+    }
+    update = root_update(model, state, features, labels, task, server_round)
+    assert update.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(update[key], value)
+    assert all(np.array_equal(v.detach().numpy(), state[k]) for k, v in model.state_dict().items())
 
 
 # ----------------------------------------------------------------------------- the model guard

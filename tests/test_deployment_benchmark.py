@@ -334,7 +334,7 @@ def test_a_clientapp_s_samples_are_sorted_by_what_it_was_doing() -> None:
             # importing the app's own module (before torch is reached): 5
             f"{node};{app};{thread};{entry};{run};{load};<module> (client/app.py:3) 5",
             # the app training: 10; Flower pulling a message: 5; no Python frame: 10
-            f"{node};{app};{thread};{entry};{run};train_local (client/training.py:9) 10",
+            f"{node};{app};{thread};{entry};{run};train_local (tasks/training.py:9) 10",
             f"{node};{app};{thread};{entry};pull (flwr/supercore/grpc.py:1) 5",
             f"{node};{app} 10",
             # the SuperNode itself is not a ClientApp: left out

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from beyond_averaging.client.training import train_local
 from beyond_averaging.server.config import RunConfig
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import (
@@ -31,6 +30,7 @@ from beyond_averaging.strategies.fedgma import hard_mask, soft_mask
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData
 from beyond_averaging.tasks.models import build_model
+from beyond_averaging.tasks.training import train_local
 from tests.conftest import read_metrics, train_reply
 
 Arrays = dict[str, np.ndarray[Any, Any]]

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from beyond_averaging.client.training import train_local
 from beyond_averaging.tasks.batching import shuffled_batches
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData
 from beyond_averaging.tasks.models import build_model
+from beyond_averaging.tasks.training import train_local
 
 CPU = torch.device("cpu")
 
@@ -99,7 +99,7 @@ def test_local_training_equals_torch_sgd_bit_for_bit(
 def test_local_training_does_not_import_torch_dynamo() -> None:
     script = (
         "import sys, numpy as np, torch\n"
-        "from beyond_averaging.client.training import train_local\n"
+        "from beyond_averaging.tasks.training import train_local\n"
         "from beyond_averaging.tasks.batching import shuffled_batches\n"
         "from beyond_averaging.tasks.datasets import LabeledData\n"
         "from beyond_averaging.tasks.evaluation import DeviceData\n"

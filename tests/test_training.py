@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from beyond_averaging.client.app import train
 from beyond_averaging.client.sensitivity import compute_sensitivity
-from beyond_averaging.client.training import train_local
 from beyond_averaging.server.app import client_task
 from beyond_averaging.server.config import RunConfig
 from beyond_averaging.tasks.batching import shuffle_seed, shuffled_batches
@@ -22,6 +21,7 @@ from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.models import build_model
+from beyond_averaging.tasks.training import train_local
 from tests.conftest import instruction_message
 
 CPU = torch.device("cpu")
