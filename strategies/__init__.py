@@ -1,13 +1,7 @@
 """Aggregation rules: pure math functions plus thin Flower strategies on one contract base."""
 
-from .base import (
-    ClientReply,
-    ContractStrategy,
-    FlowerOptions,
-    MissingRecordError,
-    ProjectOptions,
-    StrategyOptions,
-)
+from .arguments import FlowerOptions, ProjectOptions, StrategyOptions
+from .base import ClientReply, ContractStrategy, MissingRecordError
 from .elastic import ElasticAggregation, aggregate_elastic
 from .fedavg import FedAdam, FedAvg, FedAvgM, aggregate_fedavg
 from .fedgma import FedGMA, FedGMASoft, aggregate_fedgma, and_mask

@@ -1,4 +1,7 @@
-"""Argument errors that name the strategy the user called.
+"""The strategies' keyword arguments, and argument errors that name the strategy the user called.
+
+:class:`FlowerOptions` (Flower's ``FedAvg``'s ten), :class:`ProjectOptions` (this project's
+extras) and :class:`StrategyOptions` (both) type the keyword arguments every rule takes.
 
 Every rule's ``__init__`` takes Flower's arguments, its own, and this project's extras through
 ``**options: Unpack[ProjectOptions]``, which it hands on to the base class. Python reports an
@@ -17,7 +20,10 @@ import inspect
 from collections.abc import Mapping
 from functools import cache
 from inspect import Parameter
-from typing import Any, Self, Unpack, get_args, get_origin, is_typeddict
+from typing import Any, Self, TypedDict, Unpack, get_args, get_origin, is_typeddict
+
+from .metrics import MetricsAggregationFn
+from .robust import RobustAggregation
 
 #: Parameter kinds a caller can pass by name.
 _BY_NAME = (Parameter.POSITIONAL_OR_KEYWORD, Parameter.KEYWORD_ONLY)
@@ -128,3 +134,44 @@ class NamedArgumentErrors:
         """Check the call (:func:`check_arguments`), then create the object as usual."""
         check_arguments(cls, args, kwargs)
         return super().__new__(cls)
+
+
+class FlowerOptions(TypedDict, total=False):
+    """The arguments of ``flwr.serverapp.strategy.FedAvg``, with its defaults and meanings.
+
+    Every strategy of this project takes them first, positionally or by name, in Flower's order.
+    """
+
+    fraction_train: float
+    fraction_evaluate: float
+    min_train_nodes: int
+    min_evaluate_nodes: int
+    min_available_nodes: int
+    weighted_by_key: str
+    arrayrecord_key: str
+    configrecord_key: str
+    train_metrics_aggr_fn: MetricsAggregationFn | None
+    evaluate_metrics_aggr_fn: MetricsAggregationFn | None
+
+
+class ProjectOptions(TypedDict, total=False):
+    """This project's extras, keyword-only after Flower's arguments (:class:`ContractStrategy`)."""
+
+    min_train_replies: int | None
+    seed: int
+    max_client_weight: float
+    update_norm_factor: float
+    update_clip_factor: float
+    direction_outlier_factor: float
+    max_claim_factor: float
+    robust_aggregation: RobustAggregation
+    trim_fraction: float
+    max_reply_bytes: int
+
+
+class StrategyOptions(FlowerOptions, ProjectOptions, total=False):
+    """Every keyword argument that every strategy of this project accepts.
+
+    :class:`FlowerOptions` (Flower's ``FedAvg``'s ten) and :class:`ProjectOptions` in one dict,
+    e.g. to build several strategies from one ``options: StrategyOptions = {...}``.
+    """

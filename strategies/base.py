@@ -16,8 +16,9 @@ of a round carries a required record at all, the run stops with :class:`MissingR
 message says how to add that record: a strategy never silently falls back to FedAvg.
 
 Constructor arguments are those of Flower's ``flwr.serverapp.strategy.FedAvg``, in its order
-and with its defaults and meanings (:class:`FlowerOptions`), then, keyword-only, this project's
-extras (:class:`ProjectOptions`: ``min_train_replies``, ``seed`` and the reply bounds).
+and with its defaults and meanings (:class:`~strategies.arguments.FlowerOptions`), then,
+keyword-only, this project's extras (:class:`~strategies.arguments.ProjectOptions`:
+``min_train_replies``, ``seed`` and the reply bounds).
 Results follow Flower's split: ``aggregate_train`` / ``aggregate_evaluate`` return only
 the clients' metrics, aggregated as Flower does (:mod:`strategies.metrics`), so
 ``Result.train_metrics_clientapp`` holds client metrics only; the strategy's own figures of each
@@ -38,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import (
@@ -147,47 +148,6 @@ ReplyObserver = Callable[
 ]
 
 
-class FlowerOptions(TypedDict, total=False):
-    """The arguments of ``flwr.serverapp.strategy.FedAvg``, with its defaults and meanings.
-
-    Every strategy of this project takes them first, positionally or by name, in Flower's order.
-    """
-
-    fraction_train: float
-    fraction_evaluate: float
-    min_train_nodes: int
-    min_evaluate_nodes: int
-    min_available_nodes: int
-    weighted_by_key: str
-    arrayrecord_key: str
-    configrecord_key: str
-    train_metrics_aggr_fn: MetricsAggregationFn | None
-    evaluate_metrics_aggr_fn: MetricsAggregationFn | None
-
-
-class ProjectOptions(TypedDict, total=False):
-    """This project's extras, keyword-only after Flower's arguments (:class:`ContractStrategy`)."""
-
-    min_train_replies: int | None
-    seed: int
-    max_client_weight: float
-    update_norm_factor: float
-    update_clip_factor: float
-    direction_outlier_factor: float
-    max_claim_factor: float
-    robust_aggregation: RobustAggregation
-    trim_fraction: float
-    max_reply_bytes: int
-
-
-class StrategyOptions(FlowerOptions, ProjectOptions, total=False):
-    """Every keyword argument that every strategy of this project accepts.
-
-    :class:`FlowerOptions` (Flower's ``FedAvg``'s ten) and :class:`ProjectOptions` in one dict,
-    e.g. to build several strategies from one ``options: StrategyOptions = {...}``.
-    """
-
-
 def received_norms(
     name: str, replies: Sequence[ClientReply]
 ) -> np.ndarray[Any, np.dtype[np.float64]]:
@@ -208,9 +168,10 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
 
     The arguments up to ``evaluate_metrics_aggr_fn`` are Flower's ``FedAvg``'s: same order (so
     ``FedAvg(0.5)`` samples half the nodes, as in Flower), defaults, meanings and attribute
-    names (:class:`FlowerOptions`). This project's extras and each rule's own arguments are
-    keyword-only after them (:class:`ProjectOptions`). Per-round settings for the clients go
-    where Flower puts them: ``start(train_config=ConfigRecord(...))``.
+    names (:class:`~strategies.arguments.FlowerOptions`). This project's extras and each rule's
+    own arguments are keyword-only after them (:class:`~strategies.arguments.ProjectOptions`).
+    Per-round settings for the clients go where Flower puts them:
+    ``start(train_config=ConfigRecord(...))``.
 
     Parameters
     ----------

@@ -50,7 +50,8 @@ from beyond_averaging.tasks.protocol import ClientTask
 from beyond_averaging.tasks.training import train_local
 
 from .aggregate import NDArrayDict, as_numpy, is_floating
-from .base import ClientReply, ContractStrategy, ProjectOptions, received_norms
+from .arguments import ProjectOptions
+from .base import ClientReply, ContractStrategy, received_norms
 from .proxy_data import ProxySetError, proxy_arrays
 from .robust import (
     FLAME_CLIP_FACTOR,
@@ -193,7 +194,7 @@ class RootSet:
 
 
 class RootSetOptions(ProjectOptions, total=False):
-    """:class:`~strategies.base.ProjectOptions` and the root set of ``fltrust``, keyword-only
+    """:class:`~strategies.arguments.ProjectOptions` and the root set of ``fltrust``, keyword-only
     (:class:`DefendedStrategy`)."""
 
     model: nn.Module

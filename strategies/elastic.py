@@ -262,8 +262,8 @@ class ElasticAggregation(DefendedStrategy):
         (:class:`~strategies.defended.DefendedStrategy`).
 
     Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
-    (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
-    (:class:`~strategies.base.ProjectOptions`) are keyword-only.
+    (:class:`~strategies.arguments.FlowerOptions`); the arguments above and this project's extras
+    (:class:`~strategies.arguments.ProjectOptions`) are keyword-only.
     """
 
     required_records: ClassVar[Mapping[str, str]] = {SENSITIVITY_RECORD: SENSITIVITY_HINT}

@@ -91,8 +91,8 @@ class FedAvg(DefendedStrategy):
         (:class:`~strategies.defended.DefendedStrategy`).
 
     Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
-    (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
-    (:class:`~strategies.base.ProjectOptions`) are keyword-only.
+    (:class:`~strategies.arguments.FlowerOptions`); the arguments above and this project's extras
+    (:class:`~strategies.arguments.ProjectOptions`) are keyword-only.
     """
 
     def __init__(
@@ -223,7 +223,7 @@ class FedAvgM(FedAvg):
         Server momentum (Flower's ``server_momentum``); 0 turns momentum off.
 
     All of Flower's arguments are taken positionally or by name in its order; this project's
-    extras (:class:`~strategies.base.ProjectOptions`) are keyword-only. Flower's attributes are
+    extras (:class:`~strategies.arguments.ProjectOptions`) are keyword-only. Flower's attributes are
     there too: ``server_opt``, ``current_arrays`` and ``momentum_vector`` (read-only views of the
     server optimizer's state).
     """
@@ -336,7 +336,7 @@ class FedAdam(FedAvg):
 
     Flower's ``FedAvg`` arguments come first, positionally or by name (Flower's ``FedAdam``
     takes them by name only); ``eta`` to ``tau`` and this project's extras
-    (:class:`~strategies.base.ProjectOptions`) are keyword-only. Flower's attributes are there
+    (:class:`~strategies.arguments.ProjectOptions`) are keyword-only. Flower's attributes are there
     too: ``current_arrays``, ``m_t`` and ``v_t`` (read-only views of the server optimizer's
     state, over the floating tensors).
     """

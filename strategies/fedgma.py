@@ -474,8 +474,8 @@ class FedGMA(DefendedStrategy):
         (:class:`~strategies.defended.DefendedStrategy`).
 
     Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
-    (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
-    (:class:`~strategies.base.ProjectOptions`) are keyword-only.
+    (:class:`~strategies.arguments.FlowerOptions`); the arguments above and this project's extras
+    (:class:`~strategies.arguments.ProjectOptions`) are keyword-only.
     """
 
     required_records: ClassVar[Mapping[str, str]] = {GRADIENT_RECORD: GRADIENT_HINT}
@@ -615,8 +615,8 @@ class FedGMASoft(FedGMA):
         Step along the masked mean pseudo-gradient (1 is a full averaging step).
 
     Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
-    (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
-    (:class:`~strategies.base.ProjectOptions`) are keyword-only.
+    (:class:`~strategies.arguments.FlowerOptions`); the arguments above and this project's extras
+    (:class:`~strategies.arguments.ProjectOptions`) are keyword-only.
     """
 
     required_records: ClassVar[Mapping[str, str]] = {}

@@ -93,7 +93,8 @@ from .aggregate import (
     scaled_mean,
     weighted_mean,
 )
-from .base import ClientReply, ProjectOptions
+from .arguments import ProjectOptions
+from .base import ClientReply
 from .defended import DefendedStrategy, RootSet
 from .influence import read_only_tensor
 from .metrics import MetricsAggregationFn
@@ -772,8 +773,8 @@ class FedLAW(DefendedStrategy):
         passes and carried across rounds (the authors' code). See the module docstring.
 
     Flower's ``FedAvg`` arguments come first, positionally or by name, in its order
-    (:class:`~strategies.base.FlowerOptions`); the arguments above and this project's extras
-    (:class:`~strategies.base.ProjectOptions`) are keyword-only.
+    (:class:`~strategies.arguments.FlowerOptions`); the arguments above and this project's extras
+    (:class:`~strategies.arguments.ProjectOptions`) are keyword-only.
 
     Raises
     ------
