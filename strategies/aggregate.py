@@ -244,7 +244,7 @@ def scaled_mean(
     replies and the global model, no scaled copy of any reply. Only floating tensors are scaled
     (integer counters take the plain weighted mean). With every scale 1 this is
     :func:`weighted_mean` itself, bit for bit. A scale above 1 lengthens an update (FLTrust's
-    rescaling to the server update's norm).
+    rescaling to a common length).
     """
     selected = list(global_arrays.keys()) if keys is None else list(keys)
     weights_arr = np.asarray(weights, dtype=np.float64)

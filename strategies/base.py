@@ -883,13 +883,14 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         )
         # Krum's selection keeps fewer replies than were valid on purpose (one, for Krum): the
         # quorum counts the replies it chose from.
-        if len(valid) + sum(dropped[r] for r in robust.SELECTION_DROPS) < self.min_train_replies:
+        chosen_from = len(valid) + sum(dropped[r] for r in robust.SELECTION_DROPS)
+        if chosen_from < self.min_train_replies:
             log(
                 WARNING,
                 "round %d: %d valid replies < min-train-replies = %d: keeping the "
                 "global model of the previous round",
                 server_round,
-                len(valid) + sum(dropped[r] for r in robust.SELECTION_DROPS),
+                chosen_from,
                 self.min_train_replies,
             )
             metrics["aggregated"] = 0

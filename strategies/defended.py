@@ -285,8 +285,9 @@ class DefendedStrategy(ContractStrategy):
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> list[ClientReply]:
         """The replies the rule aggregates: under ``fltrust`` the trusted ones, weighted by their
-        trust and rescaled to the server update's norm (empty when none is trusted: the rule then
-        keeps the model); otherwise ``replies`` as they are."""
+        trust and rescaled to the trusted updates' median norm, or to the server update's under
+        ``trusted_length = "root"`` (empty when none is trusted: the rule then keeps the model);
+        otherwise ``replies`` as they are."""
         self._defence_metrics = {}
         if self.robust_aggregation != "fltrust":
             return list(replies)

@@ -387,8 +387,9 @@ class ElasticAggregation(DefendedStrategy):
         sensitivity in place of the weighted ones, then zeta as usual (:func:`elastic_update`);
         Krum / Multi-Krum / FLAME left only their selection in ``replies`` (FLAME's noise is
         added to the new model); FLTrust weighs the trusted replies' updates, rescaled to the
-        server update's norm, and their (clipped) sensitivities by their trust, so D is FLTrust's
-        aggregate update and Omega the trust-weighted mean sensitivity, and zeta comes from it.
+        trusted updates' median norm, and their (clipped) sensitivities by their trust, so D is
+        FLTrust's aggregate update and Omega the trust-weighted mean sensitivity, and zeta comes
+        from it.
         """
         replies = self.defended_replies(server_round, global_arrays, replies)
         if not replies:  # fltrust trusted no reply

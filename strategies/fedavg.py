@@ -180,8 +180,9 @@ class FedAvg(DefendedStrategy):
         optimizer steps along it; "krum" / "multi-krum" / "flame" left only their selection in
         ``replies`` (:class:`~strategies.base.ContractStrategy`), averaged as usual (FLAME's
         noise added); "fltrust" averages the trusted replies with their trust as weights, each
-        update rescaled to the server update's norm (FLTrust's aggregate), and the server
-        optimizer steps along that (:class:`~strategies.defended.DefendedStrategy`).
+        update rescaled to the trusted updates' median norm (FLTrust's aggregate but for that
+        length), and the server optimizer steps along that
+        (:class:`~strategies.defended.DefendedStrategy`).
         """
         replies = self.defended_replies(server_round, global_arrays, replies)
         if not replies:  # fltrust trusted no reply

@@ -557,7 +557,7 @@ class FedGMA(DefendedStrategy):
         Robust form (``robust_aggregation``): see :func:`fedgma_step`; Krum / Multi-Krum /
         FLAME left only their selection in ``replies`` (FLAME's noise is added to the new
         model). FLTrust: the trusted replies only, weighted by their trust in place of p_k,
-        each update rescaled to the server update's norm; the hard mask counts the trusted
+        each update rescaled to the trusted updates' median norm; the hard mask counts the trusted
         replies' gradient signs, one vote each, and the masked gradient mean is their
         trust-weighted mean; the soft mask's agreement is weighted by trust.
         """

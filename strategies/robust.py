@@ -15,7 +15,7 @@ With K client values x_1..x_K of one coordinate, sorted, and t = floor(trim_frac
   the median norm and aggregated by the rule, and Gaussian noise of standard deviation
   ``FLAME_NOISE_LAMBDA`` x that median is added to the new model (:func:`flame_noise`);
 - ``fltrust`` (Cao et al., NDSS 2021): trust scores against the server's own update on a root
-  data set (:func:`fltrust_scores`; the rules' side is :mod:`strategies.root_trust`).
+  data set (:func:`fltrust_scores`; the rules' side is :mod:`strategies.defended`).
 
 The coordinate-wise rules ignore the data-size weights: a client that claims many examples gets no
 more say than one that claims few, and up to t (trimmed mean) or fewer than half (median)
@@ -48,7 +48,7 @@ RobustAggregation = Literal[
 ]
 ROBUST_CHOICES: tuple[str, ...] = get_args(RobustAggregation)
 #: The methods every rule has a robust form for from the replies alone; ``fltrust`` needs a
-#: server data set and a model to train on it (:mod:`strategies.root_trust`).
+#: server data set and a model to train on it (:mod:`strategies.defended`).
 GENERIC_METHODS: tuple[str, ...] = ("none", "trimmed-mean", "median", "krum", "multi-krum", "flame")
 #: Rules that replace the mean coordinate by coordinate.
 COORDINATE_WISE: tuple[str, ...] = ("trimmed-mean", "median")
@@ -60,7 +60,7 @@ SELECTION_REASONS: dict[str, str] = {
     "multi-krum": "krum-rejected",
     "flame": "flame-rejected",
 }
-SELECTION_DROPS: tuple[str, ...] = ("krum-rejected", "flame-rejected")
+SELECTION_DROPS: tuple[str, ...] = tuple(dict.fromkeys(SELECTION_REASONS.values()))
 #: FLAME clips every kept update at the median norm of the round: this clip factor.
 FLAME_CLIP_FACTOR = 1.0
 #: FLAME's noise level for image classification (Nguyen et al. 2022, section 6): the noise added

@@ -146,6 +146,14 @@ def model_rejection(
     aggregated replies) + ``MODEL_GROWTH_MARGIN`` x sqrt(elements). The median, not the largest
     update: the largest is whatever one attacker sends, so a bound on it bounds nothing.
     """
+    return _model_scan(new_arrays, previous, median_update)[0]
+
+
+def _model_scan(
+    new_arrays: Mapping[str, Any], previous: NDArrayDict, median_update: float
+) -> tuple[str | None, float, int]:
+    """:func:`model_rejection`'s reason, with the new model's norm and element count that its
+    one pass over the model computed (:class:`ModelGuard` bounds the same norm again)."""
     squares_new = squares_old = 0.0
     elements = 0
     for key, raw in new_arrays.items():
@@ -154,9 +162,10 @@ def model_rejection(
             continue
         low, high = value_range(value)
         if not (math.isfinite(low) and math.isfinite(high)):
-            return f"tensor '{key}' holds NaN or Inf"
+            return f"tensor '{key}' holds NaN or Inf", math.nan, elements
         if max(-low, high) > REPLY_VALUE_LIMIT:
-            return f"tensor '{key}' holds a value of magnitude {max(-low, high):.3g}"
+            reason = f"tensor '{key}' holds a value of magnitude {max(-low, high):.3g}"
+            return reason, math.nan, elements
         squares_new += squared_norm(value)
         if key in previous:
             squares_old += squared_norm(previous[key])
@@ -168,9 +177,11 @@ def model_rejection(
         return (
             f"its norm {norm:.4g} exceeds {MODEL_GROWTH_FACTOR:g} x (previous model's norm "
             f"{previous_norm:.4g} + median client update {median_update:.4g}) + "
-            f"{MODEL_GROWTH_MARGIN:g} x sqrt({elements} elements)"
+            f"{MODEL_GROWTH_MARGIN:g} x sqrt({elements} elements)",
+            norm,
+            elements,
         )
-    return None
+    return None, norm, elements
 
 
 def floating_norm(arrays: Mapping[str, Any]) -> tuple[float, int]:
@@ -208,10 +219,9 @@ class ModelGuard:
         """Why ``new_arrays`` must not be committed, or None (then the round counts as one)."""
         if self.initial_norm is None:
             self.initial_norm = floating_norm(previous)[0]
-        refusal = model_rejection(new_arrays, previous, median_update)
+        refusal, norm, elements = _model_scan(new_arrays, previous, median_update)
         if refusal is not None:
             return refusal
-        norm, elements = floating_norm(new_arrays)
         rounds = len(self.medians) + 1
         scale = float(np.median([*self.medians, median_update]))
         limit = MODEL_GROWTH_FACTOR * (
