@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import math
 import time
+from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from logging import INFO, WARNING
 from typing import Any, ClassVar, Literal, Unpack, cast
@@ -204,8 +205,8 @@ class RootSetOptions(ProjectOptions, total=False):
 
 class DefendedStrategy(ContractStrategy):
     """A rule with the robust forms that need more than the base's steps: ``fltrust`` and
-    ``flame`` (module docstring). Rules call :meth:`defended_replies` first in their
-    ``aggregate`` and return :meth:`defended_model` of their result.
+    ``flame`` (module docstring). :meth:`aggregate` runs the rule's own aggregation
+    (:meth:`aggregate_rule`, which each rule provides) between them.
 
     Parameters
     ----------
@@ -280,6 +281,24 @@ class DefendedStrategy(ContractStrategy):
                     f"in the train config (this project's ClientTask keys): {error}"
                 ) from None
         return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate(
+        self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
+    ) -> NDArrayDict:
+        """The rule's aggregation (:meth:`aggregate_rule`) inside the defences: over
+        :meth:`defended_replies` (the model stays as it is when ``fltrust`` trusts no reply),
+        returning :meth:`defended_model` of its result."""
+        kept = self.defended_replies(server_round, global_arrays, replies)
+        if not kept:  # fltrust trusted no reply
+            return {key: np.array(value) for key, value in global_arrays.items()}
+        new_arrays = self.aggregate_rule(server_round, global_arrays, kept)
+        return self.defended_model(server_round, new_arrays)
+
+    @abstractmethod
+    def aggregate_rule(
+        self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
+    ) -> NDArrayDict:
+        """The rule's own aggregation of the replies the defences kept."""
 
     def defended_replies(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]

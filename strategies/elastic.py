@@ -378,7 +378,7 @@ class ElasticAggregation(DefendedStrategy):
             )
         return reply
 
-    def aggregate(
+    def aggregate_rule(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
         """Zeta-scale the mean update with the replies' sensitivities, then take a server step.
@@ -391,9 +391,6 @@ class ElasticAggregation(DefendedStrategy):
         FLTrust's aggregate update and Omega the trust-weighted mean sensitivity, and zeta comes
         from it.
         """
-        replies = self.defended_replies(server_round, global_arrays, replies)
-        if not replies:  # fltrust trusted no reply
-            return {key: np.array(value) for key, value in global_arrays.items()}
         carried = Counter(key for reply in replies for key in reply.records[SENSITIVITY_RECORD])
         keys = sorted(key for key, count in carried.items() if count == len(replies))
         partial = sorted(key for key, count in carried.items() if count < len(replies))
@@ -422,8 +419,7 @@ class ElasticAggregation(DefendedStrategy):
         )
         self._zeta_metrics = _zeta_summary(zeta)
         stepped = {**average, **self.optimizer.step(global_arrays, scaled_update)}
-        # the model's tensor order
-        return self.defended_model(server_round, {key: stepped[key] for key in global_arrays})
+        return {key: stepped[key] for key in global_arrays}  # the model's tensor order
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
         """Mean and minimum zeta over all scaled elements of the last round (and the defences')."""

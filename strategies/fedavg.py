@@ -170,7 +170,7 @@ class FedAvg(DefendedStrategy):
         """Continue with a checkpoint's server-optimizer moments."""
         self.optimizer.load_state_dict(self._load_bounds_state(state)["optimizer"])
 
-    def aggregate(
+    def aggregate_rule(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
         """Weighted mean (or server-optimizer step) over the valid replies, their updates clipped.
@@ -184,9 +184,6 @@ class FedAvg(DefendedStrategy):
         length), and the server optimizer steps along that
         (:class:`~strategies.defended.DefendedStrategy`).
         """
-        replies = self.defended_replies(server_round, global_arrays, replies)
-        if not replies:  # fltrust trusted no reply
-            return {key: np.array(value) for key, value in global_arrays.items()}
         scales = [reply.update_scale for reply in replies]
         if self.robust_aggregation in COORDINATE_WISE:
             return aggregate_robust(
@@ -197,14 +194,13 @@ class FedAvg(DefendedStrategy):
                 self.optimizer,
                 scales,
             )
-        result = aggregate_fedavg(
+        return aggregate_fedavg(
             global_arrays,
             [reply.arrays for reply in replies],
             np.array([reply.num_examples for reply in replies], dtype=np.float64),
             self.optimizer,
             scales,
         )
-        return self.defended_model(server_round, result)
 
 
 class FedAvgM(FedAvg):

@@ -549,7 +549,7 @@ class FedGMA(DefendedStrategy):
             )
         return [{key: g[key] for key in sorted(common)} for g in gradients]
 
-    def aggregate(
+    def aggregate_rule(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
         """Weighted model average plus the masked server step, over the valid replies.
@@ -561,9 +561,6 @@ class FedGMA(DefendedStrategy):
         replies' gradient signs, one vote each, and the masked gradient mean is their
         trust-weighted mean; the soft mask's agreement is weighted by trust.
         """
-        replies = self.defended_replies(server_round, global_arrays, replies)
-        if not replies:  # fltrust trusted no reply
-            return {key: np.array(value) for key, value in global_arrays.items()}
         result = fedgma_step(
             global_arrays,
             [reply.arrays for reply in replies],
@@ -581,7 +578,7 @@ class FedGMA(DefendedStrategy):
             abstentions=self.last_suspects,
         )
         self.last_mask_mean = result.mask_mean
-        return self.defended_model(server_round, result.arrays)
+        return result.arrays
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
         """``gma-mask-mean``: share of coordinates kept (hard) or mean soft-mask value (soft)."""

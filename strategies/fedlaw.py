@@ -921,7 +921,7 @@ class FedLAW(DefendedStrategy):
             self.device,
         )
 
-    def aggregate(
+    def aggregate_rule(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
         """Learn gamma and lambda on the proxy set, then build gamma * sum_k lambda_k theta_k.
@@ -941,9 +941,6 @@ class FedLAW(DefendedStrategy):
         - "flame": the replies FLAME's clustering kept, clipped at the median norm; noise is
           added to the model FedLAW builds.
         """
-        replies = self.defended_replies(server_round, global_arrays, replies)
-        if not replies:  # fltrust trusted no reply
-            return {key: np.array(value) for key, value in global_arrays.items()}
         client_params = [reply.arrays for reply in replies]
         counts = [reply.num_examples for reply in replies]
         scales = [reply.update_scale for reply in replies]
@@ -1015,7 +1012,7 @@ class FedLAW(DefendedStrategy):
             server_buffers = {
                 name: value.detach().cpu().numpy() for name, value in self._server_buffers.items()
             }
-        result = aggregate_fedlaw(
+        return aggregate_fedlaw(
             self.model,
             client_params,
             gamma,
@@ -1026,7 +1023,6 @@ class FedLAW(DefendedStrategy):
             scales=scales,
             global_params=global_arrays,
         )
-        return self.defended_model(server_round, result)
 
     def _running_buffers(self, global_arrays: NDArrayDict) -> dict[str, torch.Tensor] | None:
         """fedlaw-bn = "authors": a working copy of the server's buffers (first round: the
