@@ -12,8 +12,11 @@
 #   supernode             flower-supernode for partition BA_PARTITION_ID of BA_NUM_PARTITIONS,
 #                         connecting to BA_SUPERLINK (host:port; default: the SuperLink host
 #                         BA_SUPERLINK_HOST, "superlink" by default, at the Fleet API's port of
-#                         this image's Flower: 9092 gRPC, 9093 HTTP); ClientApps run as
-#                         subprocesses. It runs under ba-supernode (server/supervise.py), which
+#                         this image's Flower: 9092 gRPC, 9093 HTTP); ClientApps are forked
+#                         from a warm process that imported Flower, torch and the app once
+#                         (BA_EXECUTOR=warm, the default; BA_EXECUTOR=subprocess: Flower's
+#                         fresh Python per message). It runs under ba-supernode
+#                         (server/supervise.py), which
 #                         starts it again when the SuperLink forgot it: Flower's SuperNode then
 #                         exits, which the restart policy covers, or hangs retrying, which it
 #                         does not (docs/deployment.md, "When a process dies")
@@ -85,7 +88,7 @@ case "$role" in
     # shellcheck disable=SC2086
     exec ba-supernode $security $auth \
       --superlink "$superlink" \
-      --isolation subprocess \
+      --executor "${BA_EXECUTOR:-warm}" \
       --node-config "partition-id=${BA_PARTITION_ID} num-partitions=${BA_NUM_PARTITIONS}" \
       --health-server-address 127.0.0.1:9099 \
       "$@"

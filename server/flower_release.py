@@ -46,8 +46,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 FleetTransport = Literal["grpc", "http"]
+#: How a SuperNode runs its ClientApps: ``warm`` forks each from one pre-imported process
+#: (:mod:`server.warm_executor`, beside ``flower-supernode --isolation process``); ``subprocess``
+#: is Flower's default, a fresh ``flwr-clientapp`` Python per message.
+ClientAppExecutor = Literal["warm", "subprocess"]
+CLIENTAPP_EXECUTORS: tuple[ClientAppExecutor, ...] = ("warm", "subprocess")
 #: The first release whose Fleet API is HTTP (and whose SuperNode speaks nothing else).
 HTTP_FLEET_SINCE = (1, 40)
+#: The first release with the pieces the warm executor runs on: a SuperNode Runtime API served
+#: over HTTP that ``flower-superexec`` polls for tasks (``run_superexec``) and hands to an
+#: ``Executor`` (``flwr.supercore.superexec.executor``), and ``run_clientapp(token=...)``.
+WARM_EXECUTOR_SINCE = (1, 39)
 #: What a SuperNode logs when the SuperLink answers that it does not know the node (a SuperLink
 #: restarted with its state in memory): the node must register again. ``grpc``: the Fleet API's
 #: "Invalid node ID" (UNAUTHENTICATED) and the heartbeat's "does not recognize this SuperNode";
@@ -106,6 +115,26 @@ class FlowerRelease:
             fleet = _host_part(host if fleet_host is None else fleet_host)
             flags += ["--fleet-api-address", f"{fleet}:{fleet_port}"]
         return flags
+
+    def warm_executor_problem(self) -> str | None:
+        """Why the warm executor cannot run on this release, or None when it can."""
+        if _release_tuple(self.version) < WARM_EXECUTOR_SINCE:
+            return (
+                f"flwr {self.version} predates the SuperExec executor interface the warm "
+                f"executor plugs into (flwr {'.'.join(map(str, WARM_EXECUTOR_SINCE))} and "
+                "later): run the SuperNode with --executor subprocess, or upgrade flwr"
+            )
+        return None
+
+    def default_executor(self) -> ClientAppExecutor:
+        """``warm`` where the release supports it, else Flower's ``subprocess``."""
+        return "warm" if self.warm_executor_problem() is None else "subprocess"
+
+    def supernode_isolation(self, executor: ClientAppExecutor) -> list[str]:
+        """``flower-supernode``'s isolation flags for ``executor``: under ``warm`` the SuperNode
+        starts no SuperExec of its own (``process``) and the warm executor polls its Runtime
+        API instead."""
+        return ["--isolation", "process" if executor == "warm" else "subprocess"]
 
     def fleet_port(self, fleet_port: int, control_port: int) -> int:
         """The SuperLink port a SuperNode dials."""

@@ -24,6 +24,15 @@ A SuperNode that ends within ``--healthy-after`` seconds of its start (a refused
 address) is started again after a doubling delay, up to ``--max-restart-delay``, so a node that
 cannot join does not spin.
 
+**ClientApps from a warm process** (``--executor warm``, the default where the installed Flower
+supports it: :meth:`server.flower_release.FlowerRelease.default_executor`): the SuperNode runs
+with ``--isolation process``, and beside it ``ba-supernode`` keeps a second process running,
+``ba-warm-executor`` (:mod:`server.warm_executor`), which imports Flower, torch and the app once
+and forks one child per message, so no message pays for a Python start or an import. It is
+supervised like the SuperNode: started again whenever it ends (``kill -9`` included), its
+children stopped with it. ``--executor subprocess`` is Flower's own: a fresh ``flwr-clientapp``
+process per message.
+
     ba-supernode --insecure --superlink 127.0.0.1:9092 \\
         --node-config 'partition-id=0 num-partitions=3'
 
@@ -46,7 +55,12 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-from .flower_release import installed_forgotten_markers
+from .flower_release import (
+    CLIENTAPP_EXECUTORS,
+    ClientAppExecutor,
+    FlowerRelease,
+    installed_forgotten_markers,
+)
 
 #: What the installed Flower's SuperNode logs when the SuperLink answers that it does not know
 #: this node (a SuperLink restarted with its state in memory): the node must register again.
@@ -86,6 +100,11 @@ class Supervisor:
         Where the wrapper's own lines go (standard error by default).
     output : binary stream
         Where the process's output is passed on to (this process's standard output).
+    name : str
+        What the wrapper's lines call the process.
+    forgotten_markers : sequence of str
+        Output lines that mean the SuperLink no longer knows this node (:data:`FORGOTTEN` for a
+        SuperNode; none for the warm executor, which follows its SuperNode's Runtime API).
     """
 
     def __init__(
@@ -98,8 +117,12 @@ class Supervisor:
         exit_grace: float = 20.0,
         say: Callable[[str], None] | None = None,
         output: IO[bytes] | None = None,
+        name: str = "flower-supernode",
+        forgotten_markers: Sequence[str] = FORGOTTEN,
     ) -> None:
         self.command = list(command)
+        self.name = name
+        self.forgotten_markers = tuple(marker.encode() for marker in forgotten_markers)
         self.delay, self.max_delay, self.healthy_after = delay, max_delay, healthy_after
         self.exit_grace = exit_grace
         self.say = say or (lambda line: print(f"ba-supernode: {line}", file=sys.stderr, flush=True))
@@ -128,7 +151,7 @@ class Supervisor:
         for line in iter(stream.readline, b""):
             self.output.write(line)
             self.output.flush()
-            if any(marker.encode() in line for marker in FORGOTTEN):
+            if any(marker in line for marker in self.forgotten_markers):
                 self.forgotten.set()
 
     def _wait(self, child: subprocess.Popen[bytes]) -> int:
@@ -140,7 +163,7 @@ class Supervisor:
                 with suppress(subprocess.TimeoutExpired):
                     return child.wait(timeout=self.exit_grace)
                 self.say(
-                    f"flower-supernode (pid {child.pid}) is unknown to the SuperLink and still "
+                    f"{self.name} (pid {child.pid}) is unknown to the SuperLink and still "
                     f"running {self.exit_grace:g} s later: stopping it to register again"
                 )
                 self._signal_child(signal.SIGTERM)
@@ -182,7 +205,7 @@ class Supervisor:
             lived = time.monotonic() - started
             wait = self.delay if lived >= self.healthy_after else min(wait * 2, self.max_delay)
             self.say(
-                f"flower-supernode (pid {child.pid}) ended with status {status} after "
+                f"{self.name} (pid {child.pid}) ended with status {status} after "
                 f"{lived:.0f} s; starting it again in {wait:g} s"
             )
             self.stopping.wait(wait)
@@ -202,14 +225,67 @@ def reap_orphans() -> None:
             return
 
 
+def take_option(arguments: list[str], flag: str) -> str | None:
+    """Remove ``flag VALUE`` (or ``flag=VALUE``) from ``arguments``; return the last VALUE."""
+    value = None
+    index = 0
+    while index < len(arguments):
+        argument = arguments[index]
+        if argument == flag and index + 1 < len(arguments):
+            value = arguments[index + 1]
+            del arguments[index : index + 2]
+        elif argument.startswith(flag + "="):
+            value = argument.split("=", 1)[1]
+            del arguments[index]
+        else:
+            index += 1
+    return value
+
+
+def option_value(arguments: Sequence[str], flag: str) -> str | None:
+    """The last value of ``flag`` in ``arguments`` (left in place), or None."""
+    return take_option(list(arguments), flag)
+
+
+def runtime_api_dial_address(supernode_arguments: Sequence[str]) -> str:
+    """Where the SuperNode's Runtime API answers, from its ``--host``/``--port`` (Flower's
+    defaults 127.0.0.1 and 9094); a wildcard host is dialled on loopback."""
+    host = option_value(supernode_arguments, "--host") or "127.0.0.1"
+    port = option_value(supernode_arguments, "--port") or "9094"
+    if host in ("0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def warm_executor_command(
+    supernode_arguments: Sequence[str], preload: Sequence[str], task_timeout: float
+) -> list[str]:
+    """``ba-warm-executor`` for the SuperNode started with ``supernode_arguments``: its Runtime
+    API's address, and TLS when the SuperNode serves that API with a certificate
+    (``--ssl-ca-certfile`` is the CA to trust)."""
+    command = [sys.executable, "-m", "beyond_averaging.server.warm_executor"]
+    command += ["--runtime-api-address", runtime_api_dial_address(supernode_arguments)]
+    certificate_authority = option_value(supernode_arguments, "--ssl-ca-certfile")
+    if certificate_authority:
+        command += ["--root-certificates", certificate_authority]
+    else:
+        command.append("--insecure")
+    for module in preload:
+        command += ["--preload", module]
+    command += ["--task-timeout", f"{task_timeout:g}", "--parent-pid", str(os.getpid())]
+    return command
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``ba-supernode``."""
+    release = FlowerRelease.installed()
     parser = argparse.ArgumentParser(
         prog="ba-supernode",
         allow_abbrev=False,  # a flower-supernode flag must never be taken for a prefix of ours
         description="Run flower-supernode and start it again whenever it ends (a SuperLink "
-        "restarted with its state in memory forgets every node, which then exits). Arguments "
-        "not listed here go to flower-supernode.",
+        "restarted with its state in memory forgets every node, which then exits), with its "
+        "ClientApps forked from a warm process (--executor warm). Arguments not listed here "
+        "go to flower-supernode.",
     )
     parser.add_argument("--restart-delay", type=float, default=2.0, help="seconds (default 2)")
     parser.add_argument(
@@ -228,23 +304,85 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="seconds a SuperNode the SuperLink no longer knows may take to end by itself "
         "before it is stopped and started again (default 20)",
     )
+    parser.add_argument(
+        "--executor",
+        choices=CLIENTAPP_EXECUTORS,
+        default=release.default_executor(),
+        help="how ClientApps run: warm (forked from one process that imported Flower, torch "
+        "and the app once; the default) or subprocess (Flower's: a new Python per message)",
+    )
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="--executor warm: a module the warm process imports besides Flower, torch and "
+        "this app (repeatable)",
+    )
+    parser.add_argument(
+        "--task-timeout",
+        type=float,
+        default=600.0,
+        help="--executor warm: seconds a ClientApp may run before it is killed (default 600)",
+    )
     args, rest = parser.parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
-    supervisor = Supervisor(
-        [flower_supernode(), *rest],
-        delay=args.restart_delay,
-        max_delay=args.max_restart_delay,
-        healthy_after=args.healthy_after,
-        exit_grace=args.exit_grace,
+    executor: ClientAppExecutor = args.executor
+    isolation = take_option(rest, "--isolation")
+    if executor == "warm":
+        problem = release.warm_executor_problem()
+        if problem is not None:
+            parser.error(problem)
+        if isolation == "subprocess":
+            parser.error(
+                "--isolation subprocess is Flower's own executor: pass --executor subprocess "
+                "instead (or drop --isolation)"
+            )
+        if args.task_timeout <= 0:
+            parser.error(f"--task-timeout must be positive seconds, got {args.task_timeout:g}")
+    # --executor subprocess with --isolation process: the user runs their own executor.
+    isolation_flags = (
+        ["--isolation", isolation] if isolation else release.supernode_isolation(executor)
     )
+    timing = {
+        "delay": args.restart_delay,
+        "max_delay": args.max_restart_delay,
+        "healthy_after": args.healthy_after,
+    }
+    supervisors = [
+        Supervisor(
+            [flower_supernode(), *rest, *isolation_flags], exit_grace=args.exit_grace, **timing
+        )
+    ]
+    if executor == "warm":
+        supervisors.append(
+            Supervisor(
+                warm_executor_command(rest, args.preload, args.task_timeout),
+                name="ba-warm-executor",
+                forgotten_markers=(),
+                **timing,
+            )
+        )
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        supervisor.stop(signum)
+        for supervisor in supervisors:
+            supervisor.stop(signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
-    return supervisor.run()
+    helpers = [
+        threading.Thread(target=supervisor.run, name=supervisor.name, daemon=True)
+        for supervisor in supervisors[1:]
+    ]
+    for helper in helpers:
+        helper.start()
+    status = supervisors[0].run()
+    for supervisor in supervisors[1:]:
+        supervisor.stop()
+    for helper in helpers:
+        helper.join(timeout=15.0)
+    return status
 
 
 if __name__ == "__main__":
