@@ -45,17 +45,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import MIB, PeakSampler, hardware, interpreter
+from benchmarks.harness import MIB, PeakSampler, RunOutcome, clean_log, hardware, interpreter
 from benchmarks.report import markdown_table, read_metrics
+from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.flower_release import FlowerRelease
+from beyond_averaging.server.deploy import CONNECTION, LocalDeployment
+from beyond_averaging.server.flower_release import CLIENTAPP_EXECUTORS, FlowerRelease
 from beyond_averaging.server.launch import LaunchError, run_config_argument
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
-from tests.deploy_helpers import CONNECTION, REPO, LocalDeployment
-from tests.flower_runtime import RunOutcome, clean_log
 
 RESULTS = REPO / "benchmarks" / "results" / "deployment"
 PUBLISHED = REPO / "docs" / "results"
@@ -89,6 +89,9 @@ HIDDEN = 200
 # ------------------------------------------------------------------------------ process table
 #: ``comm`` of each Flower process (Linux keeps the first 15 characters of the script's name).
 COMM_KINDS = {
+    "ba-supernode": "supervisor",
+    "ba-warm-exec": "warm-executor",
+    "ba-clientapp": "clientapp",
     "flower-superlin": "superlink",
     "flwr-serverapp": "serverapp",
     "flower-supernod": "supernode",
@@ -103,6 +106,8 @@ KINDS = {
     "serverapp": "ServerApp",
     "supernode": "SuperNode",
     "superexec-node": "SuperExec (starts ClientApps)",
+    "supervisor": "`ba-supernode` (restarts the SuperNode and the warm executor)",
+    "warm-executor": "warm executor (forks ClientApps)",
     "clientapp": "ClientApp",
     "flwr-run": "`flwr run` (the user's CLI)",
     "benchmark": "this benchmark (its sampling of /proc)",
@@ -286,6 +291,9 @@ class ProcessWatch:
         #: The SuperNodes' logs, read at every sample for the train instructions they receive.
         self.receipts: LogWatch | None = None
         self.page = os.sysconf("SC_PAGE_SIZE")
+        #: The process the deployment started for each SuperNode (see :meth:`node_of`).
+        self.node_roots: set[int] = set()
+        self.pss_read = 0.0
         self.load: list[float] = []
         self.samples = 0
 
@@ -339,22 +347,46 @@ class ProcessWatch:
         return self.node_memory()
 
     def node_of(self, pid: int) -> int | None:
-        """The SuperNode a process runs under (itself for a SuperNode), or None."""
+        """The node a process runs under: the process the deployment started for that
+        SuperNode (a bare SuperNode, or ``ba-supernode`` with the SuperNode and the warm
+        executor below it), or None."""
         while pid in self.processes and pid != self.root:
-            if COMM_KINDS.get(self.processes[pid].last.comm) == "supernode":
+            if pid in self.node_roots:
                 return pid
             pid = self.processes[pid].last.ppid
         return None
 
     def node_memory(self) -> dict[str, float]:
-        """Resident bytes now of each SuperNode with its live processes (``node-<pid>``)."""
+        """Memory now of each node with its live processes: resident bytes (``rss-<pid>``)
+        and, at most once a second, proportional bytes (``pss-<pid>``, Linux ``Pss``: a page
+        shared by k processes counts 1/k to each). A forked ClientApp shares most of its
+        pages with the warm parent, which RSS counts twice and PSS once."""
         memory: dict[str, float] = {}
+        read_pss = time.monotonic() - self.pss_read >= 1.0
         for pid, process in self.processes.items():
             node = self.node_of(pid)
-            if node is not None and not process.ended:
-                key = f"node-{node}"
-                memory[key] = memory.get(key, 0.0) + process.last.rss_pages * self.page
+            if node is None or process.ended:
+                continue
+            memory[f"rss-{node}"] = (
+                memory.get(f"rss-{node}", 0.0) + process.last.rss_pages * self.page
+            )
+            if read_pss:
+                memory[f"pss-{node}"] = memory.get(f"pss-{node}", 0.0) + pss_bytes(pid)
+        if read_pss:
+            self.pss_read = time.monotonic()
         return memory
+
+
+def pss_bytes(pid: int) -> float:
+    """A process's proportional set size (``/proc/<pid>/smaps_rollup``), 0 once it ended."""
+    try:
+        rollup = (Path("/proc") / str(pid) / "smaps_rollup").read_text(encoding="utf-8")
+    except OSError:
+        return 0.0
+    for line in rollup.splitlines():
+        if line.startswith("Pss:"):
+            return float(line.split()[1]) * 1024
+    return 0.0
 
 
 # -------------------------------------------------------------------------------- profiling
@@ -631,19 +663,29 @@ def measure(
     interval: float,
     timeout: float,
     profile: Path | None = None,
+    executor: str = "warm",
 ) -> dict[str, Any]:
     """One deployment of ``app`` with ``nodes`` SuperNodes: start it, run ``rounds`` rounds
     under the process watch (the window is ``flwr run`` alone), stop it. With ``profile``,
-    py-spy records the first SuperNode and its processes into that file meanwhile."""
-    deployment = LocalDeployment(app_dir, workdir, file_state=False)
+    py-spy records the first SuperNode and its processes into that file meanwhile.
+
+    This project's app runs as docs/deployment.md deploys it, each SuperNode under
+    ``ba-supernode`` with ``executor``; the quickstart as Flower runs it, bare
+    ``flower-supernode`` processes with Flower's subprocess isolation."""
+    project = app == "project"
+    deployment = LocalDeployment(
+        app_dir, workdir, file_state=False, executor="warm" if executor == "warm" else "subprocess"
+    )
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
+    row["executor"] = executor if project else "flower-subprocess"
     watch = ProcessWatch(os.getpid())
     spy: subprocess.Popen[bytes] | None = None
     try:
         deployment.start()
         for partition in range(nodes):
-            deployment.start_supernode(partition, nodes)
+            deployment.start_supernode(partition, nodes, supervised=project)
         deployment.wait_for_nodes(nodes, timeout=max(120.0, 10.0 * nodes))
+        watch.node_roots = {node.process.pid for node in deployment.supernodes}
         run_settings = {**WORK, "num-server-rounds": rounds, "num-clients": nodes}
         run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
         spy = None if profile is None else py_spy(deployment.supernodes[0].process.pid, profile)
@@ -716,7 +758,8 @@ def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -
     peak_rss = dict.fromkeys(KINDS, 0.0)
     for pid, process in processes.items():
         peak_rss[kinds[pid]] = max(peak_rss[kinds[pid]], process.peak_rss_pages * watch.page)
-    nodes = list(node_peaks.values())
+    nodes = [value for key, value in node_peaks.items() if key.startswith("rss-")]
+    proportional = [value for key, value in node_peaks.items() if key.startswith("pss-")]
     return {
         "round-seconds": None if intervals is None else [round(s, 2) for s in intervals],
         "cpu-seconds": {kind: round(value, 2) for kind, value in seconds.items()},
@@ -730,6 +773,9 @@ def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -
         "peak-rss-mb": {kind: round(value / MIB, 1) for kind, value in peak_rss.items() if value},
         "node-peak-rss-mb": round(statistics.fmean(nodes) / MIB, 1) if nodes else None,
         "node-peak-rss-mb-max": round(max(nodes) / MIB, 1) if nodes else None,
+        "node-peak-pss-mb": (
+            round(statistics.fmean(proportional) / MIB, 1) if proportional else None
+        ),
         "load-average": [
             round(value, 1)
             for value in (min(watch.load), statistics.fmean(watch.load), max(watch.load))
@@ -790,6 +836,7 @@ def summarize(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 statistics.median(row["clientapp-cpu-seconds-each"]) for row in mine
             ),
             "node-peak-rss-mb": max(row["node-peak-rss-mb"] or 0.0 for row in mine),
+            "node-peak-pss-mb": max(row.get("node-peak-pss-mb") or 0.0 for row in mine),
             "peak-rss-mb": memory,
             "final-accuracy": [row["final-accuracy"] for row in mine],
         }
@@ -827,8 +874,10 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         f"{meta['load']}; the ratios are taken within each repeat, both apps back to back). "
         f"One local deployment per app and repeat: a SuperLink (state in memory) and "
         f"{meta['nodes']} SuperNodes as processes on loopback, insecure, flwr {meta['flwr']} "
-        f"(Fleet API over {meta['transport']}), each SuperNode starting a ClientApp process per "
-        f"message (Flower's default isolation); {meta['rounds']} rounds, {meta['repeats']} "
+        f"(Fleet API over {meta['transport']}); this project's SuperNodes under `ba-supernode` "
+        f"with the {meta.get('executor', 'subprocess')} executor, the quickstart's as Flower "
+        "runs them (a new ClientApp process per message); "
+        f"{meta['rounds']} rounds, {meta['repeats']} "
         f"repeats, apps alternating ({meta['order']}); {meta['threads']} torch thread per "
         "process (`OMP_NUM_THREADS`); processes niced by 10.",
         "",
@@ -861,8 +910,17 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     add("ClientApp processes per round", "clientapps-per-round", 1)
     add("ClientApp CPU seconds per train instruction", "cpu-per-message", 2)
     add("CPU seconds of one ClientApp process (median)", "cpu-per-clientapp-median", 2)
-    add("peak RSS per node (MB): SuperNode + SuperExec + ClientApp", "node-peak-rss-mb", 0)
-    for kind in ("supernode", "superexec-node", "clientapp", "serverapp", "superlink"):
+    add("peak RSS per node (MB): every process of the node, summed", "node-peak-rss-mb", 0)
+    add("peak PSS per node (MB): the same, shared pages counted once", "node-peak-pss-mb", 0)
+    for kind in (
+        "supernode",
+        "superexec-node",
+        "supervisor",
+        "warm-executor",
+        "clientapp",
+        "serverapp",
+        "superlink",
+    ):
         a = project.get("peak-rss-mb", {}).get(kind)
         b = flower.get("peak-rss-mb", {}).get(kind)
         cells.append(
@@ -1016,8 +1074,17 @@ METHOD = """## Method
   ServerApp's start and `flwr run` (building and uploading the FAB) are spread over the
   rounds.
 - **Memory**: the resident set (`/proc/<pid>/stat` rss) at each sample. Per node: the largest
-  sum of a SuperNode's processes at one sample (SuperNode, SuperExec and the ClientApp(s)
-  alive), the mean over the nodes; per kind: the largest single process of that kind.
+  sum over a node's processes at one sample (this project's: `ba-supernode`, the SuperNode,
+  the warm executor and the ClientApp(s) forked from it; the quickstart's: the SuperNode, its
+  SuperExec and ClientApp(s)), the mean over the nodes; per kind: the largest single process
+  of that kind. A forked ClientApp shares the pages of its warm parent, which the summed RSS
+  counts twice; the proportional set size (`Pss` of `/proc/<pid>/smaps_rollup`, read once a
+  second: a page shared by k processes counts 1/k to each) counts them once.
+- **Executors**: this project's app runs as docs/deployment.md deploys it, every SuperNode
+  under `ba-supernode` with the executor named in the page's command (`--executor`, warm by
+  default: ClientApps forked from one pre-imported process); the quickstart runs as Flower
+  runs it, bare `flower-supernode` processes with Flower's subprocess isolation (a new
+  `flwr-clientapp` Python per message).
 """
 
 
@@ -1057,6 +1124,7 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
                     args.interval,
                     args.timeout,
                     profile_record(name, app, repeat) if args.profile else None,
+                    args.executor,
                 )
                 rows.append({"repeat": repeat, **row})
                 print(json.dumps(rows[-1]), flush=True)
@@ -1071,6 +1139,7 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         "cpus": os.cpu_count(),
         "load": f"mean {min(loads):.1f} to {max(loads):.1f} per run" if loads else "-",
         "nodes": args.nodes,
+        "executor": args.executor,
         "rounds": args.rounds,
         "repeats": args.repeats,
         "order": ", ".join(order),
@@ -1109,6 +1178,13 @@ def main() -> None:
         action="store_true",
         help="measure only the CPU of what a ClientApp process loads (fresh processes, median "
         f"of {IMPORT_REPEATS}) and add it to this release's saved page",
+    )
+    parser.add_argument(
+        "--executor",
+        choices=CLIENTAPP_EXECUTORS,
+        default="warm",
+        help="how this project's SuperNodes run ClientApps (ba-supernode --executor; default "
+        "warm); the quickstart always runs Flower's own subprocess isolation",
     )
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()

@@ -5,8 +5,10 @@ of the same run, are the benchmarks' own: this module only measures).
 
 from __future__ import annotations
 
+import ast
 import os
 import platform
+import re
 import sys
 import threading
 import time
@@ -195,3 +197,72 @@ def federation(
     grid = InProcessGrid(client_app, config.num_clients, config.to_run_config())
     arrays = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
     return Federation(config, model, rule, grid, arrays, test_set)
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The peak resident memory of a live process so far (Linux ``VmHWM``), 0 once it ended."""
+    try:
+        status = (Path("/proc") / str(pid) / "status").read_text(encoding="utf-8")
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_rss_sampler(pids: Callable[[], list[int]], interval: float = 0.2) -> PeakSampler:
+    """A :class:`PeakSampler` of ``rss``: the largest peak RSS (``VmHWM``) of the processes
+    ``pids()`` returns, sampled every ``interval`` s (e.g. a deployment's ServerApps)."""
+    return PeakSampler(
+        lambda: {"rss": float(max((peak_rss_bytes(pid) for pid in pids()), default=0))},
+        interval,
+    )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LOG_PREFIX = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) *: *\t?", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What one ``flwr run`` did, read from its streamed log and ``flwr ls``."""
+
+    run_id: int | None
+    status: str
+    log: str
+    seconds: float
+
+    @property
+    def completed(self) -> bool:
+        return self.status.endswith("completed")
+
+    def strategy(self) -> str | None:
+        """The strategy class Flower's ``Strategy.start`` announced."""
+        match = re.search(r"Starting (\w+) strategy", self.log)
+        return match.group(1) if match else None
+
+    def final_metrics(self, heading: str) -> dict[int, dict[str, float]]:
+        """A per-round metrics table of the ``Final results`` that ``Strategy.start`` logs.
+
+        ``heading`` is one of Flower's ``Aggregated ClientApp-side Train Metrics``,
+        ``Aggregated ClientApp-side Evaluate Metrics`` or ``ServerApp-side Evaluate Metrics``.
+        """
+        _, found, rest = self.log.partition(f"{heading}:\n")
+        if not found:
+            return {}
+        text = rest.split("\n\n", 1)[0]
+        text = "".join(line.strip() for line in text.splitlines() if line.strip())
+        table = ast.literal_eval(text[: text.rindex("}") + 1])
+        return {int(r): {k: float(v) for k, v in m.items()} for r, m in table.items()}
+
+    def tail(self, characters: int = 6000) -> str:
+        return (
+            f"status {self.status!r}, run {self.run_id}, {self.seconds:.0f} s:\n"
+            + (self.log[-characters:])
+        )
+
+
+def clean_log(text: str) -> str:
+    """A Flower log without colour codes and ``INFO :`` prefixes; each line as it was logged."""
+    return _LOG_PREFIX.sub("", _ANSI.sub("", text)).replace("\r", "")

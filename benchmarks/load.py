@@ -20,15 +20,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import MIB, PeakSampler, available_bytes, hardware, status_bytes
+from benchmarks.harness import (
+    MIB,
+    PeakSampler,
+    available_bytes,
+    hardware,
+    peak_rss_sampler,
+    status_bytes,
+)
 from benchmarks.report import markdown_table, read_metrics
+from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task
 from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.deploy import LocalDeployment
 from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import LaunchError
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
-from tests.deploy_helpers import REPO, LocalDeployment, PeakMemory
 
 RESULTS = REPO / "benchmarks" / "results" / "load"
 PUBLISHED = REPO / "docs" / "results"
@@ -128,7 +136,7 @@ def measure(
         }
         assert deployment.superlink is not None
         sampler = PeakSampler(lambda: node_memory(deployment, load), interval=1.0)
-        with sampler as nodes, PeakMemory(deployment.serverapp_pids) as server:
+        with sampler as nodes, peak_rss_sampler(deployment.serverapp_pids) as server:
             run_started = time.monotonic()
             try:
                 run_dir = deployment.run(settings, timeout=timeout)
@@ -139,7 +147,7 @@ def measure(
         row["round-seconds"] = [round(float(m["round-seconds"]), 1) for m in metrics[1:]]
         row["replies-valid"] = [m.get("replies-valid") for m in metrics[1:]]
         row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
-        row["serverapp-peak-rss-mb"] = _mb(server.peak)
+        row["serverapp-peak-rss-mb"] = _mb(server.peaks["rss"])
         row["node-peak-rss-mb-per-node"] = _mb(nodes.peaks["total"] / size)
         for part in NODE_PARTS:
             row[f"{part}-peak-rss-mb-per-node"] = _mb(nodes.peaks[part] / size)

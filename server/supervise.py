@@ -61,6 +61,7 @@ from .flower_release import (
     FlowerRelease,
     installed_forgotten_markers,
 )
+from .warm_executor import set_process_name
 
 #: What the installed Flower's SuperNode logs when the SuperLink answers that it does not know
 #: this node (a SuperLink restarted with its state in memory): the node must register again.
@@ -328,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
+    set_process_name("ba-supernode")  # as ps, top and the deployment benchmark see it
     executor: ClientAppExecutor = args.executor
     isolation = take_option(rest, "--isolation")
     if executor == "warm":

@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.harness import peak_rss_sampler
 from beyond_averaging.server.inprocess import run_inprocess
-from tests.deploy_helpers import REPO, LocalDeployment, PeakMemory, read_metrics
+from tests.deploy_helpers import REPO, LocalDeployment, read_metrics
 
 pytestmark = pytest.mark.deployment
 
@@ -107,14 +108,14 @@ def run_with_attacker(
     attacker = deployment.start_supernode(HONEST_NODES, NODES, node_config=node_config)
     try:
         deployment.wait_for_nodes(NODES)
-        with PeakMemory(deployment.serverapp_pids) as memory:
+        with peak_rss_sampler(deployment.serverapp_pids) as memory:
             run_dir = deployment.run(
                 {**settings, "run-name": name, "output-dir": str(deployment.workdir / "runs")},
                 timeout=900.0,
             )
     finally:
         deployment.stop_supernode(attacker)
-    return run_dir, memory.peak
+    return run_dir, int(memory.peaks["rss"])
 
 
 def honest_final_accuracy(tmp_path: Path, settings: dict[str, Any]) -> float:
