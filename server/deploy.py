@@ -222,6 +222,9 @@ class LocalDeployment:
     executor : {"warm", "subprocess"}, optional
         How supervised SuperNodes run ClientApps (``ba-supernode --executor``); ``None``: the
         installed release's default (:meth:`FlowerRelease.default_executor`).
+    task_timeout : float
+        ``--executor warm``: seconds a ClientApp may run before it is killed
+        (``ba-supernode --task-timeout``).
     """
 
     app_dir: Path | None
@@ -232,6 +235,7 @@ class LocalDeployment:
     netns: str | None = None
     fleet_host: str = "127.0.0.1"
     executor: ClientAppExecutor | None = None
+    task_timeout: float = 600.0
     supernodes: list[SuperNodeProcess] = field(default_factory=list)
     superlink: subprocess.Popen[bytes] | None = None
 
@@ -378,6 +382,8 @@ class LocalDeployment:
         if supervised:
             command = [sys.executable, "-m", SUPERVISOR, "--restart-delay", "1"]
             command += ["--executor", str(self.executor)]
+            if self.executor == "warm":
+                command += ["--task-timeout", f"{self.task_timeout:g}"]
             for module in preload:
                 command += ["--preload", module]
         else:

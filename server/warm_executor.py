@@ -69,6 +69,8 @@ DEFAULT_PRELOAD = (
 #: Seconds a ClientApp may run before the parent kills it (its message then gets no reply and
 #: the round goes on without it, as after the server's own ``round-timeout``, 600 s by default).
 DEFAULT_TASK_TIMEOUT = 600.0
+#: The line the warm parent prints once its modules are imported (tests and logs look for it).
+READY = "ba-warm-executor: ready"
 #: Process names (Linux ``comm``, 15 characters at most) that ``ps``, ``top`` and the deployment
 #: benchmark see: the warm parent and a ClientApp forked from it.
 PARENT_NAME = "ba-warm-exec"
@@ -380,6 +382,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    loaded = [name for name in [*DEFAULT_PRELOAD, *args.preload] if name not in missing]
+    print(
+        f"{READY} (pid {os.getpid()}, preloaded {', '.join(loaded)}); forking "
+        f"the ClientApps of the SuperNode's Runtime API at {args.runtime_api_address}",
+        file=sys.stderr,
+        flush=True,
+    )
     serve(
         args.runtime_api_address,
         insecure=args.insecure,

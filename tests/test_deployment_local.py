@@ -233,7 +233,10 @@ def test_unregistered_supernode_is_refused(
     deployment = tls.deployment
     before = set(deployment.online_node_ids())
     intruder = deployment.start_supernode(
-        0, NUM_SUPERNODES, auth_key=certificates.supernode_key(NUM_SUPERNODES)
+        0,
+        NUM_SUPERNODES,
+        auth_key=certificates.supernode_key(NUM_SUPERNODES),
+        supervised=False,  # Flower's own exit, not ba-supernode's retries
     )
     exit_code = intruder.process.wait(timeout=120)
     # Flower logs its code 305 (connection error) and exits with status 1, as docs/deployment.md

@@ -450,6 +450,7 @@ def test_a_supernode_with_an_unregistered_key_is_refused_across_hosts(
         superlink_address=f"{SUPERLINK_ADDRESS}:{FLEET_PORT}",
         auth_key=federation.certificates.supernode_key(NUM_SUPERNODES),
         netns=federation.hosts.namespace("node1"),
+        supervised=False,  # Flower's own exit, not ba-supernode's retries
     )
     exit_code = intruder.process.wait(timeout=120)
     assert exit_code == 1

@@ -244,3 +244,36 @@ def test_a_supernode_killed_mid_round_is_dropped_from_that_round_and_trains_agai
     assert len(after) == NUM_SUPERNODES
     assert len(after - before) == 1, "the killed SuperNode did not register again"
     assert node.process.poll() is None, "ba-supernode itself must not have ended"
+
+
+@pytest.mark.http_fleet
+def test_a_warm_executor_killed_mid_run_is_started_again_and_the_run_completes(
+    deployment: LocalDeployment,
+) -> None:
+    """``kill -9`` of a node's warm ClientApp parent (server/warm_executor.py) in round 2: its
+    ClientApp, if one was running, ends with it (as Flower's own ClientApps end with their
+    SuperExec), ``ba-supernode`` starts the executor again, and the run completes."""
+    deployment.wait_for_nodes(NUM_SUPERNODES)
+    node = deployment.supernodes[0]
+
+    def warm_parents() -> list[int]:
+        return [p for p in descendants(node.process.pid) if "warm_executor" in command_line(p)]
+
+    before = warm_parents()
+    assert len(before) == 1, before
+    process, run_dir = start_run(deployment, "executor-killed")
+    wait_for_round(run_dir, 1, process)
+    os.kill(before[0], signal.SIGKILL)
+    process.wait(timeout=1200)
+    say(f"warm executor {before[0]} killed in round 2; flwr run exited {process.returncode}")
+
+    summary = read_summary(run_dir / "summary.json")
+    assert summary["status"] == "completed", summary.get("error")
+    rounds = read_metrics(run_dir)
+    assert [entry["round"] for entry in rounds] == list(range(ROUNDS + 1))
+    assert all(entry["aggregated"] == 1 for entry in rounds[1:])
+    assert rounds[-1]["replies-valid"] == NUM_SUPERNODES  # the node trains again
+    after = warm_parents()
+    assert len(after) == 1, after
+    assert after != before, "ba-supernode did not start the warm executor again"
+    assert node.process.poll() is None, "ba-supernode itself must not have ended"

@@ -1,0 +1,190 @@
+"""The warm ClientApp executor in a real deployment (SuperLink and SuperNodes as local processes).
+
+- the same seed trains the same model with the warm executor as with Flower's subprocess
+  isolation (a fresh ``flwr-clientapp`` per message);
+- a ClientApp that raises, is killed, or hangs past the task timeout fails only its own message:
+  round 1 closes with the other replies, and in round 2 the same warm executors serve every
+  node again (tests/crashing_app.py);
+- ``ba-deploy local --tls`` brings a federation up, the command it prints runs an app on it, and
+  Ctrl-C leaves no process behind.
+
+Killing the warm parent mid-run is in tests/test_deployment_recovery.py, beside the other
+``kill -9`` cases. Every test here runs on both Flower releases in CI (``http_fleet``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from beyond_averaging.server.launch import descendants, read_summary, run_config_argument
+from beyond_averaging.server.warm_executor import CHILD_NAME, PARENT_NAME, READY
+from tests.deploy_helpers import REPO, LocalDeployment, lean_round, read_metrics, stage_app
+
+pytestmark = [pytest.mark.deployment, pytest.mark.http_fleet]
+
+BA_DEPLOY = Path(sys.executable).parent / "ba-deploy"
+FLWR = str(Path(sys.executable).parent / "flwr")
+#: The names (``comm``) of the processes a deployment runs.
+DEPLOYMENT_PROCESSES = {
+    "flower-superlin",
+    "flower-supernod",
+    "flower-superexe",
+    "flwr-serverapp",
+    "ba-supernode",
+    PARENT_NAME,
+    CHILD_NAME,
+}
+
+
+def comm(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "comm").read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+
+
+def two_rounds(name: str, workdir: Path, nodes: int) -> dict[str, Any]:
+    return {
+        **lean_round(nodes),
+        "num-server-rounds": 2,
+        "run-name": name,
+        "output-dir": str(workdir / "runs"),
+    }
+
+
+def train_twice(workdir: Path, executor: str) -> tuple[Path, LocalDeployment]:
+    """Two rounds of FedAvg on 2 SuperNodes run by ``executor``; the run folder."""
+    with LocalDeployment(REPO, workdir, file_state=False, executor=executor) as deployment:  # type: ignore[arg-type]
+        for partition in range(2):
+            deployment.start_supernode(partition, 2)
+        deployment.wait_for_nodes(2)
+        run_dir = deployment.run(two_rounds(executor, workdir, 2), timeout=600.0)
+        logs = "".join(node.log() for node in deployment.supernodes)
+    assert (READY in logs) is (executor == "warm")
+    return run_dir, deployment
+
+
+def test_the_warm_executor_trains_the_model_flower_s_subprocess_isolation_trains(
+    tmp_path: Path,
+) -> None:
+    warm, _ = train_twice(tmp_path / "warm", "warm")
+    fresh, _ = train_twice(tmp_path / "subprocess", "subprocess")
+    expected = torch.load(fresh / "final_model.pt", weights_only=True)
+    actual = torch.load(warm / "final_model.pt", weights_only=True)
+    assert list(actual) == list(expected)
+    for key in expected:
+        # Bit for bit, or within 1e-6 where the two replies arrived in the other order (the
+        # weighted mean then sums in another order; tests/test_deployment_recovery.py).
+        difference = float((actual[key] - expected[key]).abs().max())
+        assert difference <= 1e-6, f"{key}: warm and subprocess differ by {difference}"
+    assert [m["test-accuracy"] for m in read_metrics(warm)] == pytest.approx(
+        [m["test-accuracy"] for m in read_metrics(fresh)], abs=1e-6
+    )
+
+
+def test_clientapps_that_raise_are_killed_or_hang_fail_only_their_own_messages(
+    tmp_path: Path,
+) -> None:
+    crashes = ["raise", "kill", "hang", "", ""]
+    nodes = len(crashes)
+    deployment = LocalDeployment(
+        REPO, tmp_path, file_state=False, executor="warm", task_timeout=5.0
+    )
+    with deployment:
+        deployment.use_clientapp("tests.crashing_app:app")
+        for partition, crash in enumerate(crashes):
+            deployment.start_supernode(
+                partition,
+                nodes,
+                node_config=(
+                    f'crash="{crash}" crash-marker="{tmp_path / f"crashed-{partition}"}"'
+                    if crash
+                    else ""
+                ),
+            )
+        deployment.wait_for_nodes(nodes)
+        executors = {pid for pid in descendants(os.getpid()) if comm(pid) == PARENT_NAME}
+        assert len(executors) == nodes
+        settings = {
+            **two_rounds("crashes", tmp_path, nodes),
+            "round-timeout": 120.0,
+            "min-train-replies": 2,
+        }
+        run_dir = deployment.run(settings, timeout=600.0)
+        after = {pid for pid in descendants(os.getpid()) if comm(pid) == PARENT_NAME}
+        logs = "".join(node.log() for node in deployment.supernodes)
+    first, second = read_metrics(run_dir)[1:]
+    # Round 1: the two honest replies, and the killed and hung ClientApps' messages if their
+    # retries answered in time; the one that raised answered with an error.
+    assert 2 <= first["replies-valid"] <= nodes - 1
+    assert first["dropped-error-reply"] == 1
+    assert second["replies-valid"] == nodes  # every node again, crashed ones included
+    assert all((tmp_path / f"crashed-{p}").exists() for p in range(3))  # each failed once
+    assert after == executors  # no warm parent died with its ClientApp
+    assert "ran past the task timeout" in logs
+    assert re.search(r"ended with signal 9", logs)
+    assert read_summary(run_dir / "summary.json")["status"] == "completed"
+
+
+def test_ba_deploy_local_runs_an_app_over_tls_and_stops_everything_on_ctrl_c(
+    tmp_path: Path,
+) -> None:
+    app = stage_app(REPO, tmp_path / "app")
+    process = subprocess.Popen(
+        [str(BA_DEPLOY), "local", "--nodes", "2", "--tls", "--workdir", str(tmp_path / "d")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert process.stdout is not None
+        printed: list[str] = []
+        deadline = time.monotonic() + 300
+        while not any("Ctrl-C" in line for line in printed):
+            assert time.monotonic() < deadline, "".join(printed)
+            line = process.stdout.readline()
+            assert line, f"ba-deploy ended early ({process.poll()}):\n{''.join(printed)}"
+            printed.append(line)
+        text = "".join(printed)
+        assert "TLS" in text
+        assert "warm executor" in text
+        command = next(line for line in printed if "flwr run" in line)
+        flwr_home = re.search(r"FLWR_HOME=(\S+)", command)
+        assert flwr_home is not None
+        started = set(descendants(process.pid))
+        assert {comm(pid) for pid in started} >= {"flower-superlin", "ba-supernode", PARENT_NAME}
+        settings = {**lean_round(2), "run-name": "deployed", "output-dir": str(tmp_path / "runs")}
+        env = {**os.environ, "FLWR_HOME": flwr_home.group(1)}
+        argv = shlex.split(command.split("flwr run", 1)[1].split("--run-config")[0])
+        ran = subprocess.run(
+            [FLWR, "run", str(app), *argv[1:], "--run-config", run_config_argument(settings)],
+            env=env,
+            cwd=app,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        summary = read_summary(tmp_path / "runs" / "deployed" / "summary.json")
+        assert summary["status"] == "completed", ran.stdout + ran.stderr
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=120) == 0
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    time.sleep(1.0)
+    alive = [(pid, comm(pid)) for pid in started if comm(pid) in DEPLOYMENT_PROCESSES]
+    assert alive == []
