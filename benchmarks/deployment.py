@@ -26,7 +26,6 @@ import difflib
 import itertools
 import json
 import os
-import resource
 import shlex
 import shutil
 import signal
@@ -80,8 +79,6 @@ WORK: dict[str, Any] = {
     "fraction-evaluate": 0.0,
 }
 APPS = {"project": "this project's app", "quickstart": "Flower's quickstart"}
-#: Fresh processes per step of ``--import-cpu``.
-IMPORT_REPEATS = 7
 #: Hidden width of this project's MLP (tasks/models.py), which the quickstart's copy trains too;
 #: :func:`check_same_model` holds the copy to the project's model, shape by shape.
 HIDDEN = 200
@@ -286,7 +283,7 @@ class ProcessWatch:
         self.root = root
         self.processes: dict[int, Tracked] = {}
         self.foreign: set[int] = set()
-        #: Processes below ``root`` that are not measured (a profiler), nor what they start.
+        #: Processes below ``root`` that are not measured, nor what they start.
         self.excluded: set[int] = set()
         #: The SuperNodes' logs, read at every sample for the train instructions they receive.
         self.receipts: LogWatch | None = None
@@ -387,110 +384,6 @@ def pss_bytes(pid: int) -> float:
         if line.startswith("Pss:"):
             return float(line.split()[1]) * 1024
     return 0.0
-
-
-# -------------------------------------------------------------------------------- profiling
-#: Where a ClientApp process spends its CPU, as :func:`clientapp_profile` sorts py-spy's samples.
-PROFILE_PARTS = {
-    "import-torch": "importing torch",
-    "import-dynamo": "importing torch._dynamo (a `torch.optim` optimizer's constructor does)",
-    "import-flower": "importing Flower and its dependencies",
-    "import-other": "importing the rest (the app's modules, NumPy, ...)",
-    "app": "the app's code at work (data, model, training)",
-    "flower": "Flower at work (messages, the FAB, its threads)",
-    "native": "no Python frame (interpreter start and exit, native code)",
-}
-#: Where the apps' own code lives, as py-spy names files (relative to their sys.path entry).
-APP_CODE = ("client/", "tasks/", "server/", "strategies/", "beyond_averaging/", "pytorchexample/")
-
-
-def clientapp_profile(raw: str) -> dict[str, float]:
-    """Share of each :data:`PROFILE_PARTS` in the ClientApp processes of a py-spy ``raw`` record
-    (``py-spy record --subprocesses --format raw``: one ``frame;frame;... count`` line per
-    stack, the processes' own lines first). An import counts by the module being imported
-    (torch._dynamo, else torch, whoever imports it; else the first module: Flower's, or
-    another)."""
-    counts = dict.fromkeys(PROFILE_PARTS, 0)
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        processes = [frame for frame in frames if frame.startswith("process ")]
-        if not count.isdigit() or not processes or "flwr-clientapp" not in processes[-1]:
-            continue
-        code = [frame for frame in frames if not frame.startswith(("process ", "thread "))]
-        files = [frame.rpartition(" (")[2].partition(":")[0] for frame in code]
-        modules = [
-            name
-            for frame, name in zip(code, files, strict=True)
-            if frame.startswith("<module> ") and not name.startswith("flwr-clientapp")
-        ]
-        if not code:
-            part = "native"
-        elif any(name.startswith("torch/_dynamo/") for name in modules):
-            part = "import-dynamo"
-        elif any(name.startswith("torch/") for name in modules):
-            part = "import-torch"
-        elif modules:
-            part = "import-flower" if modules[0].startswith("flwr/") else "import-other"
-        elif any(name.startswith(APP_CODE) for name in files):
-            part = "app"
-        else:
-            part = "flower"
-        counts[part] += int(count)
-    total = sum(counts.values())
-    return {part: round(n / total, 3) if total else 0.0 for part, n in counts.items()}
-
-
-def import_steps(quickstart: Path) -> list[tuple[str, str, int | None]]:
-    """What a ClientApp process loads, step by step: ``(name, Python code, the step it adds to)``.
-
-    Each step's code repeats the code of the step it adds to, so that each runs alone in a
-    fresh interpreter; ``quickstart`` is the benchmark's copy of the quickstart app.
-    """
-    flower = "from flwr.supernode.cli import flwr_clientapp"  # what flwr-clientapp runs
-    torch_too = f"{flower}; import torch"
-    copy = f"import sys; sys.path.insert(0, {str(quickstart)!r})"
-    quickstart_app = f"{torch_too}; {copy}; import pytorchexample.client_app"
-    return [
-        ("Python starting and exiting", "pass", None),
-        ("+ Flower's ClientApp runtime (what `flwr-clientapp` imports)", flower, 0),
-        ("+ torch", torch_too, 1),
-        (
-            "+ this project's ClientApp module",
-            f"{torch_too}; import beyond_averaging.client.app",
-            2,
-        ),
-        ("+ the quickstart's ClientApp module", quickstart_app, 2),
-        (
-            "+ the quickstart's optimizer: its `train` builds `torch.optim.SGD(momentum=0.9)`",
-            f"{quickstart_app}; from pytorchexample.task import Net; "
-            "torch.optim.SGD(Net().parameters(), lr=0.05, momentum=0.9)",
-            4,
-        ),
-    ]
-
-
-def import_cpu(steps: Sequence[tuple[str, str, int | None]], repeats: int) -> list[dict[str, Any]]:
-    """CPU seconds (user + system; the median of ``repeats`` fresh processes) of each step, and
-    what it adds to the step it builds on. The steps take turns, so that a change in the
-    machine's load meanwhile reaches each of them alike."""
-    seconds: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for index, (_, code, _) in enumerate(steps):
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-            seconds[index].append(used)
-    totals = [statistics.median(each) for each in seconds]
-    return [
-        {
-            "step": step,
-            "cpu-seconds": round(total, 2),
-            "adds": round(total - (totals[base] if base is not None else 0.0), 2),
-        }
-        for (step, _, base), total in zip(steps, totals, strict=True)
-    ]
 
 
 # --------------------------------------------------------------------------- the quickstart copy
@@ -662,12 +555,10 @@ def measure(
     rounds: int,
     interval: float,
     timeout: float,
-    profile: Path | None = None,
     executor: str = "warm",
 ) -> dict[str, Any]:
     """One deployment of ``app`` with ``nodes`` SuperNodes: start it, run ``rounds`` rounds
-    under the process watch (the window is ``flwr run`` alone), stop it. With ``profile``,
-    py-spy records the first SuperNode and its processes into that file meanwhile.
+    under the process watch (the window is ``flwr run`` alone), stop it.
 
     This project's app runs as docs/deployment.md deploys it, each SuperNode under
     ``ba-supernode`` with ``executor``; the quickstart as Flower runs it, bare
@@ -679,7 +570,6 @@ def measure(
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
     row["executor"] = executor if project else "flower-subprocess"
     watch = ProcessWatch(os.getpid())
-    spy: subprocess.Popen[bytes] | None = None
     try:
         deployment.start()
         for partition in range(nodes):
@@ -688,8 +578,6 @@ def measure(
         watch.node_roots = {node.process.pid for node in deployment.supernodes}
         run_settings = {**WORK, "num-server-rounds": rounds, "num-clients": nodes}
         run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
-        spy = None if profile is None else py_spy(deployment.supernodes[0].process.pid, profile)
-        watch.excluded = set() if spy is None else {spy.pid}
         logs = {node.process.pid: node.log_path for node in deployment.supernodes}
         watch.receipts = LogWatch(logs, RECEIVED_TRAIN)
         watch.open_window()
@@ -700,9 +588,6 @@ def measure(
             else:
                 log = flwr_run(deployment, quickstart_settings(rounds), timeout)
             seconds = time.monotonic() - started
-        if spy is not None and profile is not None:
-            stop_py_spy(spy)
-            row["clientapp-profile"] = clientapp_profile(profile.read_text(encoding="utf-8"))
         row["run-seconds"] = round(seconds, 2)
         if app == "project":
             metrics = read_metrics(run_dir)
@@ -720,30 +605,8 @@ def measure(
         row["status"] = "failed"
         row["error"] = f"{type(error).__name__}: {error}"[:3000]
     finally:
-        if spy is not None:
-            stop_py_spy(spy)
         deployment.close()
     return row
-
-
-def py_spy(pid: int, output: Path) -> subprocess.Popen[bytes]:
-    """``py-spy record`` of process ``pid`` and every process below it, without pausing them
-    (``--nonblocking``), 50 samples a second, into ``output`` (collapsed stacks)."""
-    command = ["py-spy", "record", "--subprocesses", "--nonblocking", "--rate", "50"]
-    command += ["--format", "raw", "--output", str(output), "--pid", str(pid)]
-    # Below the benchmark, but left out of the figures (ProcessWatch.excluded).
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
-    """Make py-spy write its record and end (it does on SIGINT); kill it if it does not."""
-    if spy.poll() is None:
-        spy.send_signal(signal.SIGINT)
-        try:
-            spy.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            spy.kill()
-            spy.wait()
 
 
 def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -> dict[str, Any]:
@@ -967,8 +830,6 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     head += " | ClientApp processes | peak RSS per node (MB) | load average min / mean / max"
     head += " | status"
     lines += [markdown_table(head.split(" | "), run_cells)]
-    lines += profile_section(rows)
-    lines += imports_section(meta.get("import-cpu"))
     lines += METHOD.format(interval=meta["interval"]).splitlines()
     lines += [
         "",
@@ -992,55 +853,6 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def imports_section(measured: Mapping[str, Any] | None) -> list[str]:
-    """What a ClientApp process loads, in CPU seconds (``--import-cpu``)."""
-    if not measured:
-        return []
-    cells = [[s["step"], _f(s["cpu-seconds"], 2), _f(s["adds"], 2)] for s in measured["steps"]]
-    return [
-        "## What a ClientApp process loads",
-        "",
-        f"Measured {measured['date']} with `{measured['command']}`: the CPU (user + system) of "
-        "a fresh Python process that loads each step and exits, the median of "
-        f'{measured["repeats"]}; "adds" is the difference to the step it builds on (the '
-        "quickstart's module builds on torch, beside this project's). On this shared machine a "
-        "step's CPU varies by about 0.1 s from one process to the next, so smaller differences "
-        "are noise.",
-        "",
-        markdown_table(["step", "CPU seconds", "adds"], cells),
-    ]
-
-
-def profile_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Where a ClientApp's CPU goes, per app (the median share over the profiled runs)."""
-    profiled = [row for row in rows if row.get("clientapp-profile")]
-    if not profiled:
-        return []
-    cells = []
-    for part, name in PROFILE_PARTS.items():
-        shares = [
-            statistics.median(
-                r["clientapp-profile"].get(part, 0.0) for r in profiled if r["app"] == app
-            )
-            if any(r["app"] == app for r in profiled)
-            else None
-            for app in APPS
-        ]
-        cells.append([name, *(_f(None if v is None else 100 * v, 0) for v in shares)])
-    return [
-        "## Where a ClientApp's CPU goes",
-        "",
-        "py-spy (`--profile`: `py-spy record --subprocesses --nonblocking --rate 50` on the "
-        "first SuperNode, its SuperExec and ClientApps, not pausing them) samples each process's "
-        "Python stack; the ClientApps' samples sorted by what they were doing, in % (median of "
-        "the repeats). An import counts as torch's (torch._dynamo's) while torch "
-        "(torch._dynamo) is being imported, whoever imports it; py-spy counts the samples of "
-        "threads that were not idle, so these are shares of active time, not exactly of CPU.",
-        "",
-        markdown_table(["ClientApp samples (%)", *APPS.values()], cells),
-    ]
 
 
 METHOD = """## Method
@@ -1093,11 +905,6 @@ def command_line() -> str:
     return f"nice -n 10 {interpreter()} -m benchmarks.deployment {shlex.join(sys.argv[1:])}"
 
 
-def profile_record(name: str, app: str, repeat: int) -> Path:
-    """Where ``--profile`` keeps the py-spy record of one run."""
-    return RESULTS / f"{name}-{app}-{repeat}.pyspy"
-
-
 def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Alternate the two apps for ``args.repeats`` repeats; the rows and the page's facts."""
     rows: list[dict[str, Any]] = []
@@ -1123,7 +930,6 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
                     args.rounds,
                     args.interval,
                     args.timeout,
-                    profile_record(name, app, repeat) if args.profile else None,
                     args.executor,
                 )
                 rows.append({"repeat": repeat, **row})
@@ -1162,22 +968,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="record the first SuperNode's processes with py-spy (on PATH) and sort the "
-        "ClientApps' samples by what they were doing",
-    )
-    parser.add_argument(
         "--render",
         action="store_true",
-        help="measure nothing: write the page again from this release's saved rows (and "
-        "py-spy records)",
-    )
-    parser.add_argument(
-        "--import-cpu",
-        action="store_true",
-        help="measure only the CPU of what a ClientApp process loads (fresh processes, median "
-        f"of {IMPORT_REPEATS}) and add it to this release's saved page",
+        help="measure nothing: write the page again from this release's saved rows",
     )
     parser.add_argument(
         "--executor",
@@ -1191,8 +984,6 @@ def main() -> None:
     # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
     # background job ignores SIGINT).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if args.profile and not args.render and shutil.which("py-spy") is None:
-        parser.error("--profile needs py-spy on PATH: pip install py-spy")
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: a round's seconds are read between rounds")
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
@@ -1200,26 +991,11 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"deployment-{FlowerRelease.installed().transport}"
     saved = RESULTS / f"{name}.json"
-    if args.render or args.import_cpu:
+    if args.render:
         if not saved.is_file():
             parser.error(f"{saved} is missing: measure the runs first")
         record = json.loads(saved.read_text(encoding="utf-8"))
         rows, meta = record["rows"], record["meta"]
-        for row in rows:
-            spied = profile_record(name, row["app"], row["repeat"])
-            if spied.is_file():
-                row["clientapp-profile"] = clientapp_profile(spied.read_text(encoding="utf-8"))
-        if args.import_cpu:
-            with tempfile.TemporaryDirectory(prefix="ba-deploy-bench-") as scratch:
-                copy = Path(scratch) / "quickstart"
-                # Importing the copy reads no data: the file need not exist.
-                quickstart_copy(copy, Path(scratch) / "digits.npz", 64, HIDDEN)
-                meta["import-cpu"] = {
-                    "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                    "command": command_line(),
-                    "repeats": IMPORT_REPEATS,
-                    "steps": import_cpu(import_steps(copy), IMPORT_REPEATS),
-                }
     else:
         rows, meta = measure_all(args, name)
     record = {"meta": meta, "rows": rows, "summary": summarize(rows)}

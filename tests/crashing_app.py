@@ -8,10 +8,9 @@ The deployment tests point a staged copy of the app at it (``clientapp =
 - ``crash="kill"``: the ClientApp's process is killed (``SIGKILL``: no reply at all);
 - ``crash="hang"``: the ClientApp sleeps for an hour (the executor's task timeout kills it).
 
-Each node fails once: before failing it creates the file its ``crash-marker`` names, and a
-retry of the same instruction (Flower hands a message whose ClientApp died to a new one once
-that one's heartbeat has expired) trains honestly, as after a one-off fault. From round 2 on
-every node trains honestly: the same warm executor must still serve it.
+Each node fails once: before failing it creates the file its ``crash-marker`` names, so that
+anything that runs the instruction again trains honestly, as after a one-off fault. From round 2
+on every node trains honestly: the same warm executor must still serve it.
 """
 
 from __future__ import annotations

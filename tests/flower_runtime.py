@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RunOutcome, clean_log
+from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import LAUNCH_MARKER, free_port, stop_process_tree
 
 #: The name of the federation / SuperLink connection the apps are run against.
@@ -401,9 +402,29 @@ class FlowerLink:
         )
         pyproject.write_text(text, encoding="utf-8")
 
+    @property
+    def supernode_logs(self) -> list[Path]:
+        """Each started SuperNode's log."""
+        return [self.workdir / f"supernode-{index}.log" for index in range(len(self.supernodes))]
+
+    @property
+    def warm(self) -> bool:
+        """Whether SuperNodes run under ``ba-supernode`` with the warm ClientApp executor, as
+        docs/deployment.md tells a user of their own app to: where the wheel brings
+        ``ba-supernode`` and the release has what the executor plugs into (flwr 1.39+)."""
+        return (self.flower.bin_dir / "ba-supernode").is_file() and (
+            FlowerRelease(self.flower.version).warm_executor_problem() is None
+        )
+
     def _start_supernode(self, index: int, options: frozenset[str]) -> None:
+        # The quickstart builds a torch.optim optimizer per message, whose first construction
+        # imports torch._dynamo (1.3 CPU-seconds): the warm parent imports it once.
+        supernode = [str(self.flower.bin_dir / "flower-supernode")]
+        if self.warm:
+            supernode = [str(self.flower.bin_dir / "ba-supernode"), "--executor", "warm"]
+            supernode += ["--preload", "torch._dynamo"]
         command = [
-            str(self.flower.bin_dir / "flower-supernode"),
+            *supernode,
             "--insecure",
             "--superlink",
             self.fleet_address,

@@ -19,9 +19,7 @@ from benchmarks.deployment import (
     ProcessWatch,
     ProcStat,
     Tracked,
-    clientapp_profile,
     cpu_seconds_by_kind,
-    import_cpu,
     kinds_of,
     markdown,
     parse_stat,
@@ -113,6 +111,43 @@ def test_each_process_has_its_kind_and_a_superexec_the_kind_of_whom_it_serves() 
         24: "clientapp",
         30: "flwr-run",
     }
+
+
+def warm_node_table() -> dict[int, Tracked]:
+    """A benchmark (1) with ``ba-supernode`` (40) running a SuperNode (41) and the warm executor
+    (42), which forked ClientApp 43 (still named as its parent when first read) and 44."""
+    return {
+        1: tracked(stat(1, "python", 0, 0)),
+        40: tracked(stat(40, "ba-supernode", 1, 1)),
+        41: tracked(stat(41, "flower-supernod", 40, 2)),
+        42: tracked(stat(42, "ba-warm-exec", 40, 3)),
+        43: tracked(stat(43, "ba-warm-exec", 42, 4), stat(43, "ba-clientapp", 42, 9)),
+        44: tracked(stat(44, "ba-clientapp", 42, 5)),
+    }
+
+
+def test_a_warm_node_s_supervisor_executor_and_forked_clientapps_have_their_kinds() -> None:
+    kinds = kinds_of(warm_node_table(), root=1)
+    assert kinds == {
+        1: "benchmark",
+        40: "supervisor",
+        41: "supernode",
+        42: "warm-executor",
+        43: "clientapp",
+        44: "clientapp",
+    }
+
+
+def test_a_node_s_memory_sums_every_process_below_the_process_started_for_it() -> None:
+    watch = ProcessWatch(1)
+    watch.processes = warm_node_table()
+    watch.node_roots = {40}
+    watch.pss_read = float("inf")  # no PSS reading (the pids are made up)
+    memory = watch.node_memory()
+    # ba-supernode, the SuperNode, the warm executor and both ClientApps: 5 x 100 pages.
+    assert memory == {"rss-40": 5 * 100 * watch.page}
+    assert watch.node_of(44) == 40
+    assert watch.node_of(1) is None
 
 
 def test_cpu_per_kind_counts_the_window_and_what_reaped_children_ran_after_their_last_reading() -> (
@@ -227,14 +262,8 @@ def row(app: str, repeat: int, cpu: dict[str, float], rounds_s: list[float]) -> 
 
 
 ROWS = [
-    {
-        **row("project", 1, {"clientapp": 20.0, "serverapp": 4.0, "benchmark": 9.0}, [10.0]),
-        "clientapp-profile": {"import-torch": 0.4, "app": 0.05},
-    },
-    {
-        **row("quickstart", 1, {"clientapp": 30.0, "serverapp": 2.0}, [16.0]),
-        "clientapp-profile": {"import-torch": 0.3, "app": 0.1},
-    },
+    row("project", 1, {"clientapp": 20.0, "serverapp": 4.0, "benchmark": 9.0}, [10.0]),
+    row("quickstart", 1, {"clientapp": 30.0, "serverapp": 2.0}, [16.0]),
     row("quickstart", 2, {"clientapp": 36.0, "serverapp": 4.0}, [24.0]),
     row("project", 2, {"clientapp": 24.0, "serverapp": 6.0}, [13.0]),
     {"app": "project", "repeat": 3, "rounds": 2, "status": "failed", "error": "LaunchError: x"},
@@ -275,12 +304,7 @@ META = {
     "model": "64-200-200-10",
     "parameters": 55210,
     "quickstart-diff": "--- a\n+++ b\n-old\n+new\n",
-    "import-cpu": {
-        "date": "2026-11-27 11:00 UTC",
-        "command": "nice -n 10 .venv/bin/python -m benchmarks.deployment --import-cpu",
-        "repeats": 7,
-        "steps": [{"step": "+ torch", "cpu-seconds": 3.5, "adds": 1.9}],
-    },
+    "executor": "warm",
 }
 
 
@@ -293,63 +317,7 @@ def test_the_page_names_the_release_the_command_the_ratios_and_each_run() -> Non
     assert page.count("| completed |") == 4
     assert "failed: LaunchError: x" in page
     assert "```diff\n--- a\n+++ b\n-old\n+new\n```" in page
-    assert "| importing torch | 40 | 30 |" in page
-    assert "| + torch | 3.50 | 1.90 |" in page
-    assert "--import-cpu`: the CPU (user + system) of a fresh Python process" in page
-    assert "each step and exits, the median of 7;" in page
-
-
-def test_each_import_step_adds_its_cpu_to_the_step_it_builds_on() -> None:
-    steps = [
-        ("Python", "pass", None),
-        ("+ a sum", "sum(range(3_000_000))", 0),
-        ("+ a longer sum (beside the first)", "sum(range(6_000_000))", 0),
-        ("+ a sort", "sum(range(3_000_000)); sorted(range(1_000_000))", 1),
-    ]
-    measured = import_cpu(steps, repeats=1)
-    cpu = [step["cpu-seconds"] for step in measured]
-    assert [step["adds"] for step in measured] == pytest.approx(
-        [cpu[0], cpu[1] - cpu[0], cpu[2] - cpu[0], cpu[3] - cpu[1]], abs=0.011
-    )
-    assert [step["step"] for step in measured] == [step[0] for step in steps]
-
-
-def test_a_clientapp_s_samples_are_sorted_by_what_it_was_doing() -> None:
-    node = 'process 10:"flower-supernode --insecure"'
-    app = 'process 12:"python flwr-clientapp --token x"'
-    thread = 'thread (0x7f): "MainThread"'
-    entry = "<module> (flwr-clientapp:3)"
-    load = "_find_and_load (<frozen importlib._bootstrap>:1176)"
-    run = "run (flwr/run.py:9)"
-    raw = "\n".join(
-        [
-            # importing torch, from the app's module (torch wins whoever imports it): 30
-            f"{node};{app};{thread};{entry};{run};{load};<module> (client/app.py:3)"
-            f";{load};<module> (torch/__init__.py:1) 30",
-            # an optimizer's constructor importing torch._dynamo in the app's training: 10
-            f"{node};{app};{thread};{entry};{run};train (pytorchexample/task.py:5)"
-            f";__init__ (torch/optim/sgd.py:2);{load};<module> (torch/_dynamo/__init__.py:1) 10",
-            # importing Flower's own modules: 30
-            f"{node};{app};{thread};{entry};{load};<module> (flwr/supernode/cli.py:2) 30",
-            # importing the app's own module (before torch is reached): 5
-            f"{node};{app};{thread};{entry};{run};{load};<module> (client/app.py:3) 5",
-            # the app training: 10; Flower pulling a message: 5; no Python frame: 10
-            f"{node};{app};{thread};{entry};{run};train_local (tasks/training.py:9) 10",
-            f"{node};{app};{thread};{entry};pull (flwr/supercore/grpc.py:1) 5",
-            f"{node};{app} 10",
-            # the SuperNode itself is not a ClientApp: left out
-            f"{node};{thread};poll (flwr/supernode/poll.py:1) 99",
-        ]
-    )
-    assert clientapp_profile(raw) == {
-        "import-torch": 0.3,
-        "import-dynamo": 0.1,
-        "import-flower": 0.3,
-        "import-other": 0.05,
-        "app": 0.1,
-        "flower": 0.05,
-        "native": 0.1,
-    }
+    assert "under `ba-supernode` with the warm executor" in page
 
 
 def test_a_log_watch_times_each_marked_line_once_complete(tmp_path: Path) -> None:

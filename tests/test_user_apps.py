@@ -53,6 +53,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.constant import DEFAULT_SIMULATION_CONFIG
 
 from beyond_averaging.server import inprocess
+from beyond_averaging.server.warm_executor import READY
 from tests.flower_runtime import (
     FlowerInstall,
     FlowerLink,
@@ -754,8 +755,13 @@ def test_the_quickstart_runs_elastic_on_a_local_deployment(
     flower: FlowerInstall, deployment: FlowerLink, tmp_path: Path
 ) -> None:
     # Elastic's clients keep their sensitivity average in context.state across rounds: on a
-    # deployment that state lives in each SuperNode, between ClientApp processes.
+    # deployment that state lives in each SuperNode, between ClientApp processes. From flwr
+    # 1.39 the SuperNodes run under ba-supernode, their ClientApps forked from the warm
+    # executor (docs/deployment.md, "Your own app on the warm executor").
     run_and_check(deployment, flower, SHAPES[0], RULES[1], tmp_path)
+    logs = [path.read_text(errors="replace") for path in deployment.supernode_logs]
+    assert logs
+    assert all((READY in log) is deployment.warm for log in logs)
 
 
 @pytest.mark.userapp
