@@ -365,45 +365,6 @@ class LocalDeployment:
                 time.sleep(0.3)
         raise LaunchError(f"the SuperLink was not healthy after {timeout} s ({self.superlink_log})")
 
-    def supernode_command(
-        self,
-        partition_id: int,
-        num_partitions: int,
-        *,
-        superlink_address: str | None = None,
-        auth_key: Path | None = None,
-        node_config: str = "",
-        supervised: bool = True,
-        preload: Sequence[str] = (),
-    ) -> list[str]:
-        """The command of SuperNode ``partition_id``: under ``ba-supernode`` (``supervised``,
-        with this deployment's executor) or a bare ``flower-supernode`` (Flower's subprocess
-        isolation)."""
-        if supervised:
-            command = [sys.executable, "-m", SUPERVISOR, "--restart-delay", "1"]
-            command += ["--executor", str(self.executor)]
-            if self.executor == "warm":
-                command += ["--task-timeout", f"{self.task_timeout:g}"]
-            for module in preload:
-                command += ["--preload", module]
-        else:
-            command = ["flower-supernode"]
-        if self.certificates is None:
-            command.append("--insecure")
-        else:
-            command += ["--root-certificates", str(self.certificates.ca_cert)]
-        if auth_key is not None:
-            command += ["--auth-supernode-private-key", str(auth_key)]
-        return [
-            *command,
-            "--superlink",
-            superlink_address or self.fleet_address,
-            "--port",
-            str(free_port()),  # each SuperNode's own Runtime API, distinct on one host
-            "--node-config",
-            f"partition-id={partition_id} num-partitions={num_partitions} {node_config}".strip(),
-        ]
-
     def start_supernode(
         self,
         partition_id: int,
@@ -425,15 +386,29 @@ class LocalDeployment:
         :attr:`SuperNodeProcess.process` is then the supervisor. ``supervised=False`` starts a
         bare ``flower-supernode`` (Flower's subprocess isolation).
         """
-        command = self.supernode_command(
-            partition_id,
-            num_partitions,
-            superlink_address=superlink_address,
-            auth_key=auth_key,
-            node_config=node_config,
-            supervised=supervised,
-            preload=preload,
-        )
+        if supervised:
+            command = [sys.executable, "-m", SUPERVISOR, "--restart-delay", "1"]
+            command += ["--executor", str(self.executor)]
+            if self.executor == "warm":
+                command += ["--task-timeout", f"{self.task_timeout:g}"]
+            for module in preload:
+                command += ["--preload", module]
+        else:
+            command = ["flower-supernode"]
+        if self.certificates is None:
+            command.append("--insecure")
+        else:
+            command += ["--root-certificates", str(self.certificates.ca_cert)]
+        if auth_key is not None:
+            command += ["--auth-supernode-private-key", str(auth_key)]
+        command += [
+            "--superlink",
+            superlink_address or self.fleet_address,
+            "--port",
+            str(free_port()),  # each SuperNode's own Runtime API, distinct on one host
+            "--node-config",
+            f"partition-id={partition_id} num-partitions={num_partitions} {node_config}".strip(),
+        ]
         log_path = self.workdir / f"supernode-{len(self.supernodes)}.log"
         node = SuperNodeProcess(partition_id, self._popen(command, log_path, netns=netns), log_path)
         self.supernodes.append(node)

@@ -246,6 +246,18 @@ class LocalDeployment(Deployment):
         pyproject.write_text(text, encoding="utf-8")
 
 
+def assert_same_final_model(run_dir: Path, reference: Path, what: str) -> None:
+    """The two runs' final models are equal: bit for bit, or within 1e-6 where replies arrived in
+    another order (the weighted mean then sums in another order; two uninterrupted deployment
+    runs differed by 9.3e-10, docs/deployment.md)."""
+    actual = torch.load(run_dir / "final_model.pt", weights_only=True)
+    expected = torch.load(reference / "final_model.pt", weights_only=True)
+    assert list(actual) == list(expected)
+    for key in expected:
+        difference = float((actual[key] - expected[key]).abs().max())
+        assert difference <= 1e-6, f"{key}: {what} differ by {difference}"
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The rounds of a run's metrics.jsonl."""
     lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()

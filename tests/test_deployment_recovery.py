@@ -38,10 +38,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from beyond_averaging.server.launch import descendants, read_summary, run_config_argument
-from tests.deploy_helpers import CONNECTION, REPO, LocalDeployment, command_line, read_metrics
+from tests.deploy_helpers import (
+    CONNECTION,
+    REPO,
+    LocalDeployment,
+    assert_same_final_model,
+    command_line,
+    read_metrics,
+)
 
 pytestmark = pytest.mark.deployment
 
@@ -129,13 +135,8 @@ def resume(deployment: LocalDeployment, run_dir: Path) -> Path:
     )
 
 
-def assert_same_final_model(run_dir: Path, reference: Path) -> None:
-    actual = torch.load(run_dir / "final_model.pt", weights_only=True)
-    expected = torch.load(reference / "final_model.pt", weights_only=True)
-    assert list(actual) == list(expected)
-    for key in expected:
-        difference = float((actual[key] - expected[key]).abs().max())
-        assert difference <= 1e-6, f"{key}: resumed and uninterrupted differ by {difference}"
+def assert_resumed_to_the_same_model(run_dir: Path, reference: Path) -> None:
+    assert_same_final_model(run_dir, reference, "resumed and uninterrupted")
     rounds = read_metrics(run_dir)
     assert [entry["round"] for entry in rounds] == list(range(ROUNDS + 1))
     accuracies = [entry["test-accuracy"] for entry in read_metrics(reference)]
@@ -175,7 +176,7 @@ def test_superlink_killed_mid_run_comes_back_with_its_nodes_and_the_run_resumes(
     resumed = resume(deployment, run_dir)
     say("resumed run completed")
     assert read_summary(resumed / "summary.json")["resumed-from-round"] == checkpoint_round
-    assert_same_final_model(resumed, reference)
+    assert_resumed_to_the_same_model(resumed, reference)
 
 
 def test_serverapp_killed_mid_run_is_reported_interrupted_and_resumes(
@@ -201,7 +202,7 @@ def test_serverapp_killed_mid_run_is_reported_interrupted_and_resumes(
 
     resumed = resume(deployment, run_dir)
     say("resumed run completed")
-    assert_same_final_model(resumed, reference)
+    assert_resumed_to_the_same_model(resumed, reference)
 
 
 def test_a_supernode_killed_mid_round_is_dropped_from_that_round_and_trains_again(

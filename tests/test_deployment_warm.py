@@ -25,11 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from beyond_averaging.server.launch import descendants, read_summary, run_config_argument
 from beyond_averaging.server.warm_executor import CHILD_NAME, PARENT_NAME, READY
-from tests.deploy_helpers import REPO, LocalDeployment, lean_round, read_metrics, stage_app
+from tests.deploy_helpers import (
+    REPO,
+    LocalDeployment,
+    assert_same_final_model,
+    lean_round,
+    read_metrics,
+    stage_app,
+)
 
 pytestmark = [pytest.mark.deployment, pytest.mark.http_fleet]
 
@@ -82,14 +88,7 @@ def test_the_warm_executor_trains_the_model_flower_s_subprocess_isolation_trains
 ) -> None:
     warm, _ = train_twice(tmp_path / "warm", "warm")
     fresh, _ = train_twice(tmp_path / "subprocess", "subprocess")
-    expected = torch.load(fresh / "final_model.pt", weights_only=True)
-    actual = torch.load(warm / "final_model.pt", weights_only=True)
-    assert list(actual) == list(expected)
-    for key in expected:
-        # Bit for bit, or within 1e-6 where the two replies arrived in the other order (the
-        # weighted mean then sums in another order; tests/test_deployment_recovery.py).
-        difference = float((actual[key] - expected[key]).abs().max())
-        assert difference <= 1e-6, f"{key}: warm and subprocess differ by {difference}"
+    assert_same_final_model(warm, fresh, "warm and subprocess")
     assert [m["test-accuracy"] for m in read_metrics(warm)] == pytest.approx(
         [m["test-accuracy"] for m in read_metrics(fresh)], abs=1e-6
     )
