@@ -100,11 +100,11 @@ class Stopwatch:
         self.children_cpu = sum(os.times()[2:4]) - self.children_cpu
 
 
-def status_bytes(field: str, pid: int | str = "self") -> int:
-    """A memory line of ``/proc/<pid>/status`` in bytes (``VmRSS``: now, ``VmHWM``: the peak);
-    0 once the process has ended."""
+def status_bytes(field: str, pid: int | str = "self", path: str = "") -> int:
+    """A memory line of ``/proc/<pid>/status`` (or ``path``, e.g. ``/proc/meminfo``) in bytes
+    (``VmRSS``: now, ``VmHWM``: the peak, ``MemAvailable``); 0 once the process has ended."""
     try:
-        status = (Path("/proc") / str(pid) / "status").read_text(encoding="utf-8")
+        status = Path(path or f"/proc/{pid}/status").read_text(encoding="utf-8")
     except OSError:
         return 0
     line = next((line for line in status.splitlines() if line.startswith(f"{field}:")), "")
@@ -121,13 +121,6 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
-
-
-def available_bytes() -> int:
-    """``MemAvailable`` of this machine (what may still be used without swapping)."""
-    meminfo = Path("/proc/meminfo").read_text(encoding="utf-8").splitlines()
-    line = next((line for line in meminfo if line.startswith("MemAvailable:")), "x 0")
-    return int(line.split()[1]) * 1024
 
 
 def process_table() -> tuple[dict[int, list[int]], dict[int, int], dict[int, str]]:

@@ -17,7 +17,6 @@ from typing import Any
 from benchmarks.harness import (
     MIB,
     PeakSampler,
-    available_bytes,
     command,
     descendants,
     hardware,
@@ -77,7 +76,9 @@ def measure(size: int, args: argparse.Namespace, workdir: Path, file_state: bool
     row["superlink-state"] = "file" if file_state else "memory"
     # In-memory SuperLink state by default: with its SQLite file, 7 of 10 replies failed here
     # with "database is locked" on a loaded machine; see docs/deployment.md (Load).
-    deployment = LocalDeployment(REPO, workdir, file_state=file_state)
+    # Flower's subprocess isolation, as the published pages measured it (a ClientApp process per
+    # message); benchmarks.deployment measures the warm executor.
+    deployment = LocalDeployment(REPO, workdir, file_state=file_state, executor="subprocess")
     load: list[float] = []
     started = time.monotonic()
     try:
@@ -221,7 +222,7 @@ def main() -> None:
         # A cache of this benchmark's own, inherited by every process it starts.
         os.environ[CACHE_ENV] = str(Path(scratch) / "partitions")
         for size in sorted(args.sizes):
-            spare = available_bytes() - args.reserve_gib * 2**30
+            spare = status_bytes("MemAvailable", path="/proc/meminfo") - args.reserve_gib * 2**30
             if per_node and size * per_node > spare:
                 why = f"needs about {size * per_node / 2**30:.1f} GiB at {per_node / MIB:.0f} MB"
                 why += f" per node, {max(spare, 0) / 2**30:.1f} GiB spare"
@@ -242,7 +243,7 @@ def main() -> None:
         "transport": release.transport,
         "machine": hardware(),
         "cpus": os.cpu_count(),
-        "memory-gib": round(int(Path("/proc/meminfo").read_text().split()[1]) * 1024 / 2**30, 1),
+        "memory-gib": round(status_bytes("MemTotal", path="/proc/meminfo") / 2**30, 1),
         "superlink-state": "an SQLite file" if args.state == "file" else "memory",
         "cold-cache": args.cold_cache,
     }

@@ -146,33 +146,23 @@ def measure(
     return row
 
 
-def smallest(rows: Sequence[Row], strategy: str) -> Row | None:
-    """The finished in-process row of ``strategy`` with the fewest clients."""
+def finished_in_process(rows: Sequence[Row], strategy: str) -> list[Row]:
+    """The finished in-process rows of ``strategy``, fewest clients first."""
     done = [r for r in rows if r.strategy == strategy and r.runtime == "inprocess"]
-    return min(
-        (r for r in done if r.status in FINISHED_STATUSES), default=None, key=lambda r: r.population
-    )
+    return sorted((r for r in done if r.status in FINISHED_STATUSES), key=lambda r: r.population)
 
 
 def table(rows: Sequence[Row]) -> str:
     """The rows with their ratios against the smallest in-process population's row."""
     body = []
     for row in rows:
-        ref = smallest(rows, row.strategy)
-        cells = [
-            "in process" if row.runtime == "inprocess" else "Flower simulation (Ray)",
-            row.strategy,
-            f"{row.population:,}",
-            row.status,
-        ]
-        for field, digits in (("seconds_per_round", ".2f"), ("cpu_seconds_per_round", ".2f")):
+        ref = next(iter(finished_in_process(rows, row.strategy)), None)
+        runtime = "in process" if row.runtime == "inprocess" else "Flower simulation (Ray)"
+        cells = [runtime, row.strategy, f"{row.population:,}", row.status]
+        for field in ("seconds_per_round", "cpu_seconds_per_round", "peak_rss_mib"):
             value, base = getattr(row, field), getattr(ref, field, None)
-            cells += [
-                shown(value, digits),
-                "-" if value is None or not base else f"{value / base:.2f}x",
-            ]
-        value, base = row.peak_rss_mib, ref.peak_rss_mib if ref else None
-        cells += [shown(value, ".0f"), "-" if value is None or not base else f"{value / base:.2f}x"]
+            cells.append(shown(value, ".0f" if field == "peak_rss_mib" else ".2f"))
+            cells.append("-" if value is None or not base else f"{value / base:.2f}x")
         cells += [shown(row.samples_per_round, ".0f"), shown(row.wall_seconds, ".0f")]
         body.append([*cells, shown(row.cpu_seconds, ".0f"), shown(row.final_accuracy, ".3f")])
     header = "runtime|rule|clients|status|s / round|vs smallest in process|CPU s / round"
@@ -185,12 +175,10 @@ def verdict(rows: Sequence[Row]) -> str:
     """Whether the largest in-process population meets the targets, per strategy."""
     lines = []
     for strategy in dict.fromkeys(row.strategy for row in rows):
-        done = [r for r in rows if r.strategy == strategy and r.runtime == "inprocess"]
-        done = [r for r in done if r.status in FINISHED_STATUSES]
+        done = finished_in_process(rows, strategy)
         if len(done) < 2:
             continue
-        small, large = smallest(done, strategy), max(done, key=lambda r: r.population)
-        assert small is not None
+        small, large = done[0], done[-1]
         rss = (large.peak_rss_mib or 0) / (small.peak_rss_mib or 1)
         seconds = (large.seconds_per_round or 0) / (small.seconds_per_round or 1)
         cpu = (large.cpu_seconds_per_round or 0) / (small.cpu_seconds_per_round or 1)

@@ -56,9 +56,9 @@ class Row:
     backend: str
     rounds: int
     seconds_per_round: float
-    first_round_seconds: float
-    wall_seconds: float
-    final_accuracy: float | None
+    first_round_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    final_accuracy: float | None = None
     yardstick_seconds: float | None = None
     cpu_seconds_per_round: float | None = None
     yardstick_cpu_seconds: float | None = None
@@ -74,21 +74,11 @@ def time_run(setting: str, runtime: str, backend: str, args: argparse.Namespace,
         run_dir = launch_runtime(runtime, REPO, config, client_cpus=args.threads)
     entries = read_metrics(run_dir)
     per_round = [float(e["round-seconds"]) for e in entries if int(e["round"]) >= 1]
-    cpu = clock.cpu / args.rounds if runtime == "inprocess" else None
-    median = statistics.median(per_round[1:] or per_round)
-    accuracy = entries[-1].get("test-accuracy")
-    return Row(
-        setting,
-        runtime,
-        backend,
-        args.rounds,
-        median,
-        per_round[0],
-        clock.wall,
-        accuracy,
-        None,
-        cpu,
-    )
+    row = Row(setting, runtime, backend, args.rounds, statistics.median(per_round[1:] or per_round))
+    row.first_round_seconds, row.wall_seconds = per_round[0], clock.wall
+    row.final_accuracy = entries[-1].get("test-accuracy")
+    row.cpu_seconds_per_round = clock.cpu / args.rounds if runtime == "inprocess" else None
+    return row
 
 
 def time_ba_run(output_dir: Path) -> dict[str, Any]:

@@ -295,12 +295,7 @@ def measure_memory(options: argparse.Namespace, figures: list[ServerFigure]) -> 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
     for figure in figures:
         command = [sys.executable, "-m", "benchmarks.systems", "--memory-probe", figure.rule]
-        command += [
-            "--clients",
-            str(options.clients),
-            "--fedlaw-epochs",
-            str(options.fedlaw_epochs),
-        ]
+        command += [f"--clients={options.clients}", f"--fedlaw-epochs={options.fedlaw_epochs}"]
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             print(f"[systems] memory probe of {figure.rule} failed:\n{done.stderr[-2000:]}")
