@@ -76,15 +76,16 @@ def measure(size: int, args: argparse.Namespace, workdir: Path, file_state: bool
     row["superlink-state"] = "file" if file_state else "memory"
     # In-memory SuperLink state by default: with its SQLite file, 7 of 10 replies failed here
     # with "database is locked" on a loaded machine; see docs/deployment.md (Load).
-    # Flower's subprocess isolation, as the published pages measured it (a ClientApp process per
-    # message); benchmarks.deployment measures the warm executor.
-    deployment = LocalDeployment(REPO, workdir, file_state=file_state, executor="subprocess")
+    deployment = LocalDeployment(REPO, workdir, file_state=file_state)
     load: list[float] = []
     started = time.monotonic()
     try:
         deployment.start()
         for partition in range(size):
-            deployment.start_supernode(partition, size)
+            # Bare flower-supernode processes with Flower's subprocess isolation, as the published
+            # pages measured (no ba-supernode supervisor); benchmarks.deployment measures the warm
+            # executor.
+            deployment.start_supernode(partition, size, supervised=False)
         deployment.wait_for_nodes(size, timeout=max(120.0, 5.0 * size))
         row["seconds-to-online"] = round(time.monotonic() - started, 1)
         idle = sum(status_bytes("VmRSS", node.process.pid) for node in deployment.supernodes)
