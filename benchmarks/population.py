@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -90,7 +91,7 @@ def measure(
     limit = args.simulation_timeout if runtime == "simulation" else args.inprocess_timeout
     words = ["-m", "beyond_averaging.server.launch", "--runtime", runtime, "--client-cpus", "1"]
     words += ["--timeout", str(limit), "-c", run_config_argument(settings)]
-    print("$", " ".join(words[1:]), flush=True)
+    print("$", shlex.join(words[1:]), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = (runs / f"{name}.log").open("wb")
     started = time.perf_counter()
