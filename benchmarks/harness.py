@@ -1,18 +1,21 @@
-"""What every systems benchmark measures with: the hardware line, time, resident memory, and an
-in-process federation to take instructions and replies from (targets, ratios against a baseline
-of the same run, are the benchmarks' own: this module only measures).
+"""What the systems benchmarks share: the hardware line and the command as typed, time, memory,
+process trees, an in-process federation to take instructions and replies from, and where a page
+is written. Targets and ratios are each benchmark's own; docs/benchmarks.md is the manual.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import platform
 import re
+import shlex
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore.task_identity import TaskIdentity
 
+from benchmarks.spec import REPO
 from beyond_averaging.client.app import app as client_app
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
@@ -61,6 +65,27 @@ def interpreter() -> str:
     return str(path)
 
 
+def command(module: str, argv: Sequence[str] | None = None) -> str:
+    """This invocation as typed in the checkout, with its ``OMP_NUM_THREADS`` and ``nice``."""
+    words = [interpreter(), "-m", f"benchmarks.{module}"]
+    words += sys.argv[1:] if argv is None else argv
+    niceness = os.nice(0)
+    words = ["nice", "-n", str(niceness), *words] if niceness else words
+    threads = os.environ.get("OMP_NUM_THREADS")
+    return shlex.join([f"OMP_NUM_THREADS={threads}", *words] if threads else words)
+
+
+def save(module: str, name: str, page: str, raw: Any, publish: bool) -> None:
+    """Print ``page``; write it and ``raw`` (JSON) to ``benchmarks/results/<module>/<name>``, and
+    the page to ``docs/results/<name>.md`` with ``publish``."""
+    print(page)
+    folder = REPO / "benchmarks" / "results" / module
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(raw, indent=1), encoding="utf-8")
+    for where in [folder, REPO / "docs" / "results"][: 1 + publish]:
+        (where / f"{name}.md").write_text(page, encoding="utf-8")
+
+
 class Stopwatch:
     """Wall, process-CPU and children's CPU seconds of a ``with`` block (``wall``, ``cpu``,
     ``children_cpu`` once it is left; children: the subprocesses it waited for)."""
@@ -75,11 +100,11 @@ class Stopwatch:
         self.children_cpu = sum(os.times()[2:4]) - self.children_cpu
 
 
-def status_bytes(field: str, pid: int | str = "self") -> int:
-    """A memory line of ``/proc/<pid>/status`` in bytes (``VmRSS``: now, ``VmHWM``: the peak);
-    0 once the process has ended."""
+def status_bytes(field: str, pid: int | str = "self", path: str = "") -> int:
+    """A memory line of ``/proc/<pid>/status`` (or ``path``, e.g. ``/proc/meminfo``) in bytes
+    (``VmRSS``: now, ``VmHWM``: the peak, ``MemAvailable``); 0 once the process has ended."""
     try:
-        status = (Path("/proc") / str(pid) / "status").read_text(encoding="utf-8")
+        status = Path(path or f"/proc/{pid}/status").read_text(encoding="utf-8")
     except OSError:
         return 0
     line = next((line for line in status.splitlines() if line.startswith(f"{field}:")), "")
@@ -98,11 +123,40 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def available_bytes() -> int:
-    """``MemAvailable`` of this machine (what may still be used without swapping)."""
-    meminfo = Path("/proc/meminfo").read_text(encoding="utf-8").splitlines()
-    line = next((line for line in meminfo if line.startswith("MemAvailable:")), "x 0")
-    return int(line.split()[1]) * 1024
+def process_table() -> tuple[dict[int, list[int]], dict[int, int], dict[int, str]]:
+    """Children, RSS in bytes and command line of every process, from one ``ps`` call."""
+    listing = subprocess.run(
+        ["ps", "-eo", "pid=,ppid=,rss=,args="], capture_output=True, text=True, check=False
+    ).stdout
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    commands: dict[int, str] = {}
+    for line in listing.splitlines():
+        pid, parent, kilobytes, *args = line.split(maxsplit=3)
+        children.setdefault(int(parent), []).append(int(pid))
+        rss[int(pid)], commands[int(pid)] = int(kilobytes) * 1024, "".join(args)
+    return children, rss, commands
+
+
+def descendants(pid: int, children: dict[int, list[int]]) -> list[int]:
+    """Every process below ``pid``."""
+    found, frontier = [], list(children.get(pid, []))
+    while frontier:
+        found += frontier
+        frontier = [child for p in frontier for child in children.get(p, [])]
+    return found
+
+
+def tree_cpu(root: int) -> float:
+    """CPU seconds (user + system) so far of ``root`` and every process below it."""
+    total = 0
+    for pid in [root, *descendants(root, process_table()[0])]:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class PeakSampler:
@@ -199,23 +253,11 @@ def federation(
     return Federation(config, model, rule, grid, arrays, test_set)
 
 
-def peak_rss_bytes(pid: int) -> int:
-    """The peak resident memory of a live process so far (Linux ``VmHWM``), 0 once it ended."""
-    try:
-        status = (Path("/proc") / str(pid) / "status").read_text(encoding="utf-8")
-    except OSError:
-        return 0
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def peak_rss_sampler(pids: Callable[[], list[int]], interval: float = 0.2) -> PeakSampler:
     """A :class:`PeakSampler` of ``rss``: the largest peak RSS (``VmHWM``) of the processes
     ``pids()`` returns, sampled every ``interval`` s (e.g. a deployment's ServerApps)."""
     return PeakSampler(
-        lambda: {"rss": float(max((peak_rss_bytes(pid) for pid in pids()), default=0))},
+        lambda: {"rss": float(max((status_bytes("VmHWM", pid) for pid in pids()), default=0))},
         interval,
     )
 

@@ -1,19 +1,13 @@
-"""How many SuperNodes one SuperLink holds on this machine, for the default model.
-
-For each size N, a SuperLink and N SuperNodes as local processes on loopback run the default
-configuration for a few rounds; docs/deployment.md ("Load: SuperNodes per SuperLink") says what
-is measured and how, and gives the commands.
+"""How many SuperNodes one SuperLink holds on this machine, for the default model: for each size N,
+a SuperLink and N SuperNodes on loopback run a few rounds. docs/deployment.md ("Load: SuperNodes
+per SuperLink") says what is measured and gives the commands.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import shlex
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -23,9 +17,12 @@ from typing import Any
 from benchmarks.harness import (
     MIB,
     PeakSampler,
-    available_bytes,
+    command,
+    descendants,
     hardware,
     peak_rss_sampler,
+    process_table,
+    save,
     status_bytes,
 )
 from benchmarks.report import markdown_table, read_metrics
@@ -37,36 +34,6 @@ from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import LaunchError
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
-
-RESULTS = REPO / "benchmarks" / "results" / "load"
-PUBLISHED = REPO / "docs" / "results"
-
-
-def process_table() -> tuple[dict[int, list[int]], dict[int, int], dict[int, str]]:
-    """Children, RSS in bytes and command line of every process, from one ``ps`` call."""
-    listing = subprocess.run(
-        ["ps", "-eo", "pid=,ppid=,rss=,args="], capture_output=True, text=True, check=False
-    ).stdout
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    commands: dict[int, str] = {}
-    for line in listing.splitlines():
-        fields = line.split(maxsplit=3)
-        pid, parent, kilobytes = (int(field) for field in fields[:3])
-        children.setdefault(parent, []).append(pid)
-        rss[pid] = kilobytes * 1024
-        commands[pid] = fields[3] if len(fields) > 3 else ""
-    return children, rss, commands
-
-
-def descendants(pid: int, children: dict[int, list[int]]) -> list[int]:
-    """Every process below ``pid``."""
-    found, frontier = [], list(children.get(pid, []))
-    while frontier:
-        found += frontier
-        frontier = [child for p in frontier for child in children.get(p, [])]
-    return found
-
 
 #: The parts of a node's memory: the SuperNode process, the ClientApp processes it starts
 #: (one per message, ``flwr-clientapp``) and the helpers between them (Flower's SuperExec).
@@ -103,34 +70,30 @@ def _mb(size: float) -> float:
     return round(size / MIB, 1)
 
 
-def measure(
-    size: int,
-    rounds: int,
-    workdir: Path,
-    timeout: float,
-    file_state: bool,
-    round_timeout: float = 1800.0,
-) -> dict[str, Any]:
+def measure(size: int, args: argparse.Namespace, workdir: Path, file_state: bool) -> dict[str, Any]:
     """One federation of ``size`` SuperNodes: start, run ``rounds`` rounds, stop."""
-    row: dict[str, Any] = {"supernodes": size, "rounds": rounds}
+    row: dict[str, Any] = {"supernodes": size, "rounds": args.rounds}
     row["superlink-state"] = "file" if file_state else "memory"
     # In-memory SuperLink state by default: with its SQLite file, 7 of 10 replies failed here
     # with "database is locked" on a loaded machine; see docs/deployment.md (Load).
-    deployment = LocalDeployment(REPO, workdir / f"n{size}", file_state=file_state)
+    deployment = LocalDeployment(REPO, workdir, file_state=file_state)
     load: list[float] = []
     started = time.monotonic()
     try:
         deployment.start()
         for partition in range(size):
-            deployment.start_supernode(partition, size)
+            # Bare flower-supernode processes with Flower's subprocess isolation, as the published
+            # pages measured (no ba-supernode supervisor); benchmarks.deployment measures the warm
+            # executor.
+            deployment.start_supernode(partition, size, supervised=False)
         deployment.wait_for_nodes(size, timeout=max(120.0, 5.0 * size))
         row["seconds-to-online"] = round(time.monotonic() - started, 1)
         idle = sum(status_bytes("VmRSS", node.process.pid) for node in deployment.supernodes)
         row["supernode-idle-rss-mb"] = _mb(idle / size)
         settings = {
             "num-clients": size,
-            "num-server-rounds": rounds,
-            "round-timeout": round_timeout,
+            "num-server-rounds": args.rounds,
+            "round-timeout": args.round_timeout,
             "run-name": f"load-{size}",
             "output-dir": str(deployment.workdir / "runs"),
         }
@@ -139,7 +102,7 @@ def measure(
         with sampler as nodes, peak_rss_sampler(deployment.serverapp_pids) as server:
             run_started = time.monotonic()
             try:
-                run_dir = deployment.run(settings, timeout=timeout)
+                run_dir = deployment.run(settings, timeout=args.timeout)
             finally:
                 row["run-seconds"] = round(time.monotonic() - run_started, 1)
                 row["superlink-peak-rss-mb"] = _mb(status_bytes("VmHWM", deployment.superlink.pid))
@@ -164,12 +127,6 @@ def measure(
         if deployment.superlink_log.is_file():
             row.update(superlink_errors(deployment.superlink_log.read_text(errors="replace")))
     return row
-
-
-def interpreter() -> str:
-    """This interpreter as the page's command names it: relative to the repository if inside."""
-    path = Path(sys.executable)
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def superlink_errors(log: str) -> dict[str, Any]:
@@ -244,24 +201,18 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def main() -> None:
     """Measure each size in turn; print and save the rows."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[5, 10, 20, 30, 50])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    parser.add_argument(
-        "--round-timeout",
-        type=float,
-        default=1800.0,
-        help="the run's round-timeout: long, to measure slow rounds rather than drop their "
-        "replies; shorter where replies are lost for good (the SQLite state's lock)",
-    )
+    # Long, to measure slow rounds rather than drop their replies; shorter where replies are
+    # lost for good (the SQLite state's lock).
+    parser.add_argument("--round-timeout", type=float, default=1800.0)
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="memory left to others")
-    state = "the SuperLink's state: in memory or in an SQLite file"
-    parser.add_argument("--state", choices=("memory", "file"), default="memory", help=state)
+    parser.add_argument("--state", choices=("memory", "file"), default="memory")
     parser.add_argument("--cold-cache", action="store_true", help="empty partition cache at start")
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
     release = FlowerRelease.installed()
     name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
     name += "-cold" if args.cold_cache else ""
@@ -272,45 +223,32 @@ def main() -> None:
         # A cache of this benchmark's own, inherited by every process it starts.
         os.environ[CACHE_ENV] = str(Path(scratch) / "partitions")
         for size in sorted(args.sizes):
-            spare = available_bytes() - args.reserve_gib * 2**30
+            spare = status_bytes("MemAvailable", path="/proc/meminfo") - args.reserve_gib * 2**30
             if per_node and size * per_node > spare:
-                why = (
-                    f"needs about {size * per_node / 2**30:.1f} GiB at "
-                    f"{per_node / MIB:.0f} MB per node, {max(spare, 0) / 2**30:.1f} GiB spare"
-                )
+                why = f"needs about {size * per_node / 2**30:.1f} GiB at {per_node / MIB:.0f} MB"
+                why += f" per node, {max(spare, 0) / 2**30:.1f} GiB spare"
                 rows.append({"supernodes": size, "status": "skipped", "why": why})
             else:
                 if not args.cold_cache:
                     warm_partition_cache(size)
-                rows.append(
-                    measure(
-                        size,
-                        args.rounds,
-                        Path(scratch),
-                        args.timeout,
-                        args.state == "file",
-                        args.round_timeout,
-                    )
-                )
-            print(json.dumps(rows[-1]), flush=True)
+                file_state = args.state == "file"
+                workdir = Path(scratch) / f"n{size}"
+                rows.append(measure(size, args, workdir, file_state))
+            print(rows[-1], flush=True)
             if rows[-1]["status"] == "completed":
                 per_node = rows[-1]["node-peak-rss-mb-per-node"] * MIB
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": f"nice -n 10 {interpreter()} -m benchmarks.load " + shlex.join(sys.argv[1:]),
+        "command": command("load"),
         "flwr": release.version,
         "transport": release.transport,
         "machine": hardware(),
         "cpus": os.cpu_count(),
-        "memory-gib": round(int(Path("/proc/meminfo").read_text().split()[1]) * 1024 / 2**30, 1),
+        "memory-gib": round(status_bytes("MemTotal", path="/proc/meminfo") / 2**30, 1),
         "superlink-state": "an SQLite file" if args.state == "file" else "memory",
         "cold-cache": args.cold_cache,
     }
-    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    page = markdown(rows, meta)
-    print(page)
-    if args.publish:
-        (PUBLISHED / f"{name}.md").write_text(page, encoding="utf-8")
+    save("load", name, markdown(rows, meta), {"meta": meta, "rows": rows}, args.publish)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
-"""How far honest clients' replies spread: the default of ``update-norm-factor`` rests on this.
-
-An in-process federation (``benchmarks.harness.federation``) with the norm filter off; per round,
-max / median ratios of the honest replies' norms. docs/reliability.md ("Honest norm ratios")
-defines every figure and gives the commands (about a minute per run on one core).
+"""How far honest clients' replies spread, per round: max / median norm ratios in an in-process
+federation with the norm filter off (the default ``update-norm-factor`` rests on them).
+docs/reliability.md ("Honest norm ratios") defines every figure and gives the commands.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from flwr.app import Message
 
 from benchmarks.harness import federation
 from beyond_averaging.strategies.influence import max_over_median, record_norms, update_norms
@@ -34,38 +31,26 @@ def _ratio(values: npt.NDArray[np.float64]) -> float:
     return float("nan") if ratio is None else ratio
 
 
-def round_figures(
-    global_arrays: dict[str, np.ndarray[Any, Any]], replies: Sequence[Message]
-) -> dict[str, float]:
-    """The ratios of one round's honest replies (docs/reliability.md, "Honest norm ratios"),
-    from the norms the strategies' filter computes."""
-    contents = [reply.content for reply in replies]
-    replied = [{k: a.numpy() for k, a in c.array_records["arrays"].items()} for c in contents]
-    updates = update_norms(global_arrays, replied)
-    metrics = [c.metric_records["metrics"] for c in contents]
-    counts = [float(m["num-examples"]) for m in metrics]  # type: ignore[arg-type]
-    floating = {k: v for k, v in global_arrays.items() if np.issubdtype(v.dtype, np.floating)}
-    figures = {
-        "update": _ratio(updates),
-        "weight-share": max(counts) / sum(counts),
-        # What an all-zero model would score: ||0 - w|| / median honest update norm.
-        "zero-model": float(record_norms([floating])[0] / np.median(updates)),
-    }
-    for name in ("sensitivity", "gradient"):
-        records = [c.array_records[name] for c in contents if name in c.array_records]
-        if records:
-            norms = record_norms([{k: a.numpy() for k, a in r.items()} for r in records])
-            figures[name] = _ratio(norms)
-    return figures
-
-
 def measure(settings: dict[str, Any]) -> list[dict[str, float]]:
     """Run the federation in this process, the norm filter off; one dict of ratios per round."""
     fed = federation({**settings, "update-norm-factor": 0.0})
     per_round = []
     for server_round in range(1, fed.config.num_server_rounds + 1):
         sent = {k: a.numpy().astype(np.float64) for k, a in fed.arrays.items()}
-        per_round.append(round_figures(sent, fed.round(server_round)))
+        contents = [reply.content for reply in fed.round(server_round)]
+        replied = [{k: a.numpy() for k, a in c.array_records["arrays"].items()} for c in contents]
+        updates = update_norms(sent, replied)
+        counts = [float(c.metric_records["metrics"]["num-examples"]) for c in contents]  # type: ignore[arg-type]
+        floating = [{k: v for k, v in sent.items() if np.issubdtype(v.dtype, np.floating)}]
+        figures = {"update": _ratio(updates), "weight-share": max(counts) / sum(counts)}
+        # What an all-zero model would score: ||0 - w|| / median honest update norm.
+        figures["zero-model"] = float(record_norms(floating)[0] / np.median(updates))
+        for name in ("sensitivity", "gradient"):
+            records = [c.array_records[name] for c in contents if name in c.array_records]
+            if records:
+                norms = record_norms([{k: a.numpy() for k, a in r.items()} for r in records])
+                figures[name] = _ratio(norms)
+        per_round.append(figures)
     return per_round
 
 
@@ -82,14 +67,12 @@ def summarise(per_round: Sequence[dict[str, float]], /, **labels: Any) -> dict[s
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure every (strategy, alpha, seed): a JSON line per run, then one per strategy/alpha."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
-    parser.add_argument(
-        "--fraction-train", type=float, default=1.0, help="share of the 10 clients sampled"
-    )
+    parser.add_argument("--fraction-train", type=float, default=1.0, help="share sampled")
     args = parser.parse_args(argv)
     for name in args.strategies:
         for alpha in args.alphas:

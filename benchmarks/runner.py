@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import shlex
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -23,7 +22,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.harness import Stopwatch, hardware
+from benchmarks.harness import Stopwatch, command, hardware
 from benchmarks.report import HOST_FILE, RunData, read_run, write_report
 from benchmarks.spec import REPO, Run, Spec, SpecError, load_spec
 from beyond_averaging.server.checkpoint import CHECKPOINT_FILE, RESUME_FREE_KEYS
@@ -200,13 +199,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines = [] if args.report_only else run_spec(spec, jobs=args.jobs, threads=args.threads)
         spec_path = args.spec.resolve()
         shown = spec_path.relative_to(REPO) if spec_path.is_relative_to(REPO) else spec_path
-        arguments = [
-            a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"
-        ]
+        typed = sys.argv[1:] if argv is None else list(argv)
+        arguments = [a for a in typed if a != "--report-only"]
         arguments[arguments.index(str(args.spec))] = str(shown)
-        command = shlex.join([".venv/bin/python", "-m", "benchmarks.runner", *arguments])
         beside = spec.runs_dir.parent / spec.report_path.name
-        for path in report(spec, spec.report_path if args.publish else beside, command):
+        destination = spec.report_path if args.publish else beside
+        for path in report(spec, destination, command("runner", arguments)):
             print(f"wrote {path}")
     except SpecError as error:
         print(f"runner: error: {error}", file=sys.stderr)

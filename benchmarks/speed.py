@@ -1,22 +1,17 @@
 """Seconds per round of each runtime and client backend, next to a vmapped yardstick.
-
-docs/runtimes.md ("What each costs") defines the settings, rows, columns and the yardstick::
-
-    .venv/bin/python -m benchmarks.speed --settings digits table3 --rounds 3 --ba-run --publish
-    .venv/bin/python -m benchmarks.speed --settings table3 --runtimes inprocess --device cuda
+docs/runtimes.md ("What each costs") defines the settings, rows, columns and the yardstick and
+gives the commands.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.harness import Stopwatch, hardware
+from benchmarks.harness import Stopwatch, command, hardware, save
 from benchmarks.report import markdown_table, read_metrics, shown
 from benchmarks.spec import REPO, load_spec
 from beyond_averaging.server.app import data_spec
@@ -33,16 +28,14 @@ from beyond_averaging.server.launch import (
     RUNTIMES,
     LaunchError,
     launch_runtime,
+    read_summary,
     run_config_argument,
 )
 from beyond_averaging.tasks.evaluation import resolve_device
 from beyond_averaging.tasks.federation import load_client_partition
 from beyond_averaging.tasks.models import build_model
 
-RESULTS = REPO / "benchmarks" / "results" / "speed"
-PUBLISH = REPO / "docs" / "results"
 BACKENDS = ("clientapp", "vectorized")
-
 #: FedLAW's Table 3 setting, from its spec (the benchmark sets the rounds itself).
 TABLE3 = load_spec(REPO / "benchmarks" / "specs" / "fedlaw-table3.toml").settings
 TABLE3.pop("num-server-rounds")
@@ -55,86 +48,60 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class Row:
-    """One run's timing."""
+    """One run's timing; CPU seconds per round in process only (the runs' own work, first round
+    included), robust to other load on a shared machine."""
 
     setting: str
     runtime: str
     backend: str
     rounds: int
     seconds_per_round: float
-    first_round_seconds: float
-    wall_seconds: float
-    final_accuracy: float | None
+    first_round_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    final_accuracy: float | None = None
     yardstick_seconds: float | None = None
-    #: CPU seconds of this process per round (in process only: the runs' own work, first round
-    #: included), and the yardstick's; robust to other load on a shared machine.
     cpu_seconds_per_round: float | None = None
     yardstick_cpu_seconds: float | None = None
 
-    @property
-    def ratio(self) -> float | None:
-        """Seconds per round over the yardstick's."""
-        return self.seconds_per_round / self.yardstick_seconds if self.yardstick_seconds else None
 
-    @property
-    def cpu_ratio(self) -> float | None:
-        """CPU seconds per round over the yardstick's (in-process rows)."""
-        cpu, yardstick = self.cpu_seconds_per_round, self.yardstick_cpu_seconds
-        return cpu / yardstick if cpu is not None and yardstick else None
-
-
-# --- real runs ----------------------------------------------------------------------------
 def time_run(setting: str, runtime: str, backend: str, args: argparse.Namespace, runs: Path) -> Row:
     """One run of ``setting`` in ``runtime`` with ``backend``; its seconds per round."""
-    overrides = {
-        **SETTINGS[setting],
-        "num-server-rounds": args.rounds,
-        "device": args.device,
-        "client-backend": backend,
-        "run-name": f"{setting}-{runtime}-{backend}-{args.device}-r{args.rounds}",
-        "output-dir": str(runs),
-    }
+    overrides = {**SETTINGS[setting], "num-server-rounds": args.rounds, "device": args.device}
+    overrides |= {"client-backend": backend, "output-dir": str(runs)}
+    overrides["run-name"] = f"{setting}-{runtime}-{backend}-{args.device}-r{args.rounds}"
     with Stopwatch() as clock:
-        run_dir = launch_runtime(
-            runtime, REPO, [run_config_argument(overrides)], client_cpus=args.threads
-        )
+        config = [run_config_argument(overrides)]
+        run_dir = launch_runtime(runtime, REPO, config, client_cpus=args.threads)
     entries = read_metrics(run_dir)
     per_round = [float(e["round-seconds"]) for e in entries if int(e["round"]) >= 1]
-    return Row(
-        setting,
-        runtime,
-        backend,
-        args.rounds,
-        seconds_per_round=statistics.median(per_round[1:] or per_round),
-        first_round_seconds=per_round[0],
-        wall_seconds=clock.wall,
-        final_accuracy=entries[-1].get("test-accuracy"),
-        cpu_seconds_per_round=clock.cpu / args.rounds if runtime == "inprocess" else None,
-    )
+    row = Row(setting, runtime, backend, args.rounds, statistics.median(per_round[1:] or per_round))
+    row.first_round_seconds, row.wall_seconds = per_round[0], clock.wall
+    row.final_accuracy = entries[-1].get("test-accuracy")
+    row.cpu_seconds_per_round = clock.cpu / args.rounds if runtime == "inprocess" else None
+    return row
 
 
 def time_ba_run(output_dir: Path) -> dict[str, Any]:
-    """Wall seconds of the default ``ba-run --runtime inprocess`` in a fresh process (warm)."""
+    """Wall seconds of the default ``ba-run --runtime inprocess`` in a fresh process: cold, then
+    warm (page cache and partition cache filled), and the warm run's CPU seconds."""
     settings = run_config_argument({"output-dir": str(output_dir), "run-name": "ba-run-default"})
-    ba_run = str(Path(sys.executable).parent / "ba-run")
-    command = [ba_run, "--runtime", "inprocess", "-c", settings]
+    ba_run = [str(Path(sys.executable).parent / "ba-run"), "--runtime", "inprocess", "-c", settings]
     clocks = []
-    for _ in range(2):  # the first run warms the page cache and the partition cache
+    for _ in range(2):
         with Stopwatch() as clock:
-            subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+            subprocess.run(ba_run, cwd=REPO, check=True, capture_output=True)
         clocks.append(clock)
-    summary = json.loads((output_dir / "ba-run-default" / "summary.json").read_text())
+    final = read_summary(output_dir / "ba-run-default" / "summary.json")["final"]
     return {
         "command": "ba-run --runtime inprocess",  # plus an output-dir in a temporary folder
         "cold-seconds": clocks[0].wall,
         "warm-seconds": clocks[1].wall,
         "warm-cpu-seconds": clocks[1].children_cpu,
-        "final-accuracy": summary["final"]["test-accuracy"],
-        "rounds": summary["final"]["round"],
+        "final-accuracy": final["test-accuracy"],
+        "rounds": final["round"],
     }
 
 
-# --- the yardstick ------------------------------------------------------------------------
 def yardstick_seconds(setting: str, device: torch.device, rounds: int) -> tuple[float, float]:
     """Median wall and CPU seconds of one round of all clients' local training as one vmapped
     SGD loop."""
@@ -205,37 +172,33 @@ def _vmapped_round(
     return {n: (p * weights.view(-1, *[1] * (p.dim() - 1))).sum(dim=0) for n, p in params.items()}
 
 
-# --- report -------------------------------------------------------------------------------
-def table(rows: Sequence[Row]) -> str:
-    """Markdown table of the rows."""
+def report(rows: Sequence[Row], ba_run: dict[str, Any] | None, device: str) -> str:
+    """The Markdown page; x yardstick: over the yardstick measured in the same process."""
     header = "setting, runtime, backend, rounds, s / round, x yardstick, yardstick s / round, "
     header += "CPU s / round, x yardstick CPU, first round s, run wall s, final accuracy"
-    return markdown_table(
-        header.split(", "),
-        (
+    cells = []
+    for r in rows:
+        ratio = r.seconds_per_round / r.yardstick_seconds if r.yardstick_seconds else None
+        cpu, yardstick_cpu = r.cpu_seconds_per_round, r.yardstick_cpu_seconds
+        cpu_ratio = cpu / yardstick_cpu if cpu is not None and yardstick_cpu else None
+        cells.append(
             [
                 *(r.setting, r.runtime, r.backend, r.rounds, f"{r.seconds_per_round:.3f}"),
-                *(shown(r.ratio, ".1f"), shown(r.yardstick_seconds, ".3f")),
-                *(shown(r.cpu_seconds_per_round, ".3f"), shown(r.cpu_ratio, ".1f")),
+                *(shown(ratio, ".1f"), shown(r.yardstick_seconds, ".3f")),
+                *(shown(cpu, ".3f"), shown(cpu_ratio, ".1f")),
                 *(f"{r.first_round_seconds:.2f}", f"{r.wall_seconds:.1f}"),
                 shown(r.final_accuracy, ".4f"),
             ]
-            for r in rows
-        ),
-    )
-
-
-def report(rows: Sequence[Row], ba_run: Mapping[str, Any] | None, command: str, device: str) -> str:
-    """The Markdown page."""
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+        )
+    load = os.getloadavg()
     text = [
         "# Speed: seconds per round by runtime and client backend\n",
         f"Hardware: {hardware()}; device `{device}`; load average when written "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.\n",
-        f"Command: `{command}`\n",
+        f"Command: `{command('speed')}`\n",
         'Written by `benchmarks/speed.py`; docs/runtimes.md ("What each costs") defines every '
         "column; x yardstick: over the vmapped yardstick measured in the same process.\n",
-        table(rows),
+        markdown_table(header.split(", "), cells),
     ]
     if ba_run is not None:
         text.append(
@@ -243,15 +206,14 @@ def report(rows: Sequence[Row], ba_run: Mapping[str, Any] | None, command: str, 
             f"{ba_run['warm-seconds']:.1f} s warm ({ba_run['cold-seconds']:.1f} s the first "
             f"time; {ba_run['warm-cpu-seconds']:.1f} CPU seconds warm, which is the wall time "
             "it needs on an otherwise idle core), final test accuracy "
-            f"{ba_run['final-accuracy']:.4f} after round "
-            f"{ba_run['rounds']}.\n"
+            f"{ba_run['final-accuracy']:.4f} after round {ba_run['rounds']}.\n"
         )
     return "\n".join(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Time the requested rows, print the table, write the report."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--runtimes", nargs="+", choices=RUNTIMES, default=list(RUNTIMES))
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
@@ -259,12 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads / CPUs per client")
     parser.add_argument("--ba-run", action="store_true", help="also time the default ba-run")
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--publish", type=Path, nargs="?", const=PUBLISH, default=None)
+    parser.add_argument("--publish", action="store_true", help="also write docs/results/speed.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    args.results.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="speed-runs-") as runs:
         for setting in args.settings:
@@ -281,16 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         continue
                     row.yardstick_seconds, row.yardstick_cpu_seconds = yardstick, yardstick_cpu
                     rows.append(row)
-                    print(f"[speed] {asdict(row)} ratio {row.ratio}", flush=True)
+                    print(f"[speed] {asdict(row)}", flush=True)
         ba_run = time_ba_run(Path(runs)) if args.ba_run else None
-    command = shlex.join([".venv/bin/python", "-m", "benchmarks.speed", *sys.argv[1:]])
-    page = report(rows, ba_run, command, str(device))
-    print(page)
-    raw = json.dumps({"rows": [asdict(r) for r in rows], "ba-run": ba_run}, indent=2)
-    (args.results / "speed.json").write_text(raw, encoding="utf-8")
-    for folder in [args.results] if args.publish is None else [args.results, args.publish]:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "speed.md").write_text(page, encoding="utf-8")
+    raw = {"rows": [asdict(r) for r in rows], "ba-run": ba_run}
+    save("speed", "speed", report(rows, ba_run, str(device)), raw, args.publish)
     return 0
 
 

@@ -1,7 +1,7 @@
-"""Systems figures of every aggregation rule, side by side in one run: server seconds of
-``aggregate_train`` against Flower's FedAvg on the same replies, peak server memory (a fresh
-process per rule), upload bytes, and the ClientApp's seconds per round for each rule's
-instruction. docs/benchmarks.md ("Systems figures") defines every column and gives the command.
+"""Systems figures of every aggregation rule in one run: server seconds of ``aggregate_train``
+against Flower's FedAvg on the same replies, peak server memory (a fresh process per rule),
+upload bytes, and the ClientApp's seconds per round. docs/benchmarks.md ("Systems figures")
+defines every column and gives the commands.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import argparse
 import gc
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,16 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
-from benchmarks.harness import MIB, Stopwatch, federation, hardware, reset_peak_rss, status_bytes
+from benchmarks.harness import (
+    MIB,
+    Stopwatch,
+    command,
+    federation,
+    hardware,
+    reset_peak_rss,
+    save,
+    status_bytes,
+)
 from benchmarks.report import markdown_table, shown
 from benchmarks.spec import REPO
 from beyond_averaging.client.sensitivity import compute_sensitivity, to_upload
@@ -46,7 +54,6 @@ from beyond_averaging.tasks.federation import load_client_partition
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import SENSITIVITY_RECORD
 
-RESULTS_DIR = REPO / "benchmarks" / "results" / "systems"
 BIG_LAYERS = (3072, 2048, 2048, 10)
 UPDATE_SCALE = 1e-2  # spread of the synthetic updates (the figures do not depend on it)
 TARGET_TIME_RATIO = 1.5
@@ -132,17 +139,9 @@ def synthetic_replies(model: nn.Module, clients: int, rule: str) -> list[Message
         content["metrics"] = MetricRecord({"num-examples": int(rng.integers(50, 500))})
         for name, arrays in extra.items():
             content[name] = ArrayRecord(arrays)
-        metadata = Metadata(  # as the SuperLink delivers a reply
-            run_id=1,
-            message_id=f"reply-{node}",
-            src_node_id=node,
-            dst_node_id=0,
-            reply_to_message_id=f"instruction-{node}",
-            group_id="1",
-            created_at=time.time(),
-            ttl=3600.0,
-            message_type="train",
-        )
+        # As the SuperLink delivers a reply (run, ids, source, destination, replied-to, group).
+        ids = (1, f"reply-{node}", node, 0, f"instruction-{node}", "1")
+        metadata = Metadata(*ids, time.time(), 3600.0, "train")
         replies.append(Message(content=content, metadata=metadata))  # type: ignore[call-overload]
     return replies
 
@@ -296,15 +295,8 @@ def measure_memory(options: argparse.Namespace, figures: list[ServerFigure]) -> 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
     for figure in figures:
         command = [sys.executable, "-m", "benchmarks.systems", "--memory-probe", figure.rule]
-        command += [
-            "--clients",
-            str(options.clients),
-            "--fedlaw-epochs",
-            str(options.fedlaw_epochs),
-        ]
-        done = subprocess.run(
-            command, cwd=REPO, capture_output=True, text=True, env=env, check=False
-        )
+        command += [f"--clients={options.clients}", f"--fedlaw-epochs={options.fedlaw_epochs}"]
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             print(f"[systems] memory probe of {figure.rule} failed:\n{done.stderr[-2000:]}")
             continue
@@ -315,8 +307,8 @@ def measure_memory(options: argparse.Namespace, figures: list[ServerFigure]) -> 
 
 
 def time_clients(options: argparse.Namespace) -> tuple[dict[str, float], dict[str, Any]]:
-    """Median seconds of one train round of partition 0's ClientApp per strategy (its upload is
-    the server table's: the same records).
+    """Median seconds of one train round of partition 0's ClientApp per strategy, and the
+    setting with the median seconds of ``compute_sensitivity`` alone over one epoch.
 
     The strategies take turns within each repeat (round -1 warms up, untimed), so that a burst of
     load from elsewhere spreads over all of them; each node's Context persists across repeats.
@@ -327,39 +319,27 @@ def time_clients(options: argparse.Namespace) -> tuple[dict[str, float], dict[st
     seconds: dict[str, list[float]] = {rule: [] for rule in RULES}
     for repeat in range(-1, options.repeats):
         for rule, fed in federations.items():
-            message = next(
-                m for m in fed.instructions(1) if m.metadata.dst_node_id == FIRST_NODE_ID
-            )
+            sent = [m for m in fed.instructions(1) if m.metadata.dst_node_id == FIRST_NODE_ID]
             with Stopwatch() as clock:
-                fed.grid.send_and_receive([message])
-            if repeat >= 0:
-                seconds[rule].append(clock.wall)
+                fed.grid.send_and_receive(sent)
+            seconds[rule] += [clock.wall] if repeat >= 0 else []
     config = federations["fedavg"].config
     partition = load_client_partition(replace(data_spec(config), proxy_per_class=0), 0)
-    setting = {
-        "dataset": config.dataset,
-        "model": config.model,
-        "partition": config.partition,
-        "local-epochs": config.local_epochs,
-        "batch-size": config.batch_size,
-        "partition-0-examples": len(partition),
-        "sensitivity-pass-seconds": time_sensitivity_pass(config, partition, options.repeats),
-    }
-    return {rule: statistics.median(times) for rule, times in seconds.items()}, setting
-
-
-def time_sensitivity_pass(config: Any, partition: LabeledData, repeats: int) -> float:
-    """Median seconds of ``compute_sensitivity`` alone over one epoch of the partition's batches."""
     data = DeviceData.from_labeled(partition, torch.device("cpu"))
     model = build_model(config.model, data.input_shape, data.num_classes, seed=config.seed)
-    seconds = []
-    for _ in range(repeats):
+    pass_seconds = []
+    for _ in range(options.repeats):
         plan = shuffled_batches(len(data), config.batch_size, 1, seed=0)
         with Stopwatch() as clock:
             batches = (data.features[positions] for positions in plan)
             compute_sensitivity(model, batches, decay=config.sensitivity_decay)
-        seconds.append(clock.wall)
-    return statistics.median(seconds)
+        pass_seconds.append(clock.wall)
+    setting: dict[str, Any] = {"dataset": config.dataset, "model": config.model}
+    setting["partition"] = config.partition
+    setting |= {"local-epochs": config.local_epochs, "batch-size": config.batch_size}
+    setting |= {"partition-0-examples": len(partition)}
+    setting["sensitivity-pass-seconds"] = statistics.median(pass_seconds)
+    return {rule: statistics.median(times) for rule, times in seconds.items()}, setting
 
 
 def server_table(figures: Sequence[ServerFigure], clients: int, model_bytes: int) -> str:
@@ -460,12 +440,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not options.skip_memory:
             measure_memory(options, server)
         clients, setting = ({}, {}) if options.skip_clients else time_clients(options)
-    # The torch threads a run had change its CPU figures on a loaded machine (spin-waits count).
-    threads = os.environ.get("OMP_NUM_THREADS")
-    prefix = "" if threads is None else f"OMP_NUM_THREADS={threads} "
-    arguments = shlex.join(sys.argv[1:] if argv is None else argv)
+    # The command names OMP_NUM_THREADS: a run's torch threads change its CPU figures on a loaded
+    # machine (spin-waits count).
     text = (
-        f"Command: `{prefix}.venv/bin/python -m benchmarks.systems {arguments}`\n\n"
+        f"Command: `{command('systems', argv)}`\n\n"
         + f"Machine: {hardware()}. Server figures: {options.clients} clients of an MLP "
         f"{'-'.join(map(str, BIG_LAYERS))} ({parameters:,} parameters, {model_bytes / MIB:.1f} "
         f"MiB float32), median of {options.repeats} (FedLAW: 1 run, {options.fedlaw_epochs} "
@@ -481,13 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(compute_sensitivity over one epoch of batches): "
             f"{setting['sensitivity-pass-seconds']:.3f} s.\n\n" + client_table(clients)
         )
-    print(text)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     raw: dict[str, Any] = {"server": [asdict(f) for f in server], "client-setting": setting}
     raw |= {"client-seconds": clients, "parameters": parameters, "hardware": hardware()}
-    (RESULTS_DIR / f"{options.page}.json").write_text(json.dumps(raw, indent=1), encoding="utf-8")
-    for folder in [RESULTS_DIR, REPO / "docs" / "results"][: 1 + options.publish]:
-        (folder / f"{options.page}.md").write_text(text, encoding="utf-8")
+    save("systems", options.page, text, raw, options.publish)
     return 0
 
 

@@ -1,10 +1,6 @@
-"""Peak memory of one vectorized round, in copies of the cohort's parameters.
-
-FedLAW's Table 3 setting (``benchmarks.speed``'s ``table3``): round 2's resident peak (also by
-phase) and round 3's allocator peak above a baseline taken after round 1. docs/runtimes.md
-("Memory") defines the figures and discusses them::
-
-    .venv/bin/python -m benchmarks.vectorized_memory --strategy elastic --clients-per-pass 5
+"""Peak memory of one vectorized round at FedLAW's Table 3 setting, in copies of the cohort's
+parameters: round 2's resident peak (also by phase) and round 3's allocator peak above a baseline
+taken after round 1. docs/runtimes.md ("Memory") defines the figures and gives the command.
 """
 
 from __future__ import annotations
@@ -126,8 +122,8 @@ def alive_at_peak(allocations: Sequence[Allocation]) -> Counter[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Measure and print the peak of round 2 in cohort-parameter copies."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Measure and print the peaks of rounds 2 and 3 in cohort-parameter copies."""
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--strategy", choices=STRATEGIES, default="fedavg")
     parser.add_argument("--threads", type=int, default=1)
     per_pass = "the run option vectorized-clients-per-pass"
@@ -135,8 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if _MMAP_ENV not in os.environ:  # re-run with every large allocation its own mapping
         os.environ[_MMAP_ENV] = "65536"
-        module = [sys.executable, "-m", "benchmarks.vectorized_memory", *sys.argv[1:]]
-        os.execv(sys.executable, module)
+        os.execv(
+            sys.executable, [sys.executable, "-m", "benchmarks.vectorized_memory", *sys.argv[1:]]
+        )
     torch.set_num_threads(args.threads)
     fed = federation(
         {**SETTING, "strategy": args.strategy, "vectorized-clients-per-pass": args.clients_per_pass}
@@ -169,20 +166,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             replies = list(fed.grid.send_and_receive(messages))
         phases["after the last local training (replies built and held)"] = sampler.mark()["rss"]
     vectorized.train_stacked = train_stacked
-    cohort_bytes = len(messages) * parameters * 4
+    copy = len(messages) * parameters * 4
     print(
         f"strategy {args.strategy}: {len(messages)} clients x {parameters} parameters = "
-        f"{cohort_bytes / MIB:.1f} MiB per cohort copy (float32); replies held: {len(replies)}"
-    )
-    print(
+        f"{copy / MIB:.1f} MiB per cohort copy (float32); replies held: {len(replies)}\n"
         f"passes of {args.clients_per_pass or len(messages)} clients; round 2 took "
         f"{clock.wall:.1f} s wall, {clock.cpu:.1f} s process CPU ({args.threads} torch thread(s))"
     )
     for phase, peak in {"round 2": sampler.peaks["rss"], **phases}.items():
         above = peak - baseline
         print(
-            f"  {phase}: peak {above / MIB:.1f} MiB above the baseline = "
-            f"{above / cohort_bytes:.2f} copies"
+            f"  {phase}: peak {above / MIB:.1f} MiB above the baseline = {above / copy:.2f} copies"
         )
     del replies
     messages = instructions(3)
@@ -190,11 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     peak = peak_above_start(allocations)
     print(
         f"torch's allocator, round 3: peak {peak / MIB:.1f} MiB above the start = "
-        f"{peak / cohort_bytes:.2f} copies; alive at the peak, by allocating operator:"
+        f"{peak / copy:.2f} copies; alive at the peak, by allocating operator:"
     )
     for operator, size in alive_at_peak(allocations).most_common():
-        if size >= cohort_bytes // 1000:
-            print(f"  {size / cohort_bytes:5.2f} copies  {operator}")
+        if size >= copy // 1000:
+            print(f"  {size / copy:5.2f} copies  {operator}")
     return 0
 
 

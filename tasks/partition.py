@@ -9,7 +9,7 @@ are bit-identical to that release's for the same arguments and seed
 needs neither Flower Datasets nor what it brings (Hugging Face ``datasets``, pandas, pyarrow).
 Measured: Fashion-MNIST's 60,000 training labels into 100 Dirichlet(0.1) partitions take 7.4 ms
 here against 2.6 s through flwr-datasets 0.6.1, after its imports (best of 3 on a shared 2-core
-machine; ``python -m benchmarks.partition_speed``, table and command in docs/running.md).
+machine; ``python -m tests.partition_reference``, table and command in docs/running.md).
 
 Left out of flwr-datasets' code, changing no output: its partitioners shuffle every partition's
 positions after the draws, and this module returns them sorted with no draw after that shuffle;

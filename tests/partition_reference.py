@@ -1,20 +1,30 @@
 """Flower Datasets' partitioners as tasks/partition.py called them before it reimplemented them.
 
-The reference for ``tests/test_partition_reference.py`` (bit-identical partitions) and for
-``benchmarks/partition_speed.py`` (the speed-up): the labels are wrapped in an in-memory
-``datasets.Dataset`` with an ``index`` column, a flwr-datasets partitioner divides it, and each
-partition's ``index`` column gives positions into the labels, sorted. The Dirichlet scheme
-restarts the partitioner with the same derived seeds, and the classes scheme reports classes
-left out, as tasks/partition.py does. Needs ``flwr-datasets`` and ``datasets`` (the ``dev``
-extra); argument checking is tasks/partition.py's and is not repeated here.
+The reference for ``tests/test_partition_reference.py`` (bit-identical partitions); run as
+``python -m tests.partition_reference`` it times both (docs/running.md quotes it). The labels
+are wrapped in an in-memory ``datasets.Dataset`` with an ``index`` column, a flwr-datasets
+partitioner divides it, and each partition's ``index`` column gives positions into the labels,
+sorted. The Dirichlet scheme restarts the partitioner with the same derived seeds, and the
+classes scheme reports classes left out, as tasks/partition.py does. Needs ``flwr-datasets`` and
+``datasets`` (the ``dev`` extra); argument checking is tasks/partition.py's and is not repeated.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import subprocess
+import sys
+import time
 import warnings
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast, get_args
 
 import numpy as np
+
+from benchmarks.harness import Stopwatch, hardware
+from beyond_averaging.tasks.datasets import DATASET_NAMES, DatasetName, load_dataset
+from beyond_averaging.tasks.partition import PartitionScheme, partition_indices
 
 #: The release whose partitions tasks/partition.py reproduces.
 FLWR_DATASETS_VERSION = "0.6.1"
@@ -111,3 +121,59 @@ def run_partitioner(
         )
         for partition_id in range(partitioner.num_partitions)
     ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Time both partitioners per scheme, best of ``--repeats`` in this process after their
+    imports (the import of ``datasets`` and Flower Datasets apart, in a fresh interpreter);
+    exit 1 if any partition differs."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--dataset", choices=DATASET_NAMES, default="fashion-mnist")
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--alpha", type=float, default=0.1)
+    parser.add_argument("--classes-per-client", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--schemes", nargs="+", choices=get_args(PartitionScheme))
+    args = parser.parse_args(argv)
+    labels = load_dataset(cast(DatasetName, args.dataset))[0].labels
+    probe = "import time; t = time.perf_counter(); import datasets, flwr_datasets.partitioner; "
+    probe += "print(time.perf_counter() - t)"
+    imported = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    )
+    import datasets  # noqa: F401  (imported before timing, as a warm process has them)
+    import flwr_datasets.partitioner  # noqa: F401
+
+    print(f"{hardware()}; load average {os.getloadavg()[0]:.1f} at {time.asctime(time.gmtime())}")
+    print(
+        f"{args.dataset}: {labels.size} labels, {args.clients} partitions, alpha {args.alpha}, "
+        f"{args.classes_per_client} classes per client, seed {args.seed}, best "
+        f"of {args.repeats}; importing datasets and Flower Datasets {FLWR_DATASETS_VERSION} in a "
+        f"fresh interpreter: {float(imported.stdout):.2f} s"
+    )
+    print("| scheme | NumPy (tasks/partition.py) | flwr-datasets | ratio | bit-identical |")
+    print("|---|---:|---:|---:|---|")
+    settings = {"alpha": args.alpha, "classes_per_partition": args.classes_per_client}
+    identical_everywhere = True
+    for scheme in args.schemes or ["dirichlet"]:
+        best, parts = [], []
+        for partitioner in (partition_indices, reference_partitions):
+            clocks = []
+            for _ in range(args.repeats):
+                with Stopwatch() as clock:
+                    found = partitioner(labels, args.clients, scheme, seed=args.seed, **settings)
+                clocks.append(clock.wall)
+            best.append(min(clocks))
+            parts.append([(a.dtype, a.tobytes()) for a in found])
+        identical = parts[0] == parts[1]
+        identical_everywhere &= identical
+        print(
+            f"| {scheme} | {best[0] * 1000:.1f} ms | {best[1] * 1000:.1f} ms | "
+            f"{best[1] / best[0]:.0f}x | {'yes' if identical else 'NO'} |"
+        )
+    return 0 if identical_everywhere else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

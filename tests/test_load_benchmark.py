@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.load import descendants, markdown, superlink_errors
+from benchmarks.harness import descendants
+from benchmarks.load import markdown, superlink_errors
 
 RUN = {
     "date": "2026-11-23 15:00 UTC",
