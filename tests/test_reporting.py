@@ -14,6 +14,7 @@ import pytest
 from flwr.app import ConfigRecord, Message
 
 from beyond_averaging.server.inprocess import run_inprocess
+from beyond_averaging.server.recorder import RunRecorder
 from beyond_averaging.strategies import ContractStrategy, FedAvg
 from beyond_averaging.strategies.reporting import figures_text, round_line
 from beyond_averaging.tasks.protocol import CLIENT_RECORD, PARTITION_ID_KEY
@@ -162,3 +163,19 @@ def test_a_run_records_every_reply_and_the_partitions_label_counts(tmp_path: Pat
         assert record["num-examples"] == counts[record["partition"]].sum()
     assert partitions["num-examples"] == counts.sum(axis=1).tolist()
     assert (run / "partitions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_resumed_run_keeps_the_client_records_of_the_rounds_it_keeps(tmp_path: Path) -> None:
+    first = RunRecorder(tmp_path, "r", {"seed": 0})
+    for server_round in (1, 2, 3):
+        first.log_clients([{"round": server_round, "node-id": n} for n in (1, 2)])
+    first.write_summary("interrupted")
+    resumed = RunRecorder(tmp_path, "r", {"seed": 0}, resume_round=2)
+    resumed.log_clients([{"round": 3, "node-id": 7}])
+    lines = (tmp_path / "r" / "clients.jsonl").read_text(encoding="utf-8").splitlines()
+    kept = [(json.loads(line)["round"], json.loads(line)["node-id"]) for line in lines]
+    assert kept == [(1, 1), (1, 2), (2, 1), (2, 2), (3, 7)]
+    resumed.write_summary("completed")
+    fresh = RunRecorder(tmp_path, "r", {"seed": 0})  # a new run of the name starts empty
+    assert (tmp_path / "r" / "clients.jsonl").read_text(encoding="utf-8") == ""
+    fresh.close()

@@ -30,16 +30,11 @@ from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.tracking import Tracker, TrackerUnavailableError
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import LIBRARY_VERSION_KEY
+from tests.test_inprocess import REPO
+from tests.test_inprocess import SETTINGS as INPROCESS
 
-REPO = Path(__file__).resolve().parents[1]
-SETTINGS: dict[str, Any] = {
-    "strategy": "fedavg",
-    "num-clients": 3,
-    "num-server-rounds": 2,
-    "local-epochs": 1,
-    "device": "cpu",
-    "run-name": "r",
-}
+#: The in-process runtime's test run (3 clients, 2 rounds of FedAvg on digits), named "r".
+SETTINGS: dict[str, Any] = {**INPROCESS, "run-name": "r"}
 
 
 def run_with(tracker: str, tmp_path: Path, **extra: Any) -> tuple[Path, list[dict[str, Any]]]:
