@@ -201,11 +201,18 @@ class MLflowTracker(Tracker):
         self.entities = importlib.import_module("mlflow.entities")
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(experiment)
-        experiment_id = (
-            found.experiment_id
-            if found is not None
-            else self.client.create_experiment(experiment, artifact_location=artifacts)
-        )
+        if found is None:
+            try:
+                experiment_id = self.client.create_experiment(
+                    experiment, artifact_location=artifacts
+                )
+            except Exception:  # another run created it meanwhile; anything else raises below
+                found = self.client.get_experiment_by_name(experiment)
+                if found is None:
+                    raise
+                experiment_id = found.experiment_id
+        else:
+            experiment_id = found.experiment_id
         self.run_id: str = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         self.uri = uri
 
