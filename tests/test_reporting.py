@@ -19,6 +19,15 @@ from beyond_averaging.strategies import ContractStrategy, FedAvg
 from beyond_averaging.strategies.reporting import figures_text, round_line
 from beyond_averaging.tasks.protocol import CLIENT_RECORD, PARTITION_ID_KEY
 from tests.conftest import reply_message, train_reply
+from tests.test_defences import (
+    BOUNDS_OFF,
+    aggregated,
+    client_updates,
+    flat,
+    root_setup,
+    unflat,
+    with_task,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 GLOBAL = {"w": np.zeros((2, 3), dtype=np.float32), "b": np.zeros(3, dtype=np.float32)}
@@ -179,3 +188,26 @@ def test_a_resumed_run_keeps_the_client_records_of_the_rounds_it_keeps(tmp_path:
     fresh = RunRecorder(tmp_path, "r", {"seed": 0})  # a new run of the name starts empty
     assert (tmp_path / "r" / "clients.jsonl").read_text(encoding="utf-8") == ""
     fresh.close()
+
+
+def test_fltrust_s_untrusted_reply_is_recorded_dropped_and_the_line_gives_each_trust(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, root, state = root_setup()
+    strategy = with_task(
+        FedAvg(robust_aggregation="fltrust", model=model, proxy_set=root, **BOUNDS_OFF), state
+    )
+    g0 = flat(strategy.root_set.update(state, strategy._task, 1))
+    # Along g0 twice (trust 1), against it (trust 0), at 45 degrees (trust cos 45 = 0.71).
+    models = [unflat(flat(state) + update, state) for update in client_updates(g0)]
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        aggregated(strategy, models)
+    records = strategy.last_client_records
+    assert [(r["node-id"], r["status"], r["reason"]) for r in records] == [
+        (1, "kept", None),
+        (2, "kept", None),
+        (3, "dropped", "untrusted"),
+        (4, "kept", None),
+    ]
+    assert [r["trust"] for r in records] == pytest.approx([1.0, 1.0, 0.0, 2**-0.5], abs=1e-5)
+    assert "round 1: FedAvg | trust [1.00, 1.00, 0.00, 0.71] | 4/4 replies kept" in caplog.text
