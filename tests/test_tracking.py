@@ -217,3 +217,19 @@ def test_track_sends_a_flower_apps_rounds_to_tensorboard(tmp_path: Path) -> None
     losses = {e.step: e.value for e in events.Scalars("train/train-loss")}
     assert sorted(losses) == [1, 2]
     assert all(np.isfinite(list(losses.values())))
+
+
+def test_a_resumed_run_may_add_a_tracker_which_gets_the_rounds_kept_and_the_new_ones(
+    tmp_path: Path,
+) -> None:
+    run, first = run_with("none", tmp_path, **{"num-server-rounds": 1})
+    settings = {**SETTINGS, "output-dir": str(tmp_path), "num-server-rounds": 2}
+    run_inprocess(REPO, {**settings, "resume-from": str(run), "tracker": "tensorboard"})
+    lines = (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    rounds = [json.loads(line) for line in lines]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert rounds[:2] == first
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    recorded = {e.step: e.value for e in events.Scalars("test-accuracy")}
+    assert recorded == pytest.approx({r["round"]: r["test-accuracy"] for r in rounds})
