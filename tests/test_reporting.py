@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,10 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message
 
+from beyond_averaging.server.app import data_spec
+from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.inprocess import run_inprocess
+from beyond_averaging.server.partitions import record_partitions
 from beyond_averaging.server.recorder import RunRecorder
 from beyond_averaging.strategies import ContractStrategy, FedAvg
 from beyond_averaging.strategies.reporting import figures_text, round_line
@@ -211,3 +215,18 @@ def test_fltrust_s_untrusted_reply_is_recorded_dropped_and_the_line_gives_each_t
     ]
     assert [r["trust"] for r in records] == pytest.approx([1.0, 1.0, 0.0, 2**-0.5], abs=1e-5)
     assert "round 1: FedAvg | trust [1.00, 1.00, 0.00, 0.71] | 4/4 replies kept" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore:partition=.classes.:UserWarning")  # 3 clients x 2 labels
+def test_without_matplotlib_the_label_counts_are_saved_and_a_note_says_why_not_plotted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    spec = data_spec(parse_run_config({"num-clients": 3, "partition": "classes"}))
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        path = record_partitions(tmp_path, spec)
+    assert path == tmp_path / "partitions.json"
+    counts = np.array(json.loads(path.read_text(encoding="utf-8"))["label-counts"])
+    assert ((counts > 0).sum(axis=1) <= 2).all()  # classes-per-client = 2 labels each at most
+    assert not (tmp_path / "partitions.png").exists()
+    assert "pip install 'beyond-averaging[bench]'" in caplog.text
