@@ -69,6 +69,7 @@ if TYPE_CHECKING:
         aggregate_metrics,
         and_mask,
         learn_aggregation_weights,
+        track,
     )
 
 # Exports resolve on first use (PEP 562): `import beyond_averaging.tasks.protocol` must not pull
@@ -95,6 +96,7 @@ _MODULE_OF_EXPORT = {
     "last_step_gradient": ".client.gradient",
     "learn_aggregation_weights": ".strategies",
     "sensitivity_record": ".client.sensitivity",
+    "track": ".strategies",
 }
 
 __all__ = [
@@ -120,6 +122,7 @@ __all__ = [
     "last_step_gradient",
     "learn_aggregation_weights",
     "sensitivity_record",
+    "track",
 ]
 
 

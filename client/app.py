@@ -20,10 +20,12 @@ from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.models import ModelName, build_model
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
+    CLIENT_RECORD,
     CONFIG_RECORD,
     GRADIENT_RECORD,
     METRICS_RECORD,
     NUM_EXAMPLES_KEY,
+    PARTITION_ID_KEY,
     SENSITIVITY_RECORD,
     SERVER_ROUND_KEY,
     TRAIN_LOSS_KEY,
@@ -149,6 +151,7 @@ def train(message: Message, context: Context) -> Message:
             METRICS_RECORD: MetricRecord(
                 {NUM_EXAMPLES_KEY: result.num_examples, TRAIN_LOSS_KEY: result.mean_loss}
             ),
+            CLIENT_RECORD: ConfigRecord({PARTITION_ID_KEY: partition_id}),
         }
     )
     if result.last_gradient is not None:

@@ -59,10 +59,12 @@ from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
+    CLIENT_RECORD,
     CONFIG_RECORD,
     GRADIENT_RECORD,
     METRICS_RECORD,
     NUM_EXAMPLES_KEY,
+    PARTITION_ID_KEY,
     SENSITIVITY_DECAY_KEY,
     SENSITIVITY_DTYPE_KEY,
     SENSITIVITY_RECORD,
@@ -732,6 +734,7 @@ def _train_pass(
                         TRAIN_LOSS_KEY: loss_sums[index] / (size * task.local_epochs),
                     }
                 ),
+                CLIENT_RECORD: ConfigRecord({PARTITION_ID_KEY: shared.partition_ids[row]}),
             }
         )
         if gradients is not None:

@@ -1,4 +1,4 @@
-"""Print constraints.txt: the exact installed versions of beyond-averaging[app,bench,dev]'s closure.
+"""Print constraints.txt: the exact installed versions of beyond-averaging[all extras]'s closure.
 
 pyproject.toml states ranges; constraints.txt pins what the project was tested with (flwr 1.39,
 the gRPC Fleet API), constraints-http.txt the same for the newest Flower (the HTTP Fleet API;
@@ -22,13 +22,13 @@ from importlib import metadata
 from packaging.requirements import Requirement
 
 PROJECT = "beyond-averaging"
-EXTRAS = ("app", "bench", "dev")
+EXTRAS = ("app", "bench", "dev", "tensorboard", "mlflow", "wandb")
 HEADER = """\
 # Exact versions for a reproducible set-up: {setup} installs the project with
-# `pip install -c {file} -e ".[app,bench,dev]"`, and the deployment images{image} install with
+# `pip install -c {file} -e ".[{extras}]"`, and the deployment images{image} install with
 # the same file (docker/Dockerfile, docker/make-wheelhouse.sh). pyproject.toml itself states only
 # ranges, so that the library installs into other Flower apps. This is the dependency closure of
-# beyond-averaging[app,bench,dev] as tested (CPython 3.11, Linux) with {flower};
+# beyond-averaging[{extras}] as tested (CPython 3.11, Linux) with {flower};
 # torch==2.13.0 also admits its +cpu and +cuXXX builds. Regenerate after a deliberate upgrade:
 #   {python} scripts/constraints.py{option} > {file}"""
 #: Per Fleet transport: the constraints file and how its environment is made.
@@ -89,7 +89,7 @@ def main() -> int:
     fleet = FLEETS[parser.parse_args().fleet]
     closure = dependency_closure(PROJECT, EXTRAS)
     closure.pop(_key(PROJECT))
-    print(HEADER.format(**fleet))
+    print(HEADER.format(**fleet, extras=",".join(EXTRAS)))
     for name, version in sorted(closure.values(), key=lambda item: _key(item[0])):
         print(
             f"{name}=={version.split('+')[0]}"

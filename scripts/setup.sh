@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv with the project (editable) and every extra: the app, the benchmarks' plots, the dev
-# tools. Idempotent: when neither pyproject.toml nor constraints.txt changed since the last
+# tools, the experiment trackers (TensorBoard, MLflow, W&B; CI's tests read what they write). Idempotent: when neither pyproject.toml nor constraints.txt changed since the last
 # successful run, it only checks the environment.
 #
 # pyproject.toml states ranges (the library installs into other people's apps); constraints.txt
@@ -92,6 +92,6 @@ if [ -n "${WHEELHOUSE:-}" ]; then
 else
   "$venv/bin/python" -m pip install -q -c "$constraints" torch
 fi
-"$venv/bin/python" -m pip install -q -c "$constraints" -e ".[app,bench,dev]"
+"$venv/bin/python" -m pip install -q -c "$constraints" -e ".[app,bench,dev,tensorboard,mlflow,wandb]"
 echo "$want" > "$stamp"
 echo "setup: $venv ready ($("$venv/bin/python" -c 'import sys, flwr, torch; print("Python", sys.version.split()[0], "flwr", flwr.__version__, "torch", torch.__version__)'))"

@@ -39,9 +39,11 @@ from .bounded_pull import bound_reply_bytes
 from .checkpoint import RunCheckpoint, capture_rng, restore_rng
 from .config import RunConfig, parse_run_config
 from .inprocess import InProcessGrid
+from .partitions import record_partitions
 from .recorder import COMPLETED_WITH_ALARMS, RunRecorder
 from .rounds import RoundOutcome, run_rounds
 from .strategy_factory import ServerResources, build_strategy
+from .tracking import open_run_tracker
 
 app = ServerApp()
 
@@ -314,6 +316,7 @@ class RunProgress:
 
     def __call__(self, arrays: ArrayRecord, outcome: RoundOutcome) -> None:
         """The round hook of :func:`server.rounds.run_rounds`."""
+        self.recorder.log_clients(self.strategy.last_client_records)
         metrics = {**self.strategy.last_round_metrics}
         extra = round_reply_counts(outcome, metrics)
         self.evaluation(outcome.server_round, arrays, extra)
@@ -394,9 +397,16 @@ def main(grid: Grid, context: Context) -> None:
 
     unregister = on_flower_exit(record_flower_exit)
     try:
+        tracking = open_run_tracker(config, recorder.directory, run_name)  # before round 1
+        if tracking is not None:
+            for entry in recorder.rounds:  # a resumed run's tracker gets the rounds it kept
+                tracking.on_round(entry)
+            recorder.observers.append(tracking)
         torch.manual_seed(config.seed)
         device = resolve_device(config.device)
         test_set, proxy_set = load_server_splits(data_spec(config))
+        if checkpoint is None:
+            record_partitions(recorder.directory, data_spec(config))
         model = build_model(
             config.model, test_set.input_shape, test_set.num_classes, seed=config.seed
         ).to(device)

@@ -40,9 +40,21 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 CHECKPOINT_FILE = "checkpoint.pt"
 FORMAT_VERSION = 1
-#: Keys that may differ between a run and its resume: where it runs from and writes to, and how
-#: many rounds it runs in all (a finished run can be extended).
-RESUME_FREE_KEYS = frozenset({"resume-from", "run-name", "output-dir", "num-server-rounds"})
+#: Keys that may differ between a run and its resume: where it runs from and writes to, how
+#: many rounds it runs in all (a finished run can be extended), and which experiment tracker it
+#: also reports to (none changes a result; checkpoints written before the tracker keys existed
+#: resume too).
+RESUME_FREE_KEYS = frozenset(
+    {
+        "resume-from",
+        "run-name",
+        "output-dir",
+        "num-server-rounds",
+        "tracker",
+        "tracker-uri",
+        "tracker-project",
+    }
+)
 
 
 class CheckpointError(RuntimeError):

@@ -164,6 +164,16 @@ class RunConfig(BaseModel):
     max_reply_bytes: int = Field(
         0, ge=0, description="larger replies are dropped undecoded; 0: from the model's bytes"
     )
+    # --- experiment tracker (strategies/tracking.py; each an optional extra) -----------------
+    tracker: Literal["none", "tensorboard", "mlflow", "wandb"] = Field(
+        "none", description="sends every round's metrics there; needs its extra installed"
+    )
+    tracker_uri: str = Field(
+        "", description="MLflow tracking URI; empty: sqlite store in <output-dir>/.mlflow"
+    )
+    tracker_project: str = Field(
+        "beyond-averaging", min_length=1, description="MLflow experiment / W&B project"
+    )
 
     @model_validator(mode="after")
     def _check_relations(self) -> RunConfig:

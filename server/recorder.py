@@ -1,6 +1,8 @@
 """Where a run's results land: ``<output-dir>/<run-name>/``.
 
 - ``metrics.jsonl``: one JSON line per round (round 0 is the initial model);
+- ``clients.jsonl``: one JSON line per train reply (:meth:`RunRecorder.log_clients`: node,
+  partition, weight, train loss, update norm, trust, kept, clipped or dropped and why);
 - ``checkpoint.pt``: everything needed to continue the run, rewritten after every round
   (:mod:`server.checkpoint`);
 - ``final_model.pt``: the global model after the last round (a torch state dict);
@@ -39,12 +41,12 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import torch
 
@@ -56,6 +58,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 SUMMARY_FILE = "summary.json"
+CLIENTS_FILE = "clients.jsonl"
 OWNER_LOCK_FILE = ".owner.lock"
 PRIVATE_DIR_MODE = 0o700
 #: A run that ran every round but raised an alarm: not ``completed`` (ba-run exits 4).
@@ -124,6 +127,16 @@ def low_space_note(directory: Path) -> str:
 
 class RunInUseError(RuntimeError):
     """Another live process is writing this run folder (it holds the owner lock)."""
+
+
+class RunObserver(Protocol):
+    """Told what the recorder records (an experiment tracker, :mod:`server.tracking`)."""
+
+    def on_round(self, entry: Mapping[str, Any]) -> None:
+        """A round's line of ``metrics.jsonl``, just appended."""
+
+    def on_end(self, directory: Path, status: str) -> None:
+        """The run's final status, just written to ``summary.json`` in ``directory``."""
 
 
 def _jsonable(value: Any) -> Any:
@@ -204,6 +217,10 @@ class RunRecorder:
             self.metrics_path,
             "".join(json.dumps(entry, sort_keys=True) + "\n" for entry in self.rounds),
         )
+        self.clients_path = self.directory / CLIENTS_FILE
+        _keep_rounds(self.clients_path, resume_round)
+        #: Told of every round and of the final status (:class:`RunObserver`).
+        self.observers: list[RunObserver] = []
         self.write_summary("running")
 
     def log_round(self, entry: Mapping[str, Any], alarms: Mapping[str, str] | None = None) -> None:
@@ -219,6 +236,15 @@ class RunRecorder:
         self.alarm_details.update(alarms or {})
         self.rounds.append(record)
         self.write_summary("running")  # the summary's final metrics and alarms follow the rounds
+        for observer in self.observers:
+            observer.on_round(record)
+
+    def log_clients(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append one JSON line per train reply of a round to ``clients.jsonl``."""
+        if self.final_status is not None or not records:
+            return
+        lines = "".join(json.dumps(_jsonable(r), sort_keys=True) + "\n" for r in records)
+        _append_whole(self.clients_path, lines.encode())
 
     def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> Path:
         """Save the final global model (a torch state dict) as ``final_model.pt``."""
@@ -291,6 +317,8 @@ class RunRecorder:
         if status in FINAL_STATUSES:
             self.final_status, self.final_error = status, error
             self.close()
+            for observer in self.observers:
+                observer.on_end(self.directory, status)
         return path
 
     def _release_reserve(self) -> bool:
@@ -346,6 +374,19 @@ def _append_whole(path: Path, data: bytes) -> None:
         with suppress(OSError):
             os.truncate(path, size)
         raise
+
+
+def _keep_rounds(path: Path, last_round: int | None) -> None:
+    """A new run's ``path`` (a JSON-lines file of rounds) emptied; a resumed run's cut back to
+    the lines of rounds up to ``last_round``."""
+    kept = _read_rounds(path) if last_round is not None and path.is_file() else []
+    if kept or path.exists():
+        text = "".join(
+            json.dumps(entry, sort_keys=True) + "\n"
+            for entry in kept
+            if int(entry.get("round", 0)) <= (last_round or 0)
+        )
+        _atomic_write_text(path, text)
 
 
 def _read_rounds(path: Path) -> list[dict[str, Any]]:

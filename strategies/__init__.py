@@ -9,6 +9,7 @@ from .fedlaw import FedLAW, aggregate_fedlaw, learn_aggregation_weights
 from .metrics import aggregate_metrics
 from .proxy_data import ProxySetError
 from .server_optimizer import ServerOptimizer
+from .tracking import track
 
 __all__ = [
     "ClientReply",
@@ -33,4 +34,5 @@ __all__ = [
     "aggregate_metrics",
     "and_mask",
     "learn_aggregation_weights",
+    "track",
 ]

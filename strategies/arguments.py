@@ -167,6 +167,7 @@ class ProjectOptions(TypedDict, total=False):
     robust_aggregation: RobustAggregation
     trim_fraction: float
     max_reply_bytes: int
+    log_rounds: bool
 
 
 class StrategyOptions(FlowerOptions, ProjectOptions, total=False):

@@ -85,6 +85,7 @@ from .metrics import (
     reply_weight,
 )
 from .privacy import check_wrapper
+from .reporting import InfluenceView, RoundLogFields, reply_records, round_line
 from .robust import GENERIC_METHODS, RobustAggregation, check_robust
 from .validation import (
     REPLY_OVERSIZED_ERROR_CODE,
@@ -231,6 +232,11 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
     max_reply_bytes : int
         A reply holding more bytes is dropped before decoding (``oversized``); 0: four times
         the model's bytes per record sent back, plus 1 MiB.
+    log_rounds : bool
+        Log one line per round about what the rule did (Flower's logger, INFO): the rule's own
+        figures (:attr:`round_log_fields`) and the replies kept, clipped and dropped
+        (:func:`strategies.reporting.round_line`). False silences it; the figures stay in
+        :attr:`aggregation_metrics`.
     """
 
     #: The ``robust_aggregation`` values this rule has a robust form for.
@@ -241,6 +247,9 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
     #: Smallest value allowed in a required record (e.g. 0 for a sensitivity); checked in the
     #: same pass as finiteness, a reply breaking it is dropped as ``bad-<record>``.
     record_minimums: ClassVar[Mapping[str, float]] = {}
+    #: The rule's figures in its per-round log line: metric key of :attr:`aggregation_metrics`
+    #: -> (label, format spec); the reply checks' and defences' figures follow them.
+    round_log_fields: ClassVar[RoundLogFields] = {}
 
     def __init__(
         self,
@@ -265,6 +274,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         robust_aggregation: RobustAggregation = "none",
         trim_fraction: float = 0.1,
         max_reply_bytes: int = 0,
+        log_rounds: bool = True,
     ) -> None:
         self._set_reply_bounds(
             max_client_weight,
@@ -333,6 +343,17 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         self.last_round_metrics: dict[str, Any] = {}
         self.last_aggregation_seconds = 0.0
         self.reply_observers: list[ReplyObserver] = []
+        self.log_rounds = bool(log_rounds)
+        #: One record per train reply of the last round (:func:`strategies.reporting.reply_record`:
+        #: node, partition, weight, train loss, update norm, direction cosine, trust, and kept,
+        #: clipped or dropped with the reason), for a run recorder (``clients.jsonl``).
+        self.last_client_records: list[dict[str, Any]] = []
+        # The round's replies as the contract left them (refused, accepted) and as aggregated.
+        self._round_replies: tuple[
+            list[tuple[Message, ReplyRejected]], list[tuple[ClientReply, RecordDict]]
+        ] = ([], [])
+        self._kept_replies: list[ClientReply] = []
+        self._influence_view = InfluenceView(np.zeros(0), {}, {})
 
     def _set_reply_bounds(
         self,
@@ -648,8 +669,9 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
                         ),
                     )
         self._influence_figures = {}
-        self._drop_direction_outliers(server_round, accepted, updates, rejected)
+        cosines = self._drop_direction_outliers(server_round, accepted, updates, rejected)
         self._drop_unselected(accepted, rejected)
+        self._influence_view = InfluenceView(updates, rejected, cosines)
         for index, rejection in sorted(rejected.items()):
             dropped[rejection.reason] += 1
             log(
@@ -674,12 +696,13 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         accepted: list[tuple[ClientReply, RecordDict]],
         updates: np.ndarray[Any, np.dtype[np.float64]],
         rejected: dict[int, ReplyRejected],
-    ) -> None:
-        """Flag the replies whose update points against the others' (among those not flagged)."""
+    ) -> dict[int, float]:
+        """Flag the replies whose update points against the others' (among those not flagged);
+        return each compared reply's cosine with the others' mean, by its index."""
         candidates = [index for index in range(len(accepted)) if index not in rejected]
         off = self.direction_outlier_factor <= 0.0 or self._direction_check is False
         if off or len(candidates) < 3:
-            return
+            return {}
         if self._direction_secret is None:
             self._direction_secret = secrets.randbits(63)
         cosines = direction_cosines(
@@ -691,8 +714,9 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         median = float(np.median(cosines))
         self._influence_figures["direction-cosine-min"] = float(cosines.min())
         self._influence_figures["direction-cosine-median"] = median
+        compared = {index: float(cosines[i]) for i, index in enumerate(candidates)}
         if not self._decide_direction_check(median):
-            return
+            return compared
         flagged = np.flatnonzero(direction_outliers(cosines, self.direction_outlier_factor))
         if flagged.size and median < HETEROGENEITY_COSINE:
             # The clients agreed on the check's first round, and no longer do (docs/reliability.md)
@@ -719,6 +743,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
                     "one may be honest (robust-aggregation = 'fltrust' tells them apart)",
                 ),
             )
+        return compared
 
     def _decide_direction_check(self, median_cosine: float) -> bool:
         """On the first round the direction check runs, whether it runs at all in this run: not
@@ -852,11 +877,13 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             return None, None
         replies = list(replies)
         accepted: list[tuple[ClientReply, RecordDict]] = []
+        refused: list[tuple[Message, ReplyRejected]] = []
         dropped: Counter[str] = Counter()
         for message in replies:
             try:
                 accepted.append((self.validate_reply(message), message.content))
             except ReplyRejected as rejection:
+                refused.append((message, rejection))
                 dropped[rejection.reason] += 1
                 log(
                     WARNING,
@@ -866,8 +893,10 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
                     rejection.detail,
                 )
         self._stop_if_record_absent(replies, dropped)
+        self._round_replies = (refused, accepted)
         accepted = self._bound_influence(server_round, accepted, dropped)
         valid = self._capped([reply for reply, _ in accepted])
+        self._kept_replies = valid
         valid_contents = [content for _, content in accepted]
         metrics: dict[str, Any] = {
             "replies-received": len(replies),
@@ -929,12 +958,35 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
     def _record_round(
         self, server_round: int, client_metrics: MetricRecord | None, figures: dict[str, Any]
     ) -> None:
-        """Keep the round's aggregation figures apart from the clients' metrics."""
+        """Keep the round's aggregation figures apart from the clients' metrics, record each
+        reply (:attr:`last_client_records`) and log the round's line (``log_rounds``)."""
         self.aggregation_metrics[server_round] = plain_metrics(figures)
         self.last_round_metrics = {
             **plain_metrics(client_metrics or {}),
             **self.aggregation_metrics[server_round],
         }
+        refused, accepted = self._round_replies
+        self.last_client_records = reply_records(
+            server_round,
+            refused,
+            accepted,
+            self._influence_view,
+            self._kept_replies,
+            self.aggregation_metrics[server_round],
+            self.weighted_by_key,
+        )
+        self._round_replies, self._kept_replies = ([], []), []
+        if self.log_rounds:
+            log(
+                INFO,
+                "%s",
+                round_line(
+                    type(self).__name__,
+                    server_round,
+                    self.aggregation_metrics[server_round],
+                    self.round_log_fields,
+                ),
+            )
 
     def _stop_if_record_absent(self, replies: Sequence[Message], dropped: Counter[str]) -> None:
         answered = sum(not message.has_error() for message in replies)

@@ -51,6 +51,7 @@ from .aggregate import (
 from .base import ClientReply, ReplyRejected
 from .defended import DefendedStrategy, RootSetOptions
 from .metrics import MetricsAggregationFn
+from .reporting import RoundLogFields
 from .robust import (
     COORDINATE_WISE,
     RobustAggregation,
@@ -269,6 +270,13 @@ class ElasticAggregation(DefendedStrategy):
     required_records: ClassVar[Mapping[str, str]] = {SENSITIVITY_RECORD: SENSITIVITY_HINT}
     #: A sensitivity is a moving average of |gradient|: a negative value is a broken client.
     record_minimums: ClassVar[Mapping[str, float]] = {SENSITIVITY_RECORD: 0.0}
+    #: zeta over the scaled coordinates, and on how many tensors the sensitivity was used (0:
+    #: no reply carried one in common, the round was a plain average).
+    round_log_fields: ClassVar[RoundLogFields] = {
+        "elastic-zeta-mean": ("zeta mean", ".4f"),
+        "elastic-zeta-min": ("min", ".4f"),
+        "elastic-scaled-tensors": ("sensitivity on {} tensors", "d"),
+    }
 
     def __init__(
         self,

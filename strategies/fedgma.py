@@ -76,6 +76,7 @@ from .aggregate import (
 from .base import ClientReply
 from .defended import DefendedStrategy, RootSetOptions
 from .metrics import MetricsAggregationFn
+from .reporting import RoundLogFields
 from .robust import (
     COORDINATE_WISE,
     RobustAggregation,
@@ -480,6 +481,7 @@ class FedGMA(DefendedStrategy):
 
     required_records: ClassVar[Mapping[str, str]] = {GRADIENT_RECORD: GRADIENT_HINT}
     mask_variant: ClassVar[MaskVariant] = "hard"
+    round_log_fields: ClassVar[RoundLogFields] = {"gma-mask-mean": ("coordinates kept", ".1%")}
 
     def __init__(
         self,
@@ -618,3 +620,4 @@ class FedGMASoft(FedGMA):
 
     required_records: ClassVar[Mapping[str, str]] = {}
     mask_variant: ClassVar[MaskVariant] = "soft"
+    round_log_fields: ClassVar[RoundLogFields] = {"gma-mask-mean": ("mean mask", ".3f")}

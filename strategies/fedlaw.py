@@ -99,6 +99,7 @@ from .defended import DefendedStrategy, RootSet
 from .influence import read_only_tensor
 from .metrics import MetricsAggregationFn
 from .proxy_data import ProxySetError, count_shared_samples, proxy_arrays, to_labeled_data
+from .reporting import RoundLogFields
 from .robust import COORDINATE_WISE, aggregate_robust
 
 LearnWhat = Literal["both", "shrink", "clients"]
@@ -786,6 +787,14 @@ class FedLAW(DefendedStrategy):
     #: length, the server update's (docs/reliability.md, "Adaptive attacks").
     builds_root_set: ClassVar[bool] = True
     trusted_length: ClassVar[Literal["median", "root"]] = "root"
+    #: gamma, the client weights (in reply order) and FedAvg's data weights, and whether the
+    #: round fell back to FedAvg's weights.
+    round_log_fields: ClassVar[RoundLogFields] = {
+        "fedlaw-gamma": ("gamma", ".4f"),
+        "fedlaw-lambdas": ("lambda", ".3f"),
+        "fedlaw-data-weights": ("data weights", ".3f"),
+        "fedlaw-fallback": ("unusable weights: FedAvg's used", "flag"),
+    }
 
     def __init__(
         self,
@@ -982,18 +991,6 @@ class FedLAW(DefendedStrategy):
                 lambdas,
             )
             gamma, lambdas = 1.0, data_weights
-        else:
-            log(
-                INFO,
-                "round %d: FedLAW gamma = %.4f, lambda in [%.4f, %.4f] (data weights in "
-                "[%.4f, %.4f])",
-                server_round,
-                gamma,
-                min(lambdas),
-                max(lambdas),
-                min(data_weights),
-                max(data_weights),
-            )
         self._metrics = {
             "fedlaw-gamma": gamma,
             "fedlaw-lambdas": [float(value) for value in lambdas],

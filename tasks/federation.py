@@ -181,6 +181,20 @@ def load_client_partition(spec: DataSpec, partition_id: int) -> LabeledData:
     return client_view(spec.dataset, grey, partition_id, spec.num_partitions, spec.seed)
 
 
+def partition_label_counts(spec: DataSpec) -> np.ndarray:
+    """Each client's training labels counted: shape ``(num_partitions, num_classes)``, int64.
+
+    Counted on what :func:`load_client_partition` gives each client (its held-out share left
+    out, colored views included), so the counts are those the clients train on.
+    """
+    rows = []
+    for partition_id in range(spec.num_partitions):
+        data = load_client_partition(spec, partition_id)
+        rows.append(np.bincount(data.labels, minlength=data.num_classes))
+    width = max((len(row) for row in rows), default=0)
+    return np.array([np.pad(row, (0, width - len(row))) for row in rows], dtype=np.int64)
+
+
 def holdout_split(indices: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Split a partition's pool indices into (train, held out), as the FedLAW authors' clients do.
 

@@ -7,7 +7,9 @@ the extra ArrayRecords the strategy wants back (``request-records``). Replies ca
 - ``arrays`` (ArrayRecord): the trained model, keyed like the global model;
 - ``metrics`` (MetricRecord): ``num-examples`` (> 0) and ``train-loss``;
 - optionally the requested extra ArrayRecords (``sensitivity``, ``gradient``), keyed
-  like ``arrays``.
+  like ``arrays``;
+- ``client`` (ConfigRecord): who answered, ``partition-id``; the server's per-client record
+  (``clients.jsonl``) reads it, the aggregation never does.
 
 Both sides import this module so that the record names and keys are written once.
 """
@@ -36,6 +38,10 @@ SENSITIVITY_DTYPE_KEY = "sensitivity-dtype"
 #: (pyproject.toml, ``fab-include``): every node runs its installed library, and a ClientApp of
 #: another release refuses the message rather than train under a contract it may not share.
 LIBRARY_VERSION_KEY = "library-version"
+#: A reply's ConfigRecord naming the client that sent it (``partition-id``): metadata, not a
+#: metric, so that no client-metric aggregation averages it.
+CLIENT_RECORD = "client"
+PARTITION_ID_KEY = "partition-id"
 
 
 @dataclass(frozen=True)

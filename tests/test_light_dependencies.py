@@ -40,6 +40,10 @@ EXTRA_ONLY_MODULES = (
     "matplotlib",
     "ray",
     "hypothesis",
+    # the experiment trackers' extras (strategies/tracking.py imports them when chosen)
+    "tensorboard",
+    "mlflow",
+    "wandb",
 )
 
 #: What a SuperNode's image leaves out (issue 27, "a lean edge image"): the ServerApp's and the

@@ -185,6 +185,37 @@ RULES = (
     Rule("fedgma", "FedGMA", "fedgma-server", "fedgma-client"),
     Rule("fedgma-soft", "FedGMASoft", "fedgma-soft-server", None),
 )
+#: The line each rule logs every round about what it did (strategies/reporting.py), for round
+#: ``{round}``; its page's recipe shows one (test_each_rule_page_shows_the_line_its_rule_logs).
+ROUND_LINES = {
+    "FedAvg": r"round {round}: FedAvg \| \d+/\d+ replies kept, \d+ clipped, \d+ dropped",
+    "ElasticAggregation": r"round {round}: ElasticAggregation \| zeta mean \d\.\d{{4}}, "
+    r"min \d\.\d{{4}}, sensitivity on \d+ tensors \| \d+/\d+ replies kept",
+    "FedLAW": r"round {round}: FedLAW \| gamma \d+\.\d{{4}}, lambda \[[\d., ]+\], "
+    r"data weights \[[\d., ]+\] \| \d+/\d+ replies kept",
+    "FedGMA": r"round {round}: FedGMA \| coordinates kept \d+\.\d% \| \d+/\d+ replies kept",
+    "FedGMASoft": r"round {round}: FedGMASoft \| mean mask \d\.\d{{3}} \| \d+/\d+ replies kept",
+}
+#: The page whose recipe shows each rule's line.
+RULE_PAGES = {
+    "FedAvg": "library.md",
+    "ElasticAggregation": "elastic.md",
+    "FedLAW": "fedlaw.md",
+    "FedGMA": "fedgma.md",
+    "FedGMASoft": "fedgma.md",
+}
+
+
+def round_line_problems(log: str, strategy_class: str) -> list[str]:
+    """The rounds whose line about the rule (:data:`ROUND_LINES`) is not in ``log``."""
+    pattern = ROUND_LINES[strategy_class]
+    return [
+        f"no line 'round {r}: {strategy_class} | ...' about the rule in the log"
+        for r in range(1, ROUNDS + 1)
+        if not re.search(pattern.format(round=r), log)
+    ]
+
+
 #: FedLAW with its proxy samples also kept out of global_evaluate (docs/fedlaw.md): in process.
 FEDLAW_HOLDOUT = Rule("fedlaw-holdout", "FedLAW", "fedlaw-server", None, ("fedlaw-holdout",))
 #: FedAvg inside Flower's server-side DP wrapper (docs/library.md): in process, on the
@@ -285,6 +316,14 @@ def test_a_rule_changes_at_most_three_lines_of_each_file_of_the_app(
     assert "from flwr.serverapp.strategy import FedAvg" not in server
 
 
+@pytest.mark.parametrize("strategy_class", sorted(RULE_PAGES))
+def test_each_rule_page_shows_the_line_its_rule_logs(strategy_class: str) -> None:
+    page = (DOCS / RULE_PAGES[strategy_class]).read_text(encoding="utf-8")
+    pattern = ROUND_LINES[strategy_class].format(round=r"\d+")
+    assert re.search(pattern, page), f"docs/{RULE_PAGES[strategy_class]} shows no line {pattern}"
+    assert "aggregation_metrics" in page
+
+
 def test_a_recipe_whose_lines_are_not_in_the_file_says_which_and_where() -> None:
     client_recipe = recipe("elastic-client")
     server = (APPS / "quickstart" / "pytorchexample" / "server_app.py").read_text("utf-8")
@@ -357,9 +396,17 @@ def run_patched_in_process(
     ("shape", "rule"), IN_PROCESS, ids=[f"{s.name}-{r.name}" for s, r in IN_PROCESS]
 )
 def test_the_patched_app_runs_the_rule_for_two_rounds_in_process(
-    shape: AppShape, rule: Rule, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    shape: AppShape,
+    rule: Rule,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    strategy, result = run_patched_in_process(shape, rule, NUM_SUPERNODES, tmp_path, monkeypatch)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        strategy, result = run_patched_in_process(
+            shape, rule, NUM_SUPERNODES, tmp_path, monkeypatch
+        )
+    assert round_line_problems(caplog.text, rule.strategy_class) == []
     for server_round in range(1, ROUNDS + 1):
         figures = strategy.aggregation_metrics[server_round]  # type: ignore[attr-defined]
         assert figures["replies-dropped"] == 0
@@ -522,12 +569,16 @@ def check_run(outcome: RunOutcome, rule: Rule) -> list[str]:
         problems.append("no ClientApp-side evaluation in every round")
     if "Saving final model to disk" not in outcome.log:
         problems.append("the ServerApp did not reach its end")
+    problems.extend(round_line_problems(outcome.log, rule.strategy_class))
     return problems
 
 
-#: The end of a real run's streamed log (flwr 1.39, quickstart with FedAvg), colour codes kept.
+#: The end of a real run's streamed log (flwr 1.39, quickstart with FedAvg), colour codes kept,
+#: with the rule's line of each round (strategies/reporting.py).
 RECORDED_LOG = """\
 \x1b[92mINFO \x1b[0m:      Starting FedAvg strategy:
+\x1b[92mINFO \x1b[0m:      round 1: FedAvg | 4/4 replies kept, 0 clipped, 0 dropped
+\x1b[92mINFO \x1b[0m:      round 2: FedAvg | 4/4 replies kept, 0 clipped, 0 dropped
 \x1b[92mINFO \x1b[0m:      Final results:
 \x1b[92mINFO \x1b[0m:      \t
 \x1b[92mINFO \x1b[0m:      \tGlobal Arrays:
@@ -560,12 +611,17 @@ def test_a_run_is_judged_by_its_status_and_the_final_results_flower_logs() -> No
     one_round = good.log.replace(", 2: {'train_loss': '2.3006e+00'}", "")
     broken = {
         "status": RunOutcome(1, "finished:failed", good.log, 1.0),
-        "strategy": RunOutcome(1, "finished:completed", good.log.replace("FedAvg", "X"), 1.0),
+        "strategy": RunOutcome(
+            1, "finished:completed", good.log.replace("Starting FedAvg", "Starting X"), 1.0
+        ),
         "train metrics": RunOutcome(1, "finished:completed", one_round, 1.0),
         "ServerApp-side": RunOutcome(
             1, "finished:completed", good.log.replace("2.3009e+00", "nan"), 1.0
         ),
         "reach its end": RunOutcome(1, "finished:completed", good.log.replace("Saving", ""), 1.0),
+        "round 2": RunOutcome(
+            1, "finished:completed", good.log.replace("round 2: FedAvg", "round 2:"), 1.0
+        ),
     }
     for expected, outcome in broken.items():
         problems = check_run(outcome, RULES[0])

@@ -1,0 +1,432 @@
+"""Every round's metrics in an experiment tracker: TensorBoard, MLflow or Weights & Biases.
+
+One :class:`Tracker` per run, opened by :func:`open_tracker`; each tool is an optional extra
+of this package, imported only when chosen (``pip install 'beyond-averaging[tensorboard]'``,
+``[mlflow]``, ``[wandb]``), and a missing one raises :class:`TrackerUnavailableError`, naming
+the extra, when the tracker is opened (before round 1). Where each writes, for a run folder
+``<dir>/<run>``:
+
+- ``tensorboard``: event files in ``<dir>/<run>/tensorboard/`` (``tensorboard --logdir <dir>``
+  shows every run);
+- ``mlflow``: the tracking URI given, else a local store shared by the runs of ``<dir>``
+  (``sqlite:///<dir>/.mlflow/mlflow.db``, artifacts in ``<dir>/.mlflow/artifacts``; ``mlflow ui
+  --backend-store-uri sqlite:///<dir>/.mlflow/mlflow.db``): the configuration as parameters, the
+  metrics per round, files as artifacts;
+- ``wandb``: offline unless ``WANDB_MODE`` says otherwise, in ``<dir>/<run>/wandb/``
+  (``wandb sync <dir>/<run>/wandb/offline-run-*`` uploads it later).
+
+Only finite numbers are sent as metrics (lists such as FedLAW's per-client weights stay in the
+run's own records). A tracker that fails while the run goes on (a tracking server gone) logs a
+warning once and is not called again: the run never stops for its tracker.
+
+A Flower app's strategy, of this package or any other, reports to one with a single call,
+:func:`track` (docs/library.md, "Experiment trackers").
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+import shutil
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from functools import wraps
+from logging import WARNING
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast, get_args
+
+from flwr.common import log
+
+TrackerName = Literal["none", "tensorboard", "mlflow", "wandb"]
+TRACKERS: tuple[str, ...] = get_args(TrackerName)
+#: Per tracker: the module it needs and the extra of this package that installs it.
+EXTRAS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+    "wandb": ("wandb", "wandb"),
+}
+#: MLflow's experiment and W&B's project when none is given.
+DEFAULT_PROJECT = "beyond-averaging"
+#: The local MLflow store of a run folder's parent, when no tracking URI is given.
+MLFLOW_STORE = ".mlflow"
+#: The final statuses of a run, as MLflow names them.
+MLFLOW_STATUS = {"failed": "FAILED", "interrupted": "KILLED"}
+
+
+class TrackerUnavailableError(ImportError):
+    """The chosen tracker's package is not installed; the message names the extra to install."""
+
+
+def require(name: str) -> Any:
+    """Import the module tracker ``name`` needs, or raise :class:`TrackerUnavailableError`."""
+    if name not in EXTRAS:
+        raise ValueError(f"tracker = {name!r} is not one of {', '.join(TRACKERS)}")
+    module, extra = EXTRAS[name]
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise TrackerUnavailableError(
+            f"tracker = {name!r} needs the package '{module}', which cannot be imported here "
+            f"({error}): install it with pip install 'beyond-averaging[{extra}]', or set "
+            "tracker = 'none'"
+        ) from None
+
+
+def numeric_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The finite numbers of ``metrics`` (not booleans, lists or text), keys prefixed."""
+    return {
+        f"{prefix}{key}": float(value)
+        for key, value in metrics.items()
+        if isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and key != "round"
+    }
+
+
+class Tracker(ABC):
+    """One run in an experiment tracker.
+
+    Each public call is guarded: the first error is logged as a warning, and the tracker is
+    off for the rest of the run (:attr:`failed`), which goes on.
+    """
+
+    #: The tracker's name (:data:`TRACKERS`).
+    name = ""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def _guarded(self, action: str, call: Callable[[], None]) -> None:
+        if self.failed:
+            return
+        try:
+            call()
+        except Exception as error:  # a tracker never ends the run it reports on
+            self.failed = True
+            log(
+                WARNING,
+                "tracker %s failed to %s (%s: %s): it receives nothing more from this run, "
+                "whose own records (metrics.jsonl, summary.json) go on",
+                self.name,
+                action,
+                type(error).__name__,
+                error,
+            )
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Record the run's configuration."""
+        self._guarded("record the configuration", lambda: self._params(params))
+
+    def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record the finite numbers of ``metrics`` at ``step`` (the round)."""
+        numbers = numeric_metrics(metrics)
+        if numbers:
+            self._guarded(f"record round {step}", lambda: self._metrics(step, numbers))
+
+    def log_artifacts(self, paths: Iterable[Path]) -> None:
+        """Keep copies of the files in ``paths`` that exist with the run (TensorBoard: none)."""
+        files = [Path(path) for path in paths if Path(path).is_file()]
+        if files:
+            self._guarded("store the run's files", lambda: self._artifacts(files))
+
+    def close(self, status: str = "completed") -> None:
+        """End the tracker's run with the run's final status and flush everything."""
+        self._guarded("close its run", lambda: self._close(status))
+
+    @abstractmethod
+    def _params(self, params: Mapping[str, Any]) -> None: ...
+
+    @abstractmethod
+    def _metrics(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def _artifacts(self, paths: list[Path]) -> None:
+        return None
+
+    @abstractmethod
+    def _close(self, status: str) -> None: ...
+
+
+class TensorBoardTracker(Tracker):
+    """Event files in ``directory`` (torch's ``SummaryWriter``): a scalar per metric and round,
+    the configuration as a text table."""
+
+    name = "tensorboard"
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        require("tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.directory = Path(directory)
+        self.writer = SummaryWriter(log_dir=str(self.directory))
+
+    def _params(self, params: Mapping[str, Any]) -> None:
+        rows = "\n".join(f"| {key} | {value} |" for key, value in sorted(params.items()))
+        self.writer.add_text("config", f"| option | value |\n|---|---|\n{rows}", 0)
+
+    def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def _close(self, status: str) -> None:
+        self.writer.add_text("status", status, 0)
+        self.writer.close()
+
+
+class MLflowTracker(Tracker):
+    """An MLflow run (``MlflowClient``): parameters, metrics per step, artifacts, status.
+
+    ``uri`` empty: a local SQLite store in ``store`` (MLflow's file store is in maintenance).
+    """
+
+    name = "mlflow"
+    #: MLflow's limit on a parameter's value (characters), and on entries per ``log_batch``.
+    PARAM_LENGTH = 6000
+    BATCH = 100
+
+    def __init__(self, run_name: str, *, uri: str, experiment: str, store: Path) -> None:
+        super().__init__()
+        mlflow = require("mlflow")
+        artifacts: str | None = None
+        if not uri:
+            store.mkdir(parents=True, exist_ok=True)
+            uri = f"sqlite:///{store.resolve() / 'mlflow.db'}"
+            artifacts = (store.resolve() / "artifacts").as_uri()
+        self.entities = importlib.import_module("mlflow.entities")
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(experiment)
+        if found is None:
+            try:
+                experiment_id = self.client.create_experiment(
+                    experiment, artifact_location=artifacts
+                )
+            except Exception:  # another run created it meanwhile; anything else raises below
+                found = self.client.get_experiment_by_name(experiment)
+                if found is None:
+                    raise
+                experiment_id = found.experiment_id
+        else:
+            experiment_id = found.experiment_id
+        self.run_id: str = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        self.uri = uri
+
+    def _params(self, params: Mapping[str, Any]) -> None:
+        entries = [
+            self.entities.Param(str(key), str(value)[: self.PARAM_LENGTH])
+            for key, value in sorted(params.items())
+        ]
+        for start in range(0, len(entries), self.BATCH):
+            self.client.log_batch(self.run_id, params=entries[start : start + self.BATCH])
+
+    def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        stamp = int(time.time() * 1000)
+        entries = [self.entities.Metric(k, v, stamp, step) for k, v in metrics.items()]
+        for start in range(0, len(entries), self.BATCH):
+            self.client.log_batch(self.run_id, metrics=entries[start : start + self.BATCH])
+
+    def _artifacts(self, paths: list[Path]) -> None:
+        for path in paths:
+            self.client.log_artifact(self.run_id, str(path))
+
+    def _close(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(status, "FINISHED"))
+
+
+class WandbTracker(Tracker):
+    """A W&B run, offline by default (``WANDB_MODE`` overrides), written under ``directory``."""
+
+    name = "wandb"
+
+    def __init__(self, directory: Path, run_name: str, *, project: str) -> None:
+        super().__init__()
+        wandb = require("wandb")
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project,
+            name=run_name,
+            dir=str(directory),
+            mode=os.environ.get("WANDB_MODE") or "offline",
+            # No console capture (it would rewrap Flower's log) and no system-metrics sampler.
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+        )
+
+    def _params(self, params: Mapping[str, Any]) -> None:
+        self.run.config.update(dict(params), allow_val_change=True)
+
+    def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def _artifacts(self, paths: list[Path]) -> None:
+        # Files in the run's files folder go with it (``wandb sync``); wandb.save would link
+        # them instead, and warn about each link.
+        for path in paths:
+            shutil.copy2(path, Path(self.run.dir) / path.name)
+
+    def _close(self, status: str) -> None:
+        self.run.summary["status"] = status
+        self.run.finish(exit_code=0 if status not in MLFLOW_STATUS else 1)
+
+
+def open_tracker(
+    name: str,
+    directory: str | Path,
+    *,
+    run_name: str,
+    uri: str = "",
+    project: str = DEFAULT_PROJECT,
+) -> Tracker | None:
+    """The tracker ``name`` for the run written to ``directory``; None for ``"none"``.
+
+    Parameters
+    ----------
+    name : {"none", "tensorboard", "mlflow", "wandb"}
+    directory : path
+        The run's folder (TensorBoard's events and W&B's files go inside it; MLflow's local
+        store beside it, in ``.mlflow``, shared by the runs of one folder).
+    run_name : str
+        The run's name in MLflow and W&B.
+    uri : str
+        MLflow's tracking URI (a server, ``sqlite:///...``, ``databricks``); empty: the local
+        store. Ignored by the others.
+    project : str
+        MLflow's experiment, W&B's project.
+
+    Raises
+    ------
+    TrackerUnavailableError
+        The tracker's package is not installed (the message names the extra).
+    ValueError
+        An unknown tracker name.
+    """
+    directory = Path(directory)
+    if name == "none":
+        return None
+    if name == "tensorboard":
+        return TensorBoardTracker(directory / "tensorboard")
+    if name == "mlflow":
+        return MLflowTracker(
+            run_name, uri=uri, experiment=project, store=directory.parent / MLFLOW_STORE
+        )
+    if name == "wandb":
+        return WandbTracker(directory, run_name, project=project)
+    raise ValueError(f"tracker = {name!r} is not one of {', '.join(TRACKERS)}")
+
+
+StrategyT = TypeVar("StrategyT")
+
+
+def strategy_params(strategy: object) -> dict[str, Any]:
+    """A strategy's settings: its class and its public attributes that are numbers or text."""
+    return {
+        "strategy": type(strategy).__name__,
+        **{
+            key: value
+            for key, value in sorted(vars(strategy).items())
+            if not key.startswith("_") and isinstance(value, int | float | str | bool)
+        },
+    }
+
+
+def track(
+    strategy: StrategyT,
+    tracker: Tracker | str,
+    *,
+    directory: str | Path = "runs",
+    run_name: str = "",
+    uri: str = "",
+    project: str = DEFAULT_PROJECT,
+) -> StrategyT:
+    """Send every round of ``strategy`` to an experiment tracker; return the same strategy.
+
+    For any Flower message-API strategy (``flwr.serverapp.strategy.Strategy``), this package's
+    or another: after each ``aggregate_train`` its clients' train metrics (``train/<key>``) and,
+    where the strategy keeps them, its ``aggregation_metrics`` of the round
+    (``aggregation/<key>``); after each ``aggregate_evaluate`` the clients' evaluation metrics
+    (``evaluate/<key>``); and the ``evaluate_fn`` given to ``start`` (``server/<key>``, round 0
+    too). ``start`` records the strategy's settings first and closes the tracker's run when it
+    returns (``failed`` when it raises).
+
+    Parameters
+    ----------
+    strategy : Strategy
+        The strategy, before ``strategy.start(...)``.
+    tracker : Tracker or {"tensorboard", "mlflow", "wandb"}
+        An open :class:`Tracker`, or the name of one to open for ``directory / run_name``
+        (:func:`open_tracker`).
+    directory, run_name, uri, project
+        Where a tracker opened by name writes (:func:`open_tracker`); ``run_name`` empty:
+        ``<strategy class>-<UTC time>``.
+
+    Raises
+    ------
+    TrackerUnavailableError
+        The tracker's package is not installed (the message names the extra to install).
+    """
+    if isinstance(tracker, str):
+        name = run_name or (
+            f"{type(strategy).__name__}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
+        )
+        opened = open_tracker(
+            tracker, Path(directory) / name, run_name=name, uri=uri, project=project
+        )
+        if opened is None:
+            return strategy
+        tracker = opened
+    sink = tracker
+    target = cast(Any, strategy)
+    aggregate_train, aggregate_evaluate, start = (
+        target.aggregate_train,
+        target.aggregate_evaluate,
+        target.start,
+    )
+
+    @wraps(aggregate_train)
+    def tracked_train(server_round: int, replies: Iterable[Any]) -> Any:
+        arrays, metrics = aggregate_train(server_round, replies)
+        figures = getattr(strategy, "aggregation_metrics", {}).get(server_round, {})
+        sink.log_metrics(
+            server_round,
+            {
+                **numeric_metrics(metrics or {}, "train/"),
+                **numeric_metrics(figures, "aggregation/"),
+            },
+        )
+        return arrays, metrics
+
+    @wraps(aggregate_evaluate)
+    def tracked_evaluate(server_round: int, replies: Iterable[Any]) -> Any:
+        metrics = aggregate_evaluate(server_round, replies)
+        sink.log_metrics(server_round, numeric_metrics(metrics or {}, "evaluate/"))
+        return metrics
+
+    @wraps(start)
+    def tracked_start(*args: Any, **kwargs: Any) -> Any:
+        call = inspect.signature(start).bind(*args, **kwargs)  # evaluate_fn by name or place
+        evaluate_fn = call.arguments.get("evaluate_fn")
+        if evaluate_fn is not None:
+
+            def tracked_evaluate_fn(server_round: int, arrays: Any) -> Any:
+                metrics = evaluate_fn(server_round, arrays)
+                sink.log_metrics(server_round, numeric_metrics(metrics or {}, "server/"))
+                return metrics
+
+            call.arguments["evaluate_fn"] = tracked_evaluate_fn
+        sink.log_params(strategy_params(strategy))
+        try:
+            result = start(*call.args, **call.kwargs)
+        except BaseException:
+            sink.close("failed")
+            raise
+        sink.close("completed")
+        return result
+
+    target.aggregate_train = tracked_train
+    target.aggregate_evaluate = tracked_evaluate
+    target.start = tracked_start
+    return strategy
