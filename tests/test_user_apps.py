@@ -53,6 +53,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.constant import DEFAULT_SIMULATION_CONFIG
 
 from beyond_averaging.server import inprocess
+from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.warm_executor import READY
 from tests.flower_runtime import (
     FlowerInstall,
@@ -817,6 +818,8 @@ def test_the_quickstart_runs_elastic_on_a_local_deployment(
     run_and_check(deployment, flower, SHAPES[0], RULES[1], tmp_path)
     logs = [path.read_text(errors="replace") for path in deployment.supernode_logs]
     assert logs
+    # The wheel brings ba-supernode, so every release with the executor interface runs warm.
+    assert deployment.warm is (FlowerRelease(flower.version).warm_executor_problem() is None)
     assert all((READY in log) is deployment.warm for log in logs)
 
 
