@@ -746,7 +746,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="PNG",
-        help="--compare: where the figure goes (default: compare-<runs>.png in the output-dir)",
+        help="--compare: where the figure goes (default: compare-<runs>.png beside the first "
+        "run's folder)",
     )
     parser.add_argument(
         "--format",

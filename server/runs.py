@@ -419,7 +419,9 @@ def write_run_plot(folder: Path) -> Path | None:
     from flwr.supercore import log
 
     try:
-        return plot_run(folder)
+        path = plot_run(folder)
+        path.chmod(0o600)  # as every file of the run folder: its owner's only
+        return path
     except RunsError as error:
         log(INFO, "no %s for run '%s': %s", RUN_PLOT_FILE, Path(folder).name, error)
     except Exception as error:  # a figure must never fail a run that trained
@@ -506,7 +508,8 @@ def list_command(directory: Path, output_format: str = "text") -> int:
 
 
 def comparison_plot_path(directory: Path, names: Sequence[str]) -> Path:
-    """The default file of ``ba-run --compare``'s figure: in the runs' folder, named by them."""
+    """The default file of ``ba-run --compare``'s figure: in ``directory`` (the folder of the
+    first run compared), named by the runs."""
     stem = "compare-" + "-vs-".join(names)
     if len(stem) > 120:
         stem = f"compare-{len(names)}-runs"
@@ -534,7 +537,7 @@ def compare_command(
         print(comparison_json(runs, target))
     else:
         print(comparison_table(runs, target), end="")
-    path = plot or comparison_plot_path(directory, [run.name for run in runs])
+    path = plot or comparison_plot_path(folders[0].parent, [run.name for run in runs])
     try:
         plot_comparison(runs, path, target)
     except RunsError as error:
