@@ -37,18 +37,13 @@ from beyond_averaging.server.launch import (
     processes_with_environment,
     run_config_argument,
 )
-from beyond_averaging.server.rounds import run_rounds
+from beyond_averaging.server.rounds import RoundOutcome, run_rounds
 from tests.conftest import instruction_message
 from tests.deploy_helpers import REPO, read_metrics
+from tests.test_run_outcomes import LEAN as LEAN_RUN
 
 BA_RUN = Path(sys.executable).parent / "ba-run"
-LEAN: dict[str, Any] = {
-    "dataset": "digits",
-    "model": "mlp",
-    "num-clients": 2,
-    "local-epochs": 1,
-    "device": "cpu",
-}
+LEAN: dict[str, Any] = {**LEAN_RUN, "num-clients": 2}
 
 
 @pytest.fixture
@@ -113,23 +108,29 @@ class OneRoundStrategy:
         return []
 
 
+def one_round(grid: SilentGrid) -> list[RoundOutcome]:
+    """Round 1 of :class:`OneRoundStrategy` on ``grid`` (round-timeout 30 s); its outcome."""
+    outcomes: list[RoundOutcome] = []
+    run_rounds(
+        OneRoundStrategy(),  # type: ignore[arg-type]
+        grid,  # type: ignore[arg-type]
+        ArrayRecord(),
+        first_round=1,
+        num_rounds=1,
+        timeout=30.0,
+        train_config=ConfigRecord(),
+        evaluate_config=ConfigRecord(),
+        on_round_end=lambda arrays, outcome: outcomes.append(outcome),
+    )
+    return outcomes
+
+
 def test_a_round_that_waits_says_for_which_nodes_and_why_they_may_be_silent(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(rounds, "WAIT_NOTICE_SECONDS", 0.2)
-    outcomes = []
     with caplog.at_level("INFO", logger="flwr"):
-        run_rounds(
-            OneRoundStrategy(),  # type: ignore[arg-type]
-            SilentGrid(0.7),  # type: ignore[arg-type]
-            ArrayRecord(),
-            first_round=1,
-            num_rounds=1,
-            timeout=30.0,
-            train_config=ConfigRecord(),
-            evaluate_config=ConfigRecord(),
-            on_round_end=lambda arrays, outcome: outcomes.append(outcome),
-        )
+        outcomes = one_round(SilentGrid(0.7))
     waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
     assert 2 <= len(waits) <= 4  # about every 0.2 s of the 0.7 s wait, and no more after it
     assert "round 1: waiting 0 s for the train replies of 2 node(s) (7, 9)" in waits[0]
@@ -140,17 +141,7 @@ def test_a_round_that_waits_says_for_which_nodes_and_why_they_may_be_silent(
 
 def test_a_round_that_answers_at_once_logs_no_wait(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="flwr"):
-        run_rounds(
-            OneRoundStrategy(),  # type: ignore[arg-type]
-            SilentGrid(0.0),  # type: ignore[arg-type]
-            ArrayRecord(),
-            first_round=1,
-            num_rounds=1,
-            timeout=30.0,
-            train_config=ConfigRecord(),
-            evaluate_config=ConfigRecord(),
-            on_round_end=lambda arrays, outcome: None,
-        )
+        one_round(SilentGrid(0.0))
     assert "waiting" not in caplog.text
 
 

@@ -41,16 +41,10 @@ from beyond_averaging.server.launch import parse_overrides, run_config_argument
 from beyond_averaging.server.recorder import RunRecorder
 from beyond_averaging.server.watch import eta_seconds, round_figures, strip_ansi
 from tests.deploy_helpers import REPO, read_metrics
+from tests.test_run_outcomes import LEAN as LEAN_RUN
 
 BA_RUN = Path(sys.executable).parent / "ba-run"
-LEAN: dict[str, Any] = {
-    "dataset": "digits",
-    "model": "mlp",
-    "num-clients": 3,
-    "local-epochs": 1,
-    "device": "cpu",
-    "num-server-rounds": 2,
-}
+LEAN: dict[str, Any] = {**LEAN_RUN, "num-server-rounds": 2}
 ESC = "\x1b"
 
 

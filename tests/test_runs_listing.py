@@ -18,16 +18,10 @@ from beyond_averaging.server.inprocess import run_inprocess
 from beyond_averaging.server.launch import main as ba_run
 from beyond_averaging.server.recorder import RunRecorder
 from tests.deploy_helpers import REPO, read_metrics
+from tests.test_run_outcomes import LEAN as LEAN_RUN
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-LEAN: dict[str, Any] = {
-    "dataset": "digits",
-    "model": "mlp",
-    "num-clients": 3,
-    "local-epochs": 1,
-    "device": "cpu",
-    "num-server-rounds": 6,
-}
+LEAN: dict[str, Any] = {**LEAN_RUN, "num-server-rounds": 6}
 
 
 @pytest.fixture(scope="module")
