@@ -189,16 +189,19 @@ class RunConsole:
         plain = strip_ansi(text)
         with self._lock:
             self._write_log(plain)
-            if error:
-                self._print_error(plain)
-            elif self.terminal:
-                from rich.text import Text
+            try:
+                if error:
+                    self._print_error(plain)
+                elif self.terminal:
+                    from rich.text import Text
 
-                self.console.print(Text.from_ansi(text), soft_wrap=True)
-            else:
-                stream = self.console.file
-                stream.write(plain + "\n")
-                stream.flush()
+                    self.console.print(Text.from_ansi(text), soft_wrap=True)
+                else:
+                    stream = self.console.file
+                    stream.write(plain + "\n")
+                    stream.flush()
+            except OSError:  # a closed pipe (`ba-run | head`): the run and its log go on
+                pass
         with suppress(Exception):  # a round's line: show its figures now (the display only)
             self.refresh()
 
@@ -228,7 +231,10 @@ class RunConsole:
             redirect_stderr=True,
         )
         self._task = self._progress.add_task(
-            self.run_dir.name, total=self.total_rounds, eta="-:--", figures="waiting for round 0"
+            self.run_dir.name,
+            total=self.total_rounds or None,  # unknown: a pulsing bar
+            eta="-:--",
+            figures="waiting for round 0",
         )
         self._progress.start()
 
@@ -251,7 +257,7 @@ class RunConsole:
         eta = eta_seconds(rounds, self.total_rounds)
         self._progress.update(
             self._task,
-            completed=min(int(rounds[-1].get("round", 0)), self.total_rounds),
+            completed=int(rounds[-1].get("round", 0)),
             eta="-:--" if eta is None else seconds_text(eta),
             figures=round_figures(rounds[-1]),
         )
