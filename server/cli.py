@@ -201,8 +201,9 @@ def claim_run_folder(folder: Path, overwrite: bool) -> None:
     problem = existing_run_problem(folder)
     if problem is None:
         return
-    if not overwrite or "is running right now" in problem:
-        raise LaunchError(problem)
+    status, message = problem
+    if not overwrite or status == "running":
+        raise LaunchError(message)
     shutil.rmtree(folder)
     print(f"ba-run: --overwrite: deleted the earlier run {folder}", file=sys.stderr)
 

@@ -458,11 +458,12 @@ def plot_comparison(runs: Sequence[Compared], path: Path, target: float | None =
 
 
 # --- run names -------------------------------------------------------------------------------
-def existing_run_problem(folder: Path) -> str | None:
-    """Why a new run must not be written into ``folder``, or None when it holds no run (no
-    ``summary.json``: never started, or an empty folder).
+def existing_run_problem(folder: Path) -> tuple[str, str] | None:
+    """The status of the run ``folder`` holds and why a new run must not be written there, or
+    None when it holds no run (no ``summary.json``: never started, or an empty folder).
 
-    The message lists the three ways on: resume it, choose another name, or overwrite it.
+    The message lists the three ways on: resume it, choose another name, or overwrite it (a
+    ``running`` run, whose writer is alive: another name, or wait).
     """
     from .recorder import run_status  # imports torch: only where a run folder is read
 
@@ -474,11 +475,11 @@ def existing_run_problem(folder: Path) -> str | None:
     rounds = summary.get("rounds-completed", "?")
     planned = (summary.get("config") or {}).get("num-server-rounds", "?")
     if status.status == "running":
-        return (
+        return status.status, (
             f"run '{folder.name}' is running right now ({folder}, {rounds} of {planned} "
             "rounds so far): choose another run-name, or wait for it to end"
         )
-    return (
+    return status.status, (
         f"run folder {folder} already holds run '{folder.name}' ({status.status}, {rounds} of "
         f"{planned} rounds, started {_time(started_at(summary))} UTC), and a new run would "
         "replace its metrics, checkpoint and model. Either\n"
