@@ -120,6 +120,7 @@ def ba_run(runtime: str, overrides: dict[str, Any], timeout: float) -> list[str]
         "1",
         "--timeout",
         str(timeout),
+        "--overwrite",  # a measurement again in the same --runs folder replaces the earlier one
         "-c",
         run_config_argument(overrides),
     ]
