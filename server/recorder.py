@@ -55,6 +55,7 @@ import torch
 
 from .checkpoint import atomic_torch_save, private_file
 from .provenance import command_line, run_environment
+from .runs import read_rounds
 
 try:  # POSIX; elsewhere runs are written unlocked and their status is taken as written
     import fcntl
@@ -202,7 +203,7 @@ class RunRecorder:
             _read_summary(self.directory) if resume_round is not None else {}
         )
         if resume_round is not None and self.metrics_path.is_file():
-            rounds = _read_rounds(self.metrics_path)
+            rounds = read_rounds(self.metrics_path)
             self.rounds = [entry for entry in rounds if entry.get("round", 0) <= resume_round]
         self.alarm_details: dict[str, str] = {}
         #: The final status once written (:data:`FINAL_STATUSES`); the recorder writes nothing
@@ -406,17 +407,6 @@ def _append_whole(path: Path, data: bytes) -> None:
         with suppress(OSError):
             os.truncate(path, size)
         raise
-
-
-def _read_rounds(path: Path) -> list[dict[str, Any]]:
-    """The rounds of ``metrics.jsonl``; a line that does not parse (a torn line an older version
-    left on a full disk) is skipped."""
-    rounds = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with suppress(ValueError):
-            if line.strip():
-                rounds.append(json.loads(line))
-    return rounds
 
 
 def _acquire_owner_lock(directory: Path, attempts: int = 20) -> IO[bytes]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from logging import INFO, WARNING
@@ -46,20 +47,29 @@ class RunsError(RuntimeError):
 
 
 # --- reading ---------------------------------------------------------------------------------
+def read_rounds(path: Path) -> list[dict[str, Any]]:
+    """The rounds of a ``metrics.jsonl``, one dict per line; a line that does not parse (a torn
+    line an older version left on a full disk) is skipped."""
+    rounds = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        with suppress(ValueError):
+            if line.strip():
+                rounds.append(json.loads(line))
+    return rounds
+
+
 def read_metrics(folder: Path) -> list[dict[str, Any]]:
-    """The rounds of a run folder's ``metrics.jsonl``, one dict per line (a line that does not
-    parse, which a crash on a full disk may have left, is skipped)."""
+    """:func:`read_rounds` of a run folder's ``metrics.jsonl``.
+
+    Raises
+    ------
+    FileNotFoundError
+        The folder holds no ``metrics.jsonl``.
+    """
     path = Path(folder) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: pass the folder of a run (runs/<name>)")
-    rounds = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            try:
-                rounds.append(json.loads(line))
-            except ValueError:
-                continue
-    return rounds
+    return read_rounds(path)
 
 
 def curve(rounds: Sequence[Mapping[str, Any]], key: str, first: int = 1) -> dict[int, float]:
@@ -70,7 +80,6 @@ def curve(rounds: Sequence[Mapping[str, Any]], key: str, first: int = 1) -> dict
         for entry in rounds
         if entry.get("round", 0) >= first
         and isinstance(entry.get(key), int | float)
-        and not isinstance(entry.get(key), bool)
         and math.isfinite(entry[key])
     }
 
