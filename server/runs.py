@@ -383,13 +383,20 @@ def pyplot(purpose: str) -> Any:
     return plt
 
 
-def save_figure(figure: Any, path: Path, dpi: int = DPI) -> Path:
-    """Lay out, write and close ``figure`` (its folder made if missing)."""
+def save_figure(figure: Any, path: Path, dpi: int = DPI, *, private: bool = False) -> Path:
+    """Lay out, write and close ``figure`` as a PNG (its folder made if missing); ``private``:
+    created ``0600``, as every file of a run folder (:func:`server.checkpoint.private_file`)."""
     plt = pyplot("saving a figure")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
-    figure.savefig(path, dpi=dpi)
+    if private:
+        from .checkpoint import private_file
+
+        with private_file(path, "wb") as stream:
+            figure.savefig(stream, dpi=dpi, format="png")
+    else:
+        figure.savefig(path, dpi=dpi)
     plt.close(figure)
     return path
 
@@ -419,7 +426,7 @@ def plot_run(folder: Path, path: Path | None = None) -> Path:
     bottom.set_ylabel("test loss")
     for axes in (top, bottom):
         _integer_rounds(axes)
-    return save_figure(figure, path or folder / RUN_PLOT_FILE)
+    return save_figure(figure, path or folder / RUN_PLOT_FILE, private=path is None)
 
 
 def write_run_plot(folder: Path) -> Path | None:
@@ -428,9 +435,7 @@ def write_run_plot(folder: Path) -> Path | None:
     from flwr.supercore import log
 
     try:
-        path = plot_run(folder)
-        path.chmod(0o600)  # as every file of the run folder: its owner's only
-        return path
+        return plot_run(folder)
     except RunsError as error:
         log(INFO, "no %s for run '%s': %s", RUN_PLOT_FILE, Path(folder).name, error)
     except Exception as error:  # a figure must never fail a run that trained

@@ -18,7 +18,6 @@ simulation runtime, Flower's log records in process) and ``ba-run``'s own messag
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 import threading
@@ -28,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, TextIO
 
+from .checkpoint import private_file
 from .runs import METRICS_FILE, read_metrics
 
 LOG_FILE = "log.txt"
@@ -112,7 +112,7 @@ class RunConsole:
         self.terminal = terminal
         self.resumed = resumed
         self.log_path = self.run_dir / LOG_FILE
-        self._log: IO[str] | None = None
+        self._log: IO[bytes] | None = None
         self._lock = threading.Lock()
         self._progress: Any = None
         self._task: Any = None
@@ -150,8 +150,7 @@ class RunConsole:
     def _open_log(self) -> None:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            descriptor = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            self._log = os.fdopen(descriptor, "a", encoding="utf-8")
+            self._log = private_file(self.log_path, "ab")
         except OSError as error:
             self._log = None
             print(f"ba-run: note: no {self.log_path} ({error})", file=sys.stderr)
@@ -172,7 +171,7 @@ class RunConsole:
         if self._log is None:
             return
         try:
-            self._log.write(text + "\n")
+            self._log.write((text + "\n").encode("utf-8"))
             self._log.flush()
         except OSError:  # a full disk: the run matters more than its log
             with suppress(OSError):

@@ -93,7 +93,9 @@ def test_off_a_terminal_the_console_is_plain_lines_and_all_of_it_is_in_log_txt(
     done = ba_run_process(settings_for(tmp_path, "piped"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert ESC not in done.stdout + done.stderr  # Flower's log lines carried colour codes
-    log = (tmp_path / "piped" / "log.txt").read_text(encoding="utf-8")
+    log_file = tmp_path / "piped" / "log.txt"
+    assert log_file.stat().st_mode & 0o777 == 0o600  # as every file of the run folder
+    log = log_file.read_text(encoding="utf-8")
     assert ESC not in log
     for line in ("round 2/2 | test accuracy", "[ROUND 1/2]", "ba-run: run completed"):
         assert line in done.stdout
