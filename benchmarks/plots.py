@@ -12,13 +12,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display on servers and in tests
-
-import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from benchmarks.report import curve, read_metrics
+from beyond_averaging.server.runs import DPI, pyplot, save_figure
+
+plt = pyplot("the diagnostics figures")  # files only (Agg): no display on servers and in tests
 
 Metrics = list[dict[str, Any]]
 
@@ -30,9 +29,9 @@ DISTANCE_KEYS = {
     "Chebyshev": "diag-chebyshev-mean",
 }
 INFORMATION_KEYS = {"parameters": "diag-mi-mean", "updates": "diag-update-mi-mean"}
-#: Shared figure look: one size and resolution for the diagnostics PNGs.
+#: Shared figure look: one size for the diagnostics PNGs (resolution: server.runs.DPI).
 FIGURE_SIZE = (7.0, 4.2)
-DPI = 120
+__all__ = ["DPI", "save_figure"]  # shared with server.runs, used here and by benchmarks.report
 
 
 def series(metrics: Metrics, key: str) -> tuple[list[int], list[float]]:
@@ -49,13 +48,15 @@ def critical_point(rounds: Sequence[int], coherence: Sequence[float]) -> int | N
     return None
 
 
-def save_figure(figure: Any, path: Path, dpi: int = DPI) -> Path:
-    """Lay out, write and close ``figure`` (its folder made if missing)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=dpi)
-    plt.close(figure)
-    return path
+def with_metric(runs: Mapping[str, Metrics], key: str) -> dict[str, Metrics]:
+    """The runs that logged ``key`` at least once: a run made without diagnostics has no line,
+    so it gets no legend entry either."""
+    return {label: metrics for label, metrics in runs.items() if series(metrics, key)[0]}
+
+
+def round_axis(axes: Any) -> None:
+    """Rounds on the x axis: whole numbers only (a 2-round run drew 0.25, 0.5, ...)."""
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def plot_coherence(runs: Mapping[str, Metrics], path: Path) -> Path:
@@ -69,7 +70,8 @@ def plot_coherence(runs: Mapping[str, Metrics], path: Path) -> Path:
     )
     for axes in (top, bottom):
         axes.axhline(0.0, color="grey", linewidth=0.8)
-    for index, (label, metrics) in enumerate(runs.items()):
+        round_axis(axes)
+    for index, (label, metrics) in enumerate(with_metric(runs, COHERENCE_KEY).items()):
         rounds, coherence = series(metrics, COHERENCE_KEY)
         (line,) = top.plot(rounds, coherence, marker=".", label=label)
         bottom.plot(*series(metrics, COSINE_KEY), marker=".", color=line.get_color())
@@ -97,10 +99,11 @@ def plot_distances(runs: Mapping[str, Metrics], path: Path) -> Path:
     """Mean pairwise Euclidean, Manhattan and Chebyshev distance between client models."""
     figure, panels = plt.subplots(1, len(DISTANCE_KEYS), figsize=(FIGURE_SIZE[0] * 1.6, 3.6))
     for axes, (name, key) in zip(panels, DISTANCE_KEYS.items(), strict=True):
-        for label, metrics in runs.items():
+        for label, metrics in with_metric(runs, key).items():
             axes.plot(*series(metrics, key), marker=".", label=label)
         axes.set_title(f"{name} distance")
         axes.set_xlabel("round")
+        round_axis(axes)
     panels[0].set_ylabel("mean over client pairs")
     panels[0].legend(fontsize="small")
     return save_figure(figure, path)
@@ -109,11 +112,12 @@ def plot_distances(runs: Mapping[str, Metrics], path: Path) -> Path:
 def plot_mutual_information(runs: Mapping[str, Metrics], path: Path) -> Path:
     """Mean pairwise Gaussian mutual information of client parameters (solid) and updates."""
     figure, axes = plt.subplots(figsize=FIGURE_SIZE)
-    for label, metrics in runs.items():
+    for label, metrics in with_metric(runs, INFORMATION_KEYS["parameters"]).items():
         parameters, updates = (series(metrics, key) for key in INFORMATION_KEYS.values())
         (line,) = axes.plot(*parameters, marker=".", label=label)
         axes.plot(*updates, linestyle=":", color=line.get_color())
     axes.set_xlabel("round")
+    round_axis(axes)
     axes.set_ylabel("mutual information (nats)")
     axes.set_title("Gaussian MI between clients (solid: parameters, dotted: updates)")
     axes.legend(fontsize="small")

@@ -90,7 +90,8 @@ def measure(
     settings |= {"seed": 0, "run-name": name, "output-dir": str(runs)}
     limit = args.simulation_timeout if runtime == "simulation" else args.inprocess_timeout
     words = ["-m", "beyond_averaging.server.launch", "--runtime", runtime, "--client-cpus", "1"]
-    words += ["--timeout", str(limit), "-c", run_config_argument(settings)]
+    # --overwrite: a measurement again in the same --runs folder replaces the earlier one.
+    words += ["--timeout", str(limit), "--overwrite", "-c", run_config_argument(settings)]
     print("$", shlex.join(words[1:]), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = (runs / f"{name}.log").open("wb")

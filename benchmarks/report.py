@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,9 @@ from benchmarks.seed_stats import band, mean_sd
 from benchmarks.spec import METHOD_AXIS, SEED_AXIS, Column, Run, Spec, label_of, paper_value
 from beyond_averaging.server.launch import read_summary
 from beyond_averaging.server.recorder import FINISHED_STATUSES
+from beyond_averaging.server.runs import curve, read_metrics
+
+__all__ = ["curve", "read_metrics"]  # shared with server.runs (ba-run --compare), used here
 
 SHOWS = ("mean ± sd", "range", "max")
 #: Written by the runner into each run folder: the machine, runtime, threads, wall and CPU time.
@@ -38,27 +41,6 @@ class RunData:
     def curve(self, key: str, first: int = 1) -> dict[int, float]:
         """:func:`curve` of this run's rounds."""
         return curve(self.rounds, key, first)
-
-
-def read_metrics(folder: Path) -> list[dict[str, Any]]:
-    """The rounds of a run folder's ``metrics.jsonl``, one dict per line."""
-    path = Path(folder) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: pass the folder of a run (runs/<name>)")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
-
-
-def curve(rounds: Sequence[Mapping[str, Any]], key: str, first: int = 1) -> dict[int, float]:
-    """Round -> value of ``key`` from round ``first`` on (rounds without a finite number left
-    out: a metric a round did not log, or NaN)."""
-    return {
-        int(entry["round"]): float(entry[key])
-        for entry in rounds
-        if entry.get("round", 0) >= first
-        and isinstance(entry.get(key), int | float)
-        and math.isfinite(entry[key])
-    }
 
 
 def read_run(run: Run) -> RunData | None:
@@ -209,28 +191,40 @@ def cell(spec: Spec, row: Row, rows: Sequence[Row], column: Column) -> str:
     return f"{mean_sd(numbers, column.digits) if numbers else '-'}{counted}"
 
 
+def shown_columns(spec: Spec, runs: Sequence[RunData]) -> list[Column]:
+    """The spec's columns, less each ``last`` column whose window holds every round of every
+    run (its "last 10 rounds" would be the mean of all rounds, under a title that says not)."""
+    return [
+        c
+        for c in spec.columns
+        if c.metric != "last" or any(len(d.curve(c.key)) > c.rounds for d in runs)
+    ]
+
+
 def table(spec: Spec, runs: Sequence[RunData]) -> str:
     """The markdown table: one row per combination of the axes, seeds pooled."""
     rows = rows_of(spec, runs)
     axes = [a.name for a in spec.axes]
+    columns = shown_columns(spec, runs)
     cells = []
     for row in rows:
         rounds = sorted({max(d.curve("test-accuracy", first=0), default=0) for d in row.runs})
         span = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
         cells.append(
             [*(row.labels[a] for a in axes), len(row.runs), span]
-            + [cell(spec, row, rows, column) for column in spec.columns]
+            + [cell(spec, row, rows, column) for column in columns]
         )
-    return markdown_table([*axes, "seeds", "rounds", *(c.title for c in spec.columns)], cells)
+    return markdown_table([*axes, "seeds", "rounds", *(c.title for c in columns)], cells)
 
 
 def plot(spec: Spec, runs: Sequence[RunData], path: Path) -> Path:
     """Per plot row (a metric key) and panel (labels of ``panels`` axes): the mean per round of
     each row of the table, with a band of ± one sample sd over seeds; the paper's number dotted."""
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    from benchmarks.plots import save_figure  # matplotlib only where a plot is drawn (Agg)
+    from beyond_averaging.server.runs import pyplot, save_figure
+
+    plt = pyplot("a report's plot")  # matplotlib only where a plot is drawn (Agg)
 
     keys = spec.plot.get("rows") or [
         {"key": "test-accuracy", "scale": 100, "label": "test accuracy (%)", "paper": True}

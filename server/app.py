@@ -42,6 +42,7 @@ from .inprocess import InProcessGrid
 from .partitions import record_partitions
 from .recorder import COMPLETED_WITH_ALARMS, RunRecorder
 from .rounds import RoundOutcome, run_rounds
+from .runs import write_run_plot
 from .strategy_factory import ServerResources, build_strategy
 from .tracking import open_run_tracker
 
@@ -466,11 +467,12 @@ def main(grid: Grid, context: Context) -> None:
             on_round_end=progress,
         )
         recorder.save_model(arrays.to_torch_state_dict())
+        write_run_plot(recorder.directory)  # curves.png; without matplotlib only a note
     except (SystemExit, KeyboardInterrupt) as error:
         # Not the run's own failure: Flower stops the ServerApp this way on a signal, on
         # `flwr stop`, and when a restarted SuperLink no longer knows its run (SystemExit 0).
         cause = (
-            "a keyboard interrupt"
+            str(error) or "a keyboard interrupt"  # ba-run's StopSignal names the signal
             if isinstance(error, KeyboardInterrupt)
             else f"SystemExit {error.code!r} from {FLOWER_EXIT}"
         )

@@ -7,6 +7,7 @@ turns every problem into one :class:`ConfigError` that names the key, the value 
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -216,7 +217,10 @@ def _describe(error: Mapping[str, Any]) -> str:
     value = error.get("input")
     message = str(error.get("msg", "invalid"))
     if error.get("type") == "extra_forbidden":
-        return f"unknown key '{location}' (value {value!r}): not a run option of this app"
+        known = [f.alias or n for n, f in RunConfig.model_fields.items()]
+        close = difflib.get_close_matches(location, known, n=1, cutoff=0.6)
+        hint = f": did you mean '{close[0]}'?" if close else ""
+        return f"unknown key '{location}' (value {value!r}): not a run option of this app{hint}"
     if not location:  # a relation between keys, already phrased with names and values
         return message.removeprefix("Value error, ")
     return f"key '{location}' = {value!r} is not allowed: {message}"

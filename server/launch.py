@@ -29,11 +29,23 @@ simulation it starts get ``RAY_ADDRESS``, which ``ray.init`` in Flower's Ray bac
 ``ba-run --status <run folder>`` prints a run's status, checked against its owner lock (a
 ``running`` summary whose writer is gone is reported, and marked, ``interrupted``); ``ba-run
 --resume`` refuses a run whose writer is still alive.
+
+Before anything starts, ``ba-run`` reads ``-c`` (``key=value`` pairs and TOML files, the later
+winning), refuses an unknown key naming the closest known one, and refuses a ``run-name`` whose
+folder already holds a run (unless ``--resume`` or ``--overwrite``). While the run goes, its
+output passes through :class:`server.watch.RunConsole` (a progress bar on a terminal, plain
+lines elsewhere, all of it in ``<run folder>/log.txt``). SIGTERM, SIGHUP and SIGINT stop the run
+and every process the launch started (:func:`server.cli.stop_signals`); the command line itself
+is :mod:`server.cli`. Without ``--ray-address`` the
+simulation starts a Ray of its own (``RAY_ADDRESS=local``): Ray's ``ray_current_cluster`` file,
+left behind by a ``ray start`` whose cluster is gone, would otherwise make ``ray.init`` connect
+to that dead address and the run wait forever. ``ba-run --list`` and ``ba-run --compare`` read
+finished runs (:mod:`server.runs`).
 """
 
 from __future__ import annotations
 
-import argparse
+import difflib
 import json
 import os
 import shutil
@@ -41,12 +53,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 import urllib.request
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +68,7 @@ import pathspec
 
 if TYPE_CHECKING:
     from .recorder import RunStatus
+    from .watch import RunConsole
 
 CONNECTION = "ba-local"
 #: Environment entry every process of one launch inherits, so that all of them can be stopped.
@@ -110,11 +124,61 @@ def app_defaults(app_dir: Path) -> dict[str, Any]:
         raise LaunchError(f"{pyproject} has no [tool.flwr.app.config] table") from None
 
 
-def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
-    """Flower's ``--run-config`` syntax (``key=value`` pairs, TOML values) as a dict."""
-    from flwr.common.config import parse_config_args
+def is_toml_file(entry: str) -> bool:
+    """A ``-c`` value that names a TOML file (as Flower tells one: it ends in ``.toml``)."""
+    return entry.strip().endswith(".toml") and "=" not in entry
 
-    return dict(parse_config_args(list(overrides)))
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """``-c`` values as one dict, the later winning: Flower's ``--run-config`` syntax
+    (``key=value`` pairs, TOML values) and TOML files (flattened as Flower flattens one), so a
+    file with pairs after it is the file with those pairs changed.
+
+    Raises
+    ------
+    LaunchError
+        A file that cannot be read or is not TOML, or pairs Flower cannot parse.
+    """
+    from flwr.common.config import flatten_dict, parse_config_args
+
+    merged: dict[str, Any] = {}
+    for entry in overrides:
+        if is_toml_file(entry):
+            path = Path(entry.strip()).expanduser()
+            try:
+                merged.update(flatten_dict(tomllib.loads(path.read_text(encoding="utf-8"))))
+            except OSError as error:
+                raise LaunchError(f"-c {entry}: cannot read the file ({error})") from None
+            except (tomllib.TOMLDecodeError, ValueError) as error:
+                raise LaunchError(f"-c {entry}: not a TOML file of run options ({error})") from None
+            continue
+        try:
+            merged.update(parse_config_args([entry]))
+        except Exception as error:  # click.ClickException: Flower's message for bad syntax
+            message = getattr(error, "message", None) or str(error)
+            raise LaunchError(f"-c {entry!r}: {message}") from None
+    return merged
+
+
+def check_keys(overrides: Mapping[str, Any], known: Sequence[str], where: str) -> None:
+    """Refuse a key that is not a run option, naming the closest that is.
+
+    Raises
+    ------
+    LaunchError
+        One line per unknown key, with a suggestion where one is close (difflib).
+    """
+    problems = []
+    for key in overrides:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f": did you mean '{close[0]}'?" if close else ""
+        problems.append(f"unknown run-config key '{key}'{hint}")
+    if problems:
+        raise LaunchError(
+            "; ".join(problems) + f" (the app's keys are those of {where}; docs/configuration.md)"
+        )
 
 
 def write_connection(flwr_home: Path, port: int) -> None:
@@ -230,6 +294,30 @@ def check_ray_address(address: str, timeout: float = 5.0) -> str:
         ) from None
 
 
+#: ``RAY_ADDRESS`` that makes ``ray.init()`` start a Ray instance of its own.
+LOCAL_RAY = "local"
+
+
+def local_ray(inherited: str | None) -> str:
+    """``RAY_ADDRESS`` for a simulation that starts its own Ray: :data:`LOCAL_RAY`.
+
+    With ``RAY_ADDRESS`` unset, Ray 2's ``ray.init()`` connects to the address in
+    ``$RAY_TMPDIR/ray/ray_current_cluster`` (default ``/tmp/ray/``), which ``ray start`` writes
+    and only ``ray stop`` removes (``ray._private.services.get_ray_address_from_environment``):
+    after a cluster died without ``ray stop`` the simulation waited for it forever. ``"local"``
+    is the value ``canonicalize_bootstrap_address`` turns into "start a new instance". An
+    inherited ``RAY_ADDRESS`` is overridden too, with a note (``--ray-address`` chooses a
+    cluster).
+    """
+    if inherited and inherited != LOCAL_RAY:
+        print(
+            f"ba-run: note: RAY_ADDRESS={inherited} in the environment is not used: the "
+            "simulation starts a Ray of its own; pass --ray-address HOST:PORT to run on a cluster",
+            file=sys.stderr,
+        )
+    return LOCAL_RAY
+
+
 @contextmanager
 def simulation_superlink(app_dir: Path, ray_address: str | None = None) -> Iterator[dict[str, str]]:
     """A simulation SuperLink on a free port, stopped (with its children) on exit.
@@ -244,6 +332,8 @@ def simulation_superlink(app_dir: Path, ray_address: str | None = None) -> Itera
     env = flower_environment(flwr_home)
     if ray_address is not None:
         env["RAY_ADDRESS"] = check_ray_address(ray_address)
+    else:
+        env["RAY_ADDRESS"] = local_ray(env.get("RAY_ADDRESS"))
     env[LAUNCH_MARKER] = f"{port}-{uuid.uuid4().hex}"
     write_connection(flwr_home, port)
     log_path = flwr_home / f"superlink-{port}.log"
@@ -330,7 +420,10 @@ def run_settings(app_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, Any
     """The fused settings of a launch and the overrides it adds: a run name and an absolute
     output folder when the configuration gives none, so the launcher knows where the summary
     will be."""
-    settings = app_defaults(app_dir) | parse_overrides(overrides)
+    defaults = app_defaults(app_dir)
+    given = parse_overrides(overrides)
+    check_keys(given, list(defaults), f"[tool.flwr.app.config] in {app_dir / 'pyproject.toml'}")
+    settings = defaults | given
     extra: list[str] = []
     run_name = str(settings.get("run-name") or "")
     if not run_name:
@@ -415,11 +508,14 @@ def launch(
     timeout: float | None = None,
     client_cpus: int | None = None,
     ray_address: str | None = None,
+    console: RunConsole | None = None,
 ) -> Path:
     """Run the app in simulation; return the run folder, or raise :class:`LaunchError`.
 
     ``ray_address``: the ``HOST:PORT`` of an existing Ray cluster's head to run the ClientApps
     on (each Ray actor takes ``client_cpus`` of a node's CPUs); None starts Ray on this machine.
+    ``console``: where ``flwr run``'s output goes, line by line (None: straight to this
+    process's standard output).
     """
     app_dir = app_dir.resolve()
     settings, extra = run_settings(app_dir, overrides)
@@ -429,24 +525,73 @@ def launch(
     with simulation_superlink(app_dir, ray_address) as env:
         staged = stage_app(app_dir, Path(env["FLWR_HOME"]) / "app")
         command = ["flwr", "run", str(staged), CONNECTION, "--stream"]
-        for override in [*overrides, *extra]:
-            command += ["--run-config", override]
+        # One resolved set: TOML files and pairs merged (Flower takes a file alone only).
+        command += ["--run-config", run_config_argument(parse_overrides([*overrides, *extra]))]
         for entry in federation:
             command += ["--federation-config", entry]
+        code = run_command(command, env, app_dir, timeout, console)
+    return completed_run(settings, f"`flwr run` exited with code {code}")
+
+
+def run_command(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    cwd: Path,
+    timeout: float | None,
+    console: RunConsole | None,
+) -> int:
+    """Run ``command`` to its end (its output through ``console`` when given); its exit code.
+
+    Raises
+    ------
+    LaunchError
+        It ran past ``timeout`` seconds (it is killed).
+    """
+    if console is None:
         try:
-            completed = subprocess.run(command, env=env, cwd=app_dir, timeout=timeout, check=False)
+            return subprocess.run(
+                list(command), env=dict(env), cwd=cwd, timeout=timeout, check=False
+            ).returncode
         except subprocess.TimeoutExpired:
             raise LaunchError(f"the run did not finish within {timeout} s") from None
-    return completed_run(settings, f"`flwr run` exited with code {completed.returncode}")
+    process = subprocess.Popen(
+        list(command),
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    assert process.stdout is not None
+    relay = threading.Thread(target=console.lines, args=(process.stdout,), daemon=True)
+    relay.start()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"the run did not finish within {timeout} s") from None
+    finally:  # also on a stop signal: `flwr run` goes with the rest of the launch
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        relay.join(timeout=5.0)
+        process.stdout.close()
+    return process.returncode
 
 
-def launch_inprocess(app_dir: Path, overrides: Sequence[str], *, threads: int | None = 1) -> Path:
+def launch_inprocess(
+    app_dir: Path,
+    overrides: Sequence[str],
+    *,
+    threads: int | None = 1,
+    console: RunConsole | None = None,
+) -> Path:
     """Run the app in this process (:func:`server.inprocess.run_inprocess`); return the run
     folder, or raise :class:`LaunchError`.
 
     ``threads`` sets torch's intra-op threads (None leaves torch's default). The default 1 is
     what each simulated client gets from Ray with ``--client-cpus 1``; on a small shared CPU
-    more threads make the small models here slower, not faster.
+    more threads make the small models here slower, not faster. ``console``: where Flower's
+    log records go while the run lasts (None: Flower's own console handler).
     """
     app_dir = app_dir.resolve()
     settings, extra = run_settings(app_dir, overrides)
@@ -456,11 +601,13 @@ def launch_inprocess(app_dir: Path, overrides: Sequence[str], *, threads: int | 
     import torch
 
     from .inprocess import run_inprocess
+    from .watch import flower_logs_to
 
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        run_inprocess(app_dir, parse_overrides([*overrides, *extra]))
+        with flower_logs_to(console) if console is not None else nullcontext():
+            run_inprocess(app_dir, parse_overrides([*overrides, *extra]))
     except Exception as error:  # the ServerApp has written a failed summary when it got that far
         return completed_run(settings, f"the run raised {type(error).__name__}: {error}")
     return completed_run(settings, "the run returned")
@@ -478,6 +625,7 @@ def launch_runtime(
     timeout: float | None = None,
     client_cpus: int | None = 1,
     ray_address: str | None = None,
+    console: RunConsole | None = None,
 ) -> Path:
     """One run in the chosen runtime: :func:`launch` (simulation) or :func:`launch_inprocess`.
 
@@ -487,7 +635,12 @@ def launch_runtime(
     """
     if runtime == "simulation":
         return launch(
-            app_dir, overrides, timeout=timeout, client_cpus=client_cpus, ray_address=ray_address
+            app_dir,
+            overrides,
+            timeout=timeout,
+            client_cpus=client_cpus,
+            ray_address=ray_address,
+            console=console,
         )
     if ray_address is not None:
         raise LaunchError(
@@ -495,97 +648,15 @@ def launch_runtime(
             f"{runtime!r} runtime uses no Ray: drop --ray-address or use --runtime simulation"
         )
     if runtime == "inprocess":
-        return launch_inprocess(app_dir, overrides, threads=client_cpus)
+        return launch_inprocess(app_dir, overrides, threads=client_cpus, console=console)
     raise LaunchError(f"runtime = {runtime!r}: choose one of {', '.join(RUNTIMES)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point ``ba-run``."""
-    parser = argparse.ArgumentParser(
-        prog="ba-run", description="Run the beyond-averaging Flower app in simulation."
-    )
-    parser.add_argument("--app", type=Path, default=Path.cwd(), help="Flower app folder")
-    parser.add_argument(
-        "--run-config",
-        "-c",
-        action="append",
-        default=[],
-        help="overrides, e.g. -c 'strategy=\"elastic\" num-server-rounds=20'",
-    )
-    parser.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
-    parser.add_argument(
-        "--client-cpus",
-        type=int,
-        default=1,
-        help="CPUs Ray reserves per simulated client (default 1: as many clients train at once "
-        "as there are cores; Flower's own default of 2 runs one at a time on a 2-core machine)",
-    )
-    parser.add_argument(
-        "--runtime",
-        choices=RUNTIMES,
-        default=RUNTIMES[0],
-        help="simulation: Flower's simulation (Ray, a local SuperLink); inprocess: ServerApp and "
-        "ClientApp in this process, no Ray (fast; no --timeout; --client-cpus sets torch "
-        "threads). See docs/runtimes.md",
-    )
-    parser.add_argument(
-        "--ray-address",
-        default=None,
-        metavar="HOST:PORT",
-        help="simulation only: run the ClientApps on the existing Ray cluster whose head is at "
-        "HOST:PORT (what `ray start --head` prints) instead of starting Ray here; see "
-        "docs/ray-cluster.md",
-    )
-    parser.add_argument(
-        "--resume",
-        type=Path,
-        default=None,
-        metavar="RUN_DIR",
-        help="continue runs/<name> from its checkpoint with its configuration (-c may raise "
-        "num-server-rounds; any other change is refused)",
-    )
-    parser.add_argument(
-        "--status",
-        type=Path,
-        default=None,
-        metavar="RUN_DIR",
-        help="print the status of runs/<name> and exit: 0 completed, 4 completed with alarms, "
-        "3 running (its process is alive), 1 failed, interrupted (its process died: marked so in "
-        "summary.json) or unknown",
-    )
-    args = parser.parse_args(argv)
-    if args.status is not None:
-        return print_status(args.status)
-    try:
-        overrides = args.run_config
-        if args.resume is not None:
-            overrides = [*resume_overrides(args.resume), *args.run_config]
-        run_dir = launch_runtime(
-            args.runtime,
-            args.app,
-            overrides,
-            timeout=args.timeout,
-            client_cpus=args.client_cpus,
-            ray_address=args.ray_address,
-        )
-    except LaunchError as error:
-        print(f"ba-run: error: {error}", file=sys.stderr)
-        return 1
-    summary = read_summary(run_dir / "summary.json")
-    final = summary.get("final") or {}
-    status = str(summary.get("status"))
-    print(f"ba-run: run {status.replace('-', ' ')}: {run_dir}")
-    print(
-        f"ba-run: final test accuracy {final.get('test-accuracy')} after round {final.get('round')}"
-    )
-    print_alarms(summary)
-    if status == "completed-with-alarms":
-        print(
-            f"ba-run: error: run '{run_dir.name}' ran every round but raised alarms (above): its "
-            "model is not to be trusted; see docs/reliability.md, Runs",
-            file=sys.stderr,
-        )
-    return STATUS_EXIT_CODES.get(status, 1)
+    """Console entry point ``ba-run`` (its command line: :mod:`server.cli`)."""
+    from .cli import main as cli_main
+
+    return cli_main(argv)
 
 
 #: ``ba-run``'s exit code for a run that ran every round but raised an alarm.
@@ -594,14 +665,18 @@ ALARMS_EXIT_CODE = 4
 STATUS_EXIT_CODES = {"completed": 0, "completed-with-alarms": ALARMS_EXIT_CODE, "running": 3}
 
 
-def print_alarms(summary: Mapping[str, Any]) -> None:
-    """One warning line per alarm kind a run raised (see server.app.round_alarms)."""
+def print_alarms(summary: Mapping[str, Any], emit: Callable[[str], None] | None = None) -> None:
+    """One warning line per alarm kind a run raised (see server.app.round_alarms), to standard
+    error or to ``emit``."""
     for kind, alarm in (summary.get("alarms") or {}).items():
-        print(
+        text = (
             f"ba-run: warning: {kind} in {alarm.get('rounds')} round(s), rounds "
-            f"{alarm.get('first-round')}-{alarm.get('last-round')}: {alarm.get('message', '')}",
-            file=sys.stderr,
+            f"{alarm.get('first-round')}-{alarm.get('last-round')}: {alarm.get('message', '')}"
         )
+        if emit is None:
+            print(text, file=sys.stderr)
+        else:
+            emit(text)
 
 
 def print_status(run_dir: Path) -> int:
@@ -612,6 +687,11 @@ def print_status(run_dir: Path) -> int:
     from .recorder import mark_interrupted, run_status  # imports torch
 
     status: RunStatus = run_status(run_dir)
+    if status.status == "missing" and any(Path(run_dir).glob("*/summary.json")):
+        from .runs import list_command
+
+        print(f"ba-run: {run_dir} is a folder of runs, not a run; its runs (ba-run --list):")
+        return list_command(Path(run_dir), "text")
     if status.status == "interrupted":
         status = mark_interrupted(run_dir)
     summary = status.summary

@@ -8,7 +8,12 @@
 - ``final_model.pt``: the global model after the last round (a torch state dict);
 - ``summary.json``: status (``running``, ``completed``, ``completed-with-alarms`` (every round
   ran, and an alarm of :data:`ALARMS` fired in at least one), ``failed`` or ``interrupted``, with
-  the reason), resolved configuration, final metrics, alarms and wall time;
+  the reason), resolved configuration, final metrics, alarms, wall time (added up over the
+  sessions of a resumed run), start and end times (UTC), the command line and what the run ran
+  on (versions, git commit, host, CPU/GPU: :mod:`server.provenance`), one entry per session;
+- ``curves.png``: the run's test accuracy and loss per round, once it ran every round
+  (:func:`server.runs.plot_run`; skipped, with a note, without matplotlib);
+- ``log.txt``: the console log of a run started with ``ba-run`` (:mod:`server.watch`);
 - ``.owner.lock``: held (``flock``) by the process writing the run, for as long as it lives;
 - ``.reserve``: :data:`RESERVE_BYTES` kept allocated while the run is written, released when a
   write meets a full disk so that the final summary still lands (:meth:`RunRecorder.write_summary`).
@@ -51,6 +56,8 @@ from typing import IO, Any, Protocol
 import torch
 
 from .checkpoint import atomic_torch_save, private_file
+from .provenance import command_line, run_environment
+from .runs import read_rounds
 
 try:  # POSIX; elsewhere runs are written unlocked and their status is taken as written
     import fcntl
@@ -205,8 +212,11 @@ class RunRecorder:
         self.started = time.time()
         self.rounds: list[dict[str, Any]] = []
         self.resumed_from = resume_round
+        self.provenance = RunProvenance.start(
+            _read_summary(self.directory) if resume_round is not None else {}
+        )
         if resume_round is not None and self.metrics_path.is_file():
-            rounds = _read_rounds(self.metrics_path)
+            rounds = read_rounds(self.metrics_path)
             self.rounds = [entry for entry in rounds if entry.get("round", 0) <= resume_round]
         self.alarm_details: dict[str, str] = {}
         #: The final status once written (:data:`FINAL_STATUSES`); the recorder writes nothing
@@ -291,7 +301,7 @@ class RunRecorder:
         summary: dict[str, Any] = {
             "status": status,
             "config": self.config,
-            "wall-seconds": round(time.time() - self.started, 3),
+            **self.provenance.fields(time.time() - self.started, final=status in FINAL_STATUSES),
             "rounds-completed": max((r.get("round", 0) for r in self.rounds), default=0),
             "final": self.rounds[-1] if self.rounds else None,
             "updated-at": _now(),
@@ -338,6 +348,57 @@ class RunRecorder:
             self._lock = None
 
 
+@dataclass
+class RunProvenance:
+    """What ``summary.json`` keeps of where and when a run ran, over all its sessions (a resumed
+    run is one more session: ``wall-seconds`` adds up, ``started-at`` stays the first)."""
+
+    started_at: str
+    #: The earlier sessions' records (a resumed run), then this one's is added.
+    earlier: list[dict[str, Any]]
+    earlier_wall: float
+    session: dict[str, Any]
+
+    @classmethod
+    def start(cls, previous: Mapping[str, Any]) -> RunProvenance:
+        """This session's record; ``previous``: the summary of the run it resumes ({} if none)."""
+        now = _now()
+        earlier = [dict(entry) for entry in previous.get("sessions") or []]
+        if previous and not earlier:  # a run written before sessions were recorded
+            earlier = [{"wall-seconds": previous.get("wall-seconds", 0.0)}]
+        environment = run_environment()
+        return cls(
+            started_at=str(previous.get("started-at") or now),
+            earlier=earlier,
+            earlier_wall=float(previous.get("wall-seconds") or 0.0),
+            session={
+                "started-at": now,
+                "command-line": command_line(),
+                "host": environment["host"],
+                "environment": environment,
+            },
+        )
+
+    def fields(self, seconds: float, *, final: bool) -> dict[str, Any]:
+        """The summary's entries after ``seconds`` of this session (``final``: it ends now)."""
+        session = {**self.session, "wall-seconds": round(seconds, 3)}
+        if final:
+            session["ended-at"] = _now()
+        entries = {
+            "wall-seconds": round(self.earlier_wall + seconds, 3),
+            "started-at": self.started_at,
+            "command-line": session["command-line"],
+            "environment": session["environment"],
+            "sessions": [
+                *self.earlier,
+                {k: v for k, v in session.items() if k != "environment"},
+            ],
+        }
+        if final:
+            entries["ended-at"] = session["ended-at"]
+        return entries
+
+
 def _reserve_space(directory: Path) -> Path | None:
     """Allocate ``RESERVE_BYTES`` in ``directory/.reserve``; None where it cannot be allocated
     (a file system without ``posix_fallocate``, or one already full: then the run's first write
@@ -379,7 +440,7 @@ def _append_whole(path: Path, data: bytes) -> None:
 def _keep_rounds(path: Path, last_round: int | None) -> None:
     """A new run's ``path`` (a JSON-lines file of rounds) emptied; a resumed run's cut back to
     the lines of rounds up to ``last_round``."""
-    kept = _read_rounds(path) if last_round is not None and path.is_file() else []
+    kept = read_rounds(path) if last_round is not None and path.is_file() else []
     if kept or path.exists():
         text = "".join(
             json.dumps(entry, sort_keys=True) + "\n"
@@ -387,17 +448,6 @@ def _keep_rounds(path: Path, last_round: int | None) -> None:
             if int(entry.get("round", 0)) <= (last_round or 0)
         )
         _atomic_write_text(path, text)
-
-
-def _read_rounds(path: Path) -> list[dict[str, Any]]:
-    """The rounds of ``metrics.jsonl``; a line that does not parse (a torn line an older version
-    left on a full disk) is skipped."""
-    rounds = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with suppress(ValueError):
-            if line.strip():
-                rounds.append(json.loads(line))
-    return rounds
 
 
 def _acquire_owner_lock(directory: Path, attempts: int = 20) -> IO[bytes]:

@@ -8,14 +8,20 @@ that hangs; this loop is Flower's (the same calls, in the same order) with
 - ``timeout``: the bound of each ``send_and_receive``; replies that miss it are never read and
   are counted as ``dropped-timeout`` (the instructions sent minus the replies received);
 - ``on_round_end``: called after every round with the global arrays and what the round did, where
-  the ServerApp evaluates, records and checkpoints.
+  the ServerApp evaluates, records and checkpoints;
+- a line every :data:`WAIT_NOTICE_SECONDS` while a round waits for replies, naming the nodes
+  it waits for and what may keep them (:func:`waiting_notice`): a round that waits on nodes that
+  never answer (a simulation whose Ray never started) says so instead of waiting in silence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from logging import INFO
+from logging import INFO, WARNING
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
@@ -42,6 +48,54 @@ class RoundOutcome:
 
 
 RoundHook = Callable[[ArrayRecord, RoundOutcome], None]
+
+#: Seconds a round waits for replies before it says what it waits for (and again every as many).
+WAIT_NOTICE_SECONDS = 60.0
+#: Node ids a waiting line names before it says how many more.
+NODES_NAMED = 10
+
+
+def nodes_text(nodes: Iterable[int]) -> str:
+    """Node ids for a log line: the first :data:`NODES_NAMED`, then how many more."""
+    ids = sorted(set(nodes))
+    shown = ", ".join(map(str, ids[:NODES_NAMED]))
+    return shown + (f" and {len(ids) - NODES_NAMED} more" if len(ids) > NODES_NAMED else "")
+
+
+@contextmanager
+def waiting_notice(
+    server_round: int, kind: str, nodes: Iterable[int], timeout: float
+) -> Iterator[None]:
+    """While inside (a ``send_and_receive``), log every :data:`WAIT_NOTICE_SECONDS` what the
+    round waits for: the replies of which nodes, for how long, and what keeps nodes silent."""
+    nodes = list(nodes)
+    done = threading.Event()
+    started = time.monotonic()
+
+    def watch() -> None:
+        while not done.wait(WAIT_NOTICE_SECONDS):
+            log(
+                WARNING,
+                "round %d: waiting %.0f s for the %s replies of %d node(s) (%s); replies "
+                "that miss round-timeout = %g s are dropped. Nodes that never answer: in "
+                "Flower's simulation their ClientApps run on Ray (a Ray that did not start, "
+                "or a cluster that is gone); in a deployment, SuperNodes that are not "
+                "connected (`flwr ls`) or still training",
+                server_round,
+                time.monotonic() - started,
+                kind,
+                len(nodes),
+                nodes_text(nodes),
+                timeout,
+            )
+
+    watcher = threading.Thread(target=watch, name=f"round-{server_round}-wait", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def run_rounds(
@@ -79,7 +133,9 @@ def run_rounds(
         log(INFO, "")
         log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
         instructions = list(strategy.configure_train(server_round, arrays, train_config, grid))
-        replies = list(grid.send_and_receive(instructions, timeout=timeout))
+        destinations = [m.metadata.dst_node_id for m in instructions]
+        with waiting_notice(server_round, "train", destinations, timeout):
+            replies = list(grid.send_and_receive(instructions, timeout=timeout))
         received = len(replies)
         if received < len(instructions):
             log(
@@ -99,7 +155,11 @@ def run_rounds(
         )
         evaluate_metrics: MetricRecord | None = None
         if evaluate_instructions:
-            evaluate_replies = grid.send_and_receive(evaluate_instructions, timeout=timeout)
+            destinations = [m.metadata.dst_node_id for m in evaluate_instructions]
+            with waiting_notice(server_round, "evaluate", destinations, timeout):
+                evaluate_replies = list(
+                    grid.send_and_receive(evaluate_instructions, timeout=timeout)
+                )
             evaluate_metrics = strategy.aggregate_evaluate(server_round, evaluate_replies)
         on_round_end(
             arrays,

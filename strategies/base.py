@@ -461,7 +461,8 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         log(INFO, "\t├──> %s", self.__class__.__name__)
         log(
             INFO,
-            "\t│\t├── fraction train / evaluate: %s / %s, min nodes %d / %d, available %d",
+            "\t│\t├── fraction train / evaluate: %s / %s, min nodes %d / %d, a round waits "
+            "for at least %d connected nodes (min_available_nodes)",
             self.fraction_train,
             self.fraction_evaluate,
             self.min_train_nodes,

@@ -178,3 +178,53 @@ def test_the_fedlaw_table3_specs_are_the_papers_setting_with_every_cell_s_number
     assert full.settings["client-holdout"] == 0.3  # the authors' client_valid_ratio
     swa = next(run for run in full.runs() if run.labels["method"] == "fedlaw-swa")
     assert swa.settings["fedlaw-swa"] is True
+
+
+def test_the_diagnostics_figures_leave_runs_without_diagnostics_out_and_tick_whole_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import benchmarks.plots as plots
+
+    figures = []
+    honest = plots.save_figure
+
+    def kept(figure: object, path: Path, *args: object) -> Path:
+        figures.append(figure)
+        return honest(figure, path, *args)
+
+    monkeypatch.setattr(plots, "save_figure", kept)
+    runs = {
+        "diag": read_metrics(write_metrics(tmp_path / "diag", [0.3, 0.1])),  # 2 rounds
+        "plain": [{"round": r, "test-accuracy": 0.5} for r in range(3)],  # no diag-* metric
+    }
+    plot_diagnostics(runs, tmp_path / "out", "d")
+    assert len(figures) == 3
+    for figure in figures:
+        for axes in figure.axes:  # type: ignore[attr-defined]
+            legend = axes.get_legend()
+            if legend is not None:
+                assert [text.get_text() for text in legend.get_texts()] == ["diag"]
+            ticks = axes.get_xticks()
+            assert len(ticks) > 0
+            assert all(float(tick).is_integer() for tick in ticks), ticks
+
+
+def test_a_report_shows_its_last_10_rounds_column_only_for_runs_longer_than_that() -> None:
+    from benchmarks.report import RunData, table
+
+    spec = load_spec(REPO / "benchmarks" / "specs" / "grid-smoke.toml")  # a 5-round spec
+    title = "acc. last 10 rounds (%)"
+    assert title in [column.title for column in spec.columns]
+
+    def report(rounds: int) -> str:
+        curve = [{"round": r, "test-accuracy": 0.5 + 0.01 * r} for r in range(rounds + 1)]
+        data = [RunData(run, curve, {"wall-seconds": 1.0}, {}) for run in spec.runs()]
+        return table(spec, data)
+
+    assert title not in report(2)
+    assert title not in report(10)  # the mean of every round, under a title that says not
+    assert "rounds to 80%" in report(2)  # the other columns stay
+    twelve = report(12)
+    assert title in twelve
+    # rounds 3..12: 0.53..0.62, mean 0.575 -> 57.50 %
+    assert "| 12 | 57.50 ± 0.00 |" in twelve  # two seeds, the same curve

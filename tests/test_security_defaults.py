@@ -85,6 +85,7 @@ def test_run_outputs_are_readable_by_their_owner_only(tmp_path: Path, umask_022:
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     files = {path.name: stat.S_IMODE(path.stat().st_mode) for path in run_dir.iterdir()}
     expected = {"metrics.jsonl", "summary.json", "checkpoint.pt", "final_model.pt", ".owner.lock"}
+    expected.add("curves.png")  # the run's accuracy and loss plot (server.runs.plot_run)
     assert set(files) == expected
     assert files == dict.fromkeys(expected, 0o600)
 
