@@ -30,6 +30,7 @@ Skipped, with the reason, where no container engine (``docker`` and ``docker com
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -419,19 +420,14 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
         assert_every_round_aggregated(read_metrics(run_dir), NUM_SUPERNODES)
 
         # The documented CLI, compose's `flwr` service, reaches it with the shipped TLS
-        # connection (the CA mounted by the overlay) and sees the run.
+        # connection (the CA mounted by the overlay) and sees the completed run.
         listing = deployment.stack(
-            "--profile",
-            "cli",
-            "run",
-            "--rm",
-            "-T",
-            "flwr",
-            "ls",
-            "local-deployment-tls",
+            *("--profile", "cli", "run", "--rm", "-T", "flwr"),
+            *("ls", "local-deployment-tls", "--format", "json"),
             timeout=300.0,
-        )
-        assert f"{strategy}-tls" in listing.stdout or "completed" in listing.stdout, listing
+        ).stdout
+        runs = json.loads(listing[listing.index("{") :])["runs"]
+        assert [run["status"] for run in runs] == ["finished:completed"], listing
 
         # A SuperNode whose key was never registered, on the stack's network, is refused.
         network = subprocess.run(
