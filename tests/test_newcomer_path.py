@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import http.server
 import re
+import shutil
 import socketserver
 import subprocess
 import sys
@@ -247,3 +248,31 @@ def test_check_index_names_the_wheelhouse_fix_when_an_index_does_not_answer(
     assert f"{dead}/pip/" in refused.stderr
     assert index_url not in refused.stderr  # only the index that failed is named
     assert "docker/make-wheelhouse.sh" in refused.stderr
+
+
+def test_flowers_own_reader_takes_both_connection_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docker/flwr-config.toml (the `flwr` service's) and what docker/flwr_connections.py writes
+    (a host CLI's) are read by the installed Flower as the connections they mean."""
+    flower_config = pytest.importorskip("flwr.cli.flower_config")
+    container_home, host_home = tmp_path / "container", tmp_path / "host"
+    container_home.mkdir()
+    shutil.copy(REPO / "docker" / "flwr-config.toml", container_home / "config.toml")
+    write = [sys.executable, str(REPO / "docker" / "flwr_connections.py"), "--port", "9093"]
+    subprocess.run(
+        [*write, "--config", str(host_home / "config.toml")],
+        capture_output=True,
+        check=True,
+    )
+    expected = {
+        container_home: ("superlink:9093", "/app/certs/ca.crt"),
+        host_home: ("127.0.0.1:9093", str(REPO / "docker" / "certs" / "ca.crt")),
+    }
+    for home, (address, ca) in expected.items():
+        monkeypatch.setenv("FLWR_HOME", str(home))
+        plain = flower_config.read_superlink_connection("local-deployment")
+        assert (plain.address, plain.insecure) == (address, True)
+        tls = flower_config.read_superlink_connection("local-deployment-tls")
+        assert (tls.address, tls.root_certificates) == (address, ca)
+        assert not tls.insecure
