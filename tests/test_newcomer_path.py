@@ -13,7 +13,9 @@ first section for real):
 - docker/flwr_connections.py writes the host CLI's connections with the CA's absolute path,
   keeping the file's other connections;
 - docker/check_index.py tells an unreachable index (and names docker/make-wheelhouse.sh) from a
-  reachable one.
+  reachable one;
+- compose.gpu.yaml's GPU reservation is the form podman-compose turns into the CDI device
+  ``nvidia.com/gpu=all`` whose spec docs/deployment.md tells how to generate.
 """
 
 from __future__ import annotations
@@ -276,3 +278,18 @@ def test_flowers_own_reader_takes_both_connection_files(
         tls = flower_config.read_superlink_connection("local-deployment-tls")
         assert (tls.address, tls.root_certificates) == (address, ca)
         assert not tls.insecure
+
+
+def test_the_gpu_overlay_is_what_podman_compose_maps_to_the_documented_cdi_device() -> None:
+    # podman-compose 1.6 (container_to_gpu_res_args) passes `--device nvidia.com/gpu=all` for a
+    # reservation with driver nvidia, capability gpu and count "all"; a numeric count arrives
+    # from ${BA_GPUS_PER_NODE} as text, which it cannot use (the docs say so).
+    for node in range(3):
+        service = merged(["compose.yaml", "compose.gpu.yaml"], {})["services"][f"supernode-{node}"]
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia"
+        assert "gpu" in device["capabilities"]
+        assert device["count"] == "all"
+    gpu = section("deployment.md", "GPU SuperNodes")
+    for step in ("nvidia-ctk cdi generate", "--device nvidia.com/gpu=all", "nvidia-ctk runtime"):
+        assert step in gpu, step
