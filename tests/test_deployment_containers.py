@@ -535,6 +535,8 @@ def copy_checkout(destination: Path) -> Path:
     return destination
 
 
+# Also on the newest Flower (its CLI in the `flwr` service, its HTTP Fleet API): 2 min here.
+@pytest.mark.http_fleet
 def test_the_start_section_of_the_docs_runs_as_written(image: str, tmp_path: Path) -> None:
     blocks = documented_start_commands()
     script = "\n".join(blocks)
