@@ -13,8 +13,9 @@ Then:
 - the SuperLink is restarted: its state was in memory, so every SuperNode comes back under a new
   node id (their restart policy) and the next run trains on all three;
 - the TLS + SuperNode-authentication overlay (compose.tls.yaml, certificates from
-  docker/make-certs.sh, keys registered by its one-shot registrar) runs 2 rounds, and a SuperNode
-  container with a key that was never registered is refused;
+  docker/make-certs.sh, keys registered by its one-shot registrar) runs 2 rounds through
+  compose's ``flwr`` service as docs/deployment.md does, and a SuperNode container with a key
+  that was never registered is refused;
 - docs/deployment.md's first section, "Start the federation and run", runs as written: its bash
   blocks in order, in a copy of the checkout (the wheelhouse, ``up --build`` on this module's
   image, whose layers are cached, the run through compose's ``flwr`` service, the copy-out,
@@ -30,7 +31,6 @@ Skipped, with the reason, where no container engine (``docker`` and ``docker com
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -394,7 +394,6 @@ def tls_certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
 
 def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
     image: str,
-    staged_app: Path,
     tls_certificates: Certificates,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -414,20 +413,21 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
         registrar = deployment.stack.logs("supernode-registrar")
         assert f"registered {NUM_SUPERNODES} SuperNode key(s)" in registrar, registrar
 
+        # As docs/deployment.md runs it: compose's `flwr` service (the image's own CLI) with the
+        # shipped connection local-deployment-tls, trusting the CA the overlay mounts.
         started = time.monotonic()
-        run_dir = deployment.run(staged_app, strategy, f"{strategy}-tls")
-        timed(f"TLS {strategy}: 2 rounds", started)
-        assert_every_round_aggregated(read_metrics(run_dir), NUM_SUPERNODES)
-
-        # The documented CLI, compose's `flwr` service, reaches it with the shipped TLS
-        # connection (the CA mounted by the overlay) and sees the completed run.
-        listing = deployment.stack(
+        name = f"{strategy}-tls"
+        settings = {**RUN_SETTINGS, "strategy": strategy, "run-name": name}
+        deployment.stack(
             *("--profile", "cli", "run", "--rm", "-T", "flwr"),
-            *("ls", "local-deployment-tls", "--format", "json"),
-            timeout=300.0,
-        ).stdout
-        runs = json.loads(listing[listing.index("{") :])["runs"]
-        assert [run["status"] for run in runs] == ["finished:completed"], listing
+            *("run", ".", "local-deployment-tls", "--stream"),
+            *("--run-config", run_config_argument(settings)),
+            timeout=900.0,
+        )
+        timed(f"TLS {strategy}: 2 rounds through the flwr service", started)
+        summary = read_summary(deployment.runs / name / "summary.json")
+        assert summary["status"] == "completed", summary
+        assert_every_round_aggregated(read_metrics(deployment.runs / name), NUM_SUPERNODES)
 
         # A SuperNode whose key was never registered, on the stack's network, is refused.
         network = subprocess.run(
