@@ -24,6 +24,9 @@
 #                         supernode-<i>.pub (i < BA_NUM_PARTITIONS) with the SuperLink at
 #                         BA_CONTROL (default superlink:9093), waiting for it first; for
 #                         SuperNode authentication
+#   flwr-cli              the Flower CLI (`flwr` with the remaining arguments) once the SuperLink's
+#                         Control API at BA_CONTROL (default superlink:9093) answers; compose's
+#                         `flwr` service, whose connections are docker/flwr-config.toml
 #   <anything else>       executed as given (e.g. `bash`, `flwr ls`)
 #
 # BA_ROLE (superlink or supernode), when set, is the role, and the container's arguments are
@@ -52,6 +55,28 @@ tls_server() {
   else
     echo --insecure
   fi
+}
+
+# Wait (up to 120 s) until the SuperLink's Control API at $1 (host:port) answers its /health,
+# over TLS trusting /app/certs/ca.crt when BA_TLS=1.
+wait_for_control_api() {
+  scheme=http
+  [ "${BA_TLS:-0}" = "1" ] && scheme=https
+  tries=0
+  until python - "$scheme://$1/health" 2>/dev/null <<'PY'
+import ssl, sys, urllib.request
+context = ssl.create_default_context(cafile="/app/certs/ca.crt") if sys.argv[1].startswith("https") else None
+urllib.request.urlopen(sys.argv[1], timeout=3, context=context)
+PY
+  do
+    tries=$((tries + 1))
+    if [ "$tries" -ge 60 ]; then
+      echo "entrypoint: the SuperLink at $1 did not answer in 120 s (is the stack up?" \
+        "docker compose up -d)" >&2
+      exit 1
+    fi
+    sleep 2
+  done
 }
 
 case "$role" in
@@ -98,29 +123,18 @@ case "$role" in
     mkdir -p "$FLWR_HOME"
     if [ "${BA_TLS:-0}" = "1" ]; then
       security='root-certificates = "/app/certs/ca.crt"'
-      scheme=https
     else
       security='insecure = true'
-      scheme=http
     fi
     printf '[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\naddress = "%s"\n%s\n' \
       "$control" "$security" >"$FLWR_HOME/config.toml"
-    tries=0
-    until python - "$scheme://$control/health" <<'PY'
-import ssl, sys, urllib.request
-context = ssl.create_default_context(cafile="/app/certs/ca.crt") if sys.argv[1].startswith("https") else None
-urllib.request.urlopen(sys.argv[1], timeout=3, context=context)
-PY
-    do
-      tries=$((tries + 1))
-      if [ "$tries" -ge 60 ]; then
-        echo "entrypoint: the SuperLink at $control did not answer in 120 s" >&2
-        exit 1
-      fi
-      sleep 2
-    done
+    wait_for_control_api "$control"
     exec /app/docker/make-certs.sh register --out /app/keys-root \
       --nodes "${BA_NUM_PARTITIONS:?set BA_NUM_PARTITIONS}" --connection deployment
+    ;;
+  flwr-cli)
+    wait_for_control_api "${BA_CONTROL:-superlink:9093}"
+    exec flwr "$@"
     ;;
   *)
     exec "$role" "$@"

@@ -29,7 +29,9 @@
 # constraints.txt (FLEET=grpc, flwr 1.39) and of constraints-http.txt (FLEET=http, the newest
 # flwr), both in the one wheelhouse, so the images run the versions the test suites ran; plus
 # scikit-learn's wheel alone, from which the image copies the digits table. pip wheel also
-# builds a wheel for any dependency published only as a source archive.
+# builds a wheel for any dependency published only as a source archive. Run again, it does
+# nothing while the requirements, the constraints, this script and its arguments are unchanged
+# (the stamp DIR/.requirements).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,7 +45,7 @@ while (($#)); do
     --torch) torch_spec=$2; shift 2 ;;
     --index-url) index_url=$2; shift 2 ;;
     --python) python=$2; shift 2 ;;
-    -h | --help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,34p' docker/make-wheelhouse.sh | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "make-wheelhouse.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -60,6 +62,15 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$python" docker/requirements.py --build ${torch_spec:+--torch "$torch_spec"} >"$work/requirements.txt"
+# Up to date when the requirements, both constraints, this script and its arguments are those of
+# the last fill (the stamp $out/.requirements): then nothing is downloaded again.
+stamp="$out/.requirements"
+want=$({ cat "$work/requirements.txt" constraints.txt constraints-http.txt docker/make-wheelhouse.sh
+  echo "torch=$torch_spec index=$index_url"; } | sha256sum | cut -d' ' -f1)
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && ls "$out"/*.whl >/dev/null 2>&1; then
+  echo "make-wheelhouse.sh: $out is up to date ($(ls "$out"/*.whl | wc -l) wheels)"
+  exit 0
+fi
 mkdir -p "$out"
 for constraints in constraints.txt constraints-http.txt; do
   # The project's exact versions, minus torch when --torch decides it.
@@ -79,4 +90,5 @@ for constraints in constraints.txt constraints-http.txt; do
     -c "$work/constraints.txt" scikit-learn \
     2> >(grep -v -F "is ignored: it is neither a file nor a directory" >&2)
 done
+echo "$want" >"$stamp"
 echo "make-wheelhouse.sh: $(ls "$out"/*.whl | wc -l) wheels, $(du -sh "$out" | cut -f1) in $out"

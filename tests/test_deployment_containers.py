@@ -13,8 +13,17 @@ Then:
 - the SuperLink is restarted: its state was in memory, so every SuperNode comes back under a new
   node id (their restart policy) and the next run trains on all three;
 - the TLS + SuperNode-authentication overlay (compose.tls.yaml, certificates from
-  docker/make-certs.sh, keys registered by its one-shot registrar) runs 2 rounds, and a SuperNode
-  container with a key that was never registered is refused.
+  docker/make-certs.sh, keys registered by its one-shot registrar) runs 2 rounds through
+  compose's ``flwr`` service as docs/deployment.md does, and a SuperNode container with a key
+  that was never registered is refused;
+- docs/deployment.md's first section, "Start the federation and run", runs as written: its bash
+  blocks in order, in a copy of the checkout (the wheelhouse, ``up --build`` on this module's
+  image, whose layers are cached, the run through compose's ``flwr`` service, the copy-out,
+  ``down``);
+- a build with no wheelhouse and no network stops with a message naming
+  docker/make-wheelhouse.sh (not pip's ``ResolutionImpossible``);
+- the engine's own ``docker compose config`` gives the gRPC stack and the HTTP stack
+  (``--env-file docker/http.env``) different project names and host ports.
 
 Skipped, with the reason, where no container engine (``docker`` and ``docker compose``) works;
 ``.ci/engine.sh`` sets one up on the project machine. Run with ``-s`` to see the timings.
@@ -23,6 +32,8 @@ Skipped, with the reason, where no container engine (``docker`` and ``docker com
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import ssl
 import subprocess
 import time
@@ -32,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import LaunchError, flower_environment, free_port, read_summary
@@ -382,7 +394,6 @@ def tls_certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
 
 def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
     image: str,
-    staged_app: Path,
     tls_certificates: Certificates,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -402,10 +413,21 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
         registrar = deployment.stack.logs("supernode-registrar")
         assert f"registered {NUM_SUPERNODES} SuperNode key(s)" in registrar, registrar
 
+        # As docs/deployment.md runs it: compose's `flwr` service (the image's own CLI) with the
+        # shipped connection local-deployment-tls, trusting the CA the overlay mounts.
         started = time.monotonic()
-        run_dir = deployment.run(staged_app, strategy, f"{strategy}-tls")
-        timed(f"TLS {strategy}: 2 rounds", started)
-        assert_every_round_aggregated(read_metrics(run_dir), NUM_SUPERNODES)
+        name = f"{strategy}-tls"
+        settings = {**RUN_SETTINGS, "strategy": strategy, "run-name": name}
+        deployment.stack(
+            *("--profile", "cli", "run", "--rm", "-T", "flwr"),
+            *("run", ".", "local-deployment-tls", "--stream"),
+            *("--run-config", run_config_argument(settings)),
+            timeout=900.0,
+        )
+        timed(f"TLS {strategy}: 2 rounds through the flwr service", started)
+        summary = read_summary(deployment.runs / name / "summary.json")
+        assert summary["status"] == "completed", summary
+        assert_every_round_aggregated(read_metrics(deployment.runs / name), NUM_SUPERNODES)
 
         # A SuperNode whose key was never registered, on the stack's network, is refused.
         network = subprocess.run(
@@ -470,3 +492,159 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
             assert len(deployment.online_node_ids()) == NUM_SUPERNODES
         finally:
             subprocess.run(["docker", "rm", "-f", intruder_name], capture_output=True, check=False)
+
+
+# ------------------------------------------------------------------ the newcomer's path, as written
+START_SECTION = "Start the federation and run"
+#: What the copy of the checkout leaves out (.dockerignore's list, the environments, the results).
+NOT_COPIED = (".git", ".venv", ".venvs", "wheelhouse", "runs", "build", "dist", ".flwr")
+NOT_COPIED += ("docker/certs",)
+
+
+def documented_start_commands() -> list[str]:
+    """The bash blocks of docs/deployment.md's first section, up to its first subsection."""
+    page = (REPO / "docs" / "deployment.md").read_text(encoding="utf-8")
+    section = page.split(f"\n## {START_SECTION}\n", 1)[1]
+    section = re.split(r"\n#{2,3} ", section, maxsplit=1)[0]
+    return re.findall(r"^```bash\n(.*?)^```", section, flags=re.S | re.M)
+
+
+def copy_checkout(destination: Path) -> Path:
+    """The repository's files in ``destination``: the sources copied, the wheelhouse hard-linked
+    (307 MB), ``.venv`` a link to this one (docker/make-wheelhouse.sh's interpreter)."""
+
+    def ignored(directory: str, names: list[str]) -> set[str]:
+        relative = Path(directory).relative_to(REPO)
+        return {
+            name
+            for name in names
+            if str(relative / name).removeprefix("./") in NOT_COPIED
+            or name in {"__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
+        }
+
+    shutil.copytree(REPO, destination, ignore=ignored, symlinks=True)
+    wheelhouse = REPO / "wheelhouse"
+    if wheelhouse.is_dir():
+        try:
+            shutil.copytree(wheelhouse, destination / "wheelhouse", copy_function=os.link)
+        except OSError:  # another file system
+            shutil.rmtree(destination / "wheelhouse", ignore_errors=True)
+            shutil.copytree(wheelhouse, destination / "wheelhouse")
+    if (REPO / ".venv").exists():
+        (destination / ".venv").symlink_to(REPO / ".venv")
+    return destination
+
+
+# Also on the newest Flower (its CLI in the `flwr` service, its HTTP Fleet API): 2 min here.
+@pytest.mark.http_fleet
+def test_the_start_section_of_the_docs_runs_as_written(image: str, tmp_path: Path) -> None:
+    blocks = documented_start_commands()
+    script = "\n".join(blocks)
+    # The section still is the walk-through this test runs.
+    for step in (
+        "docker/make-wheelhouse.sh",
+        "docker compose up -d --build",
+        "run . local-deployment",
+        "tar -xf -",
+        "docker compose down",
+    ):
+        assert step in script, f"{START_SECTION!r} no longer has {step!r}:\n{script}"
+    rounds = int(re.findall(r"num-server-rounds=(\d+)", script)[-1])
+    checkout = copy_checkout(tmp_path / "checkout")
+    # Only what must differ from a newcomer's machine: this module's image tag (its layers are
+    # cached, so `up --build` builds nothing new), a project name and host ports of its own.
+    env = dict(os.environ)
+    env.update(
+        {
+            "BA_IMAGE": image,
+            "BA_FLEET": FLEET,
+            "COMPOSE_PROJECT_NAME": f"batestdocs{os.getpid()}",
+            "BA_FLEET_PORT": str(free_port()),
+            "BA_CONTROL_PORT": str(free_port()),
+        }
+    )
+    started = time.monotonic()
+    try:
+        completed = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=checkout,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+        )
+    finally:
+        subprocess.run(
+            ["docker", "compose", "down", "-v", "-t", "5"],
+            cwd=checkout,
+            env=env,
+            capture_output=True,
+            timeout=300,
+            check=False,
+        )
+    timed(f"docs' first section as written ({len(blocks)} blocks)", started)
+    output = (completed.stdout + completed.stderr)[-5000:]
+    assert completed.returncode == 0, output
+    summaries = sorted((checkout / "runs").glob("*/summary.json"))
+    assert len(summaries) == 1, (summaries, output)
+    summary = read_summary(summaries[0])
+    assert summary["status"] == "completed", summary
+    assert (summaries[0].parent / "final_model.pt").is_file()
+    metrics = read_metrics(summaries[0].parent)
+    assert [entry["round"] for entry in metrics] == list(range(rounds + 1))
+    assert all(entry["aggregated"] == 1 for entry in metrics[1:]), metrics
+
+
+def test_a_build_without_wheelhouse_or_index_says_so(tmp_path: Path) -> None:
+    # No network, no wheels: before, pip retried and reported ResolutionImpossible.
+    empty = f"wheelhouse/absent-{os.getpid()}"
+    started = time.monotonic()
+    build = ["docker", "build", "--network", "none", "-f", "docker/Dockerfile"]
+    build += ["--build-arg", f"FLEET={FLEET}", "--build-arg", f"WHEELHOUSE={empty}"]
+    completed = subprocess.run(
+        [*build, "-t", f"beyond-averaging:test-no-wheelhouse-{os.getpid()}", "."],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    timed("build refused without wheelhouse or index", started)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode != 0, output[-3000:]
+    assert f"image build: {empty} holds no wheels" in output, output[-3000:]
+    assert "docker/make-wheelhouse.sh" in output
+    assert "ResolutionImpossible" not in output
+
+
+def compose_config(*arguments: str) -> dict[str, Any]:
+    """``docker compose [arguments] config``, as the engine's Compose resolves it."""
+    completed = subprocess.run(
+        ["docker", "compose", *arguments, "config"],
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("BA_", "COMPOSE_"))},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    config: dict[str, Any] = yaml.safe_load(completed.stdout)
+    return config
+
+
+def host_ports(config: dict[str, Any]) -> set[str]:
+    """The SuperLink's published host ports, in Compose's short or long port syntax."""
+    ports = set()
+    for entry in config["services"]["superlink"]["ports"]:
+        ports.add(str(entry["published"]) if isinstance(entry, dict) else entry.split(":")[-2])
+    return ports
+
+
+def test_the_engine_gives_the_grpc_and_http_stacks_their_own_project_and_ports() -> None:
+    grpc, http = compose_config(), compose_config("--env-file", "docker/http.env")
+    assert grpc["name"] == "beyond-averaging-grpc"
+    assert http["name"] == "beyond-averaging-http"
+    assert host_ports(grpc) == {"9092", "9093"}
+    assert host_ports(http) == {"9094", "9095"}
+    assert http["services"]["superlink"]["image"] == "beyond-averaging:cpu-http"
