@@ -20,6 +20,7 @@ process group, stopped by PID, never by name).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import ipaddress
 import json
@@ -55,6 +56,8 @@ from .launch import (
 CONNECTION = "ba-deploy"
 #: ``ba-supernode`` (the console script runs this module's main).
 SUPERVISOR = "beyond_averaging.server.supervise"
+#: Linux prctl(2): the signal a process gets when its parent ends.
+PR_SET_PDEATHSIG = 1
 
 
 def write_connection(
@@ -165,6 +168,27 @@ def loopback_certificates(directory: Path, days: int = 30) -> Certificates:
     certificates.server_cert.write_bytes(server.public_bytes(serialization.Encoding.PEM))
     save_key(server_key, certificates.server_key)
     return certificates
+
+
+def _prctl() -> Any:
+    """libc's ``prctl`` (looked up here, not in a forked child: ``dlopen`` takes locks), or None
+    where there is none (not Linux)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()
+
+
+def end_with_parent() -> None:
+    """In a child about to run a deployment's process: have the kernel send it SIGTERM when the
+    thread that started it ends, however it ends (Linux ``PR_SET_PDEATHSIG``), so that a
+    ``ba-deploy`` killed with SIGKILL leaves no SuperLink or SuperNode holding its ports
+    (:meth:`LocalDeployment.close` stops them in order otherwise). Elsewhere: nothing."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def in_netns(netns: str | None, command: Sequence[str]) -> list[str]:
@@ -293,6 +317,7 @@ class LocalDeployment:
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
                 start_new_session=True,  # its own process group: stopped with its children
+                preexec_fn=end_with_parent,
             )
 
     def start(self) -> LocalDeployment:

@@ -187,9 +187,36 @@ def test_ba_deploy_local_runs_an_app_over_tls_and_stops_everything_on_ctrl_c(
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=120) == 0
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        if process.poll() is None:  # a failed assertion: stop it as a user would, then for good
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
     time.sleep(1.0)
     alive = [(pid, comm(pid)) for pid in started if comm(pid) in DEPLOYMENT_PROCESSES]
     assert alive == []
+
+
+def test_a_ba_deploy_killed_with_sigkill_leaves_no_superlink_or_supernode(tmp_path: Path) -> None:
+    process = subprocess.Popen(
+        [str(BA_DEPLOY), "local", "--nodes", "1", "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    deadline = time.monotonic() + 300
+    for line in process.stdout:
+        if "Ctrl-C" in line:
+            break
+        assert time.monotonic() < deadline
+    started = set(descendants(process.pid))
+    assert {comm(pid) for pid in started} >= {"flower-superlin", "ba-supernode"}
+    process.kill()  # SIGKILL: ba-deploy cannot stop anything itself
+    process.wait()
+    deadline = time.monotonic() + 60
+    while alive := [(pid, comm(pid)) for pid in started if comm(pid) in DEPLOYMENT_PROCESSES]:
+        assert time.monotonic() < deadline, alive
+        time.sleep(0.5)
