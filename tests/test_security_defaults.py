@@ -86,6 +86,8 @@ def test_run_outputs_are_readable_by_their_owner_only(tmp_path: Path, umask_022:
     files = {path.name: stat.S_IMODE(path.stat().st_mode) for path in run_dir.iterdir()}
     expected = {"metrics.jsonl", "summary.json", "checkpoint.pt", "final_model.pt", ".owner.lock"}
     expected.add("curves.png")  # the run's accuracy and loss plot (server.runs.plot_run)
+    # Each reply's record, and the partition's label counts with their plot.
+    expected |= {"clients.jsonl", "partitions.json", "partitions.png"}
     assert set(files) == expected
     assert files == dict.fromkeys(expected, 0o600)
 
