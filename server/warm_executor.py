@@ -115,12 +115,13 @@ def _reset_child() -> None:
     """What a forked child sets up before it runs a ClientApp.
 
     Signal handlers go back to the defaults (the parent's run Flower's SuperExec exit handlers,
-    which would close the parent's client); ``run_clientapp`` installs its own. The random
+    which would close the parent's client and stop the parent's other children);
+    ``run_clientapp`` installs its own. The random
     generators that Python does not reseed after a fork (NumPy's global one, torch's) are reseeded
     from the OS, as a fresh process would be: otherwise every message's ClientApp would draw the
     same numbers. (Python's ``random`` reseeds itself after a fork.)
     """
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):  # the ones Flower handles
         signal.signal(signum, signal.SIG_DFL)
     set_process_name(CHILD_NAME)
     numpy = sys.modules.get("numpy")
@@ -235,6 +236,7 @@ class ForkExecutor:
             stream.flush()
         pid = os.fork()
         if pid == 0:
+            self.children.clear()  # its siblings are not its to reap or stop
             run_child(spec)
         now = time.monotonic()
         self.children[pid] = _Child(spec.task_id, now, now + self.task_timeout)

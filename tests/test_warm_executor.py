@@ -310,3 +310,36 @@ def test_the_printed_connection_runs_flwr_against_this_deployment(tmp_path: Path
     assert f"flwr run . {deploy.CONNECTION}" in command
     assert "num-clients=4" in command
     assert any("warm executor" in line for line in lines)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT])
+def test_a_signal_to_one_clientapp_ends_it_alone(outbox: Path, signum: int) -> None:
+    # The parent runs Flower's exit handlers on these signals (they would stop every child); a
+    # child must take the default action instead, and leave its siblings running.
+    said: list[str] = []
+    executor = ForkExecutor(say=said.append)
+    # What Flower's SuperExec registers in the parent: on the signal, its exit handlers run.
+    previous = signal.signal(signum, lambda *_: (outbox / "parent-handler-ran").touch())
+    try:
+        executor.launch(spec("hang-a", task_id=1))
+        executor.launch(spec("hang-b", task_id=2))
+    finally:
+        signal.signal(signum, previous)
+    deadline = time.monotonic() + 30
+    while not (outbox / "hang-a.json").exists() or not (outbox / "hang-b.json").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    try:
+        target, sibling = (seen(outbox, token)["pid"] for token in ("hang-a", "hang-b"))
+        os.kill(target, signum)
+        deadline = time.monotonic() + 30
+        while target in executor.children:
+            assert time.monotonic() < deadline
+            executor.reconcile()
+            time.sleep(0.02)
+        assert sibling in executor.children
+        os.kill(sibling, 0)  # still running
+        assert any("task 1" in line for line in said)
+        assert not (outbox / "parent-handler-ran").exists()
+    finally:
+        executor.close()  # also when an assertion failed: no hanging child left
