@@ -35,9 +35,10 @@ from benchmarks.harness import Federation, federation
 from benchmarks.report import markdown_table, read_run
 from benchmarks.spec import load_spec
 from beyond_averaging.client import app as client_module
+from beyond_averaging.server.app import chance_accuracy, round_alarms
 from beyond_averaging.server.bounded_pull import DelegatingGrid
 from beyond_averaging.server.config import RunConfig, parse_run_config
-from beyond_averaging.server.recorder import RunRecorder
+from beyond_averaging.server.recorder import COMPLETED_WITH_ALARMS, RunRecorder
 from beyond_averaging.server.strategy_factory import build_strategy
 from beyond_averaging.strategies import ContractStrategy
 from beyond_averaging.strategies.base import DEFAULT_MAX_CLAIM_FACTOR, DEFAULT_UPDATE_CLIP_FACTOR
@@ -447,7 +448,9 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
         triggered = backdoor_test_set(fed.test_set)
         node_ids = sorted(fed.grid.get_node_ids())
         fed.grid = AttackGrid(fed.grid, node_ids[:attackers], attack, config.seed)
+        chance = chance_accuracy(fed.test_set.labels)
         loss, accuracy = fed.evaluate()
+        history = [(accuracy, loss)]  # the ServerApp's alarms, judged as it judges them
         recorder.log_round(
             {
                 "round": 0,
@@ -464,6 +467,9 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
             figures: dict[str, Any] = {}
             if isinstance(fed.strategy, ContractStrategy):  # Flower's keep no round metrics
                 figures = dict(fed.strategy.last_round_metrics)
+            last = server_round == config.num_server_rounds
+            alarms = round_alarms(history, accuracy, loss, chance, last=last)
+            history.append((accuracy, loss))
             recorder.log_round(
                 {
                     **figures,
@@ -473,12 +479,13 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
                     "backdoor-success": backdoor_success(fed, triggered),
                     "round-seconds": time.perf_counter() - started,
                     "aggregated": int(fed.arrays is not sent),
-                }
+                },
+                alarms,
             )
     except BaseException as error:
         recorder.write_summary("failed", error=f"{type(error).__name__}: {error}")
         raise
-    recorder.write_summary("completed")
+    recorder.write_summary(COMPLETED_WITH_ALARMS if recorder.alarm_summary() else "completed")
 
 
 # ----------------------------------------------------------------------------- condensed table
