@@ -184,12 +184,32 @@ def _ipm(epsilon: float) -> ModelAttack:
     return attack
 
 
-def _norm_aware(view: RoundView, position: int) -> Update:
-    """Just inside every published bound: cosine -(DIRECTION_FLOOR - 0.01) = -0.09 with the
-    benign replies' mean as the direction check forms it (it drops only below -0.1), the norm
-    0.99 x the clip bound, the claim 0.99 x the claim bound (:func:`claim_bound`); the rest of
-    the update is the component of -sign(mean) orthogonal to the mean, which pushes every
-    coordinate against the benign direction with equal weight."""
+#: The norm-aware update's cosine with the benign mean: just above the direction check's floor
+#: (it drops only below -DIRECTION_FLOOR).
+NORM_AWARE_COSINE = -(DIRECTION_FLOOR - 0.01)
+#: The sign-flipped mix's cosine: just above root-set trust's drop threshold (FLTrust drops a
+#: reply whose cosine with the server's update is <= 0; the attackers aim at the benign mean, the
+#: best estimate of that update they have), so it keeps a small positive trust.
+MIX_COSINE = 0.05
+
+
+def _norm_aware(cosine: float) -> ModelAttack:
+    """Just inside every published bound: cosine ``cosine`` with the benign replies' mean as the
+    direction check forms it, the norm 0.99 x the clip bound, the claim 0.99 x the claim bound
+    (:func:`claim_bound`); the rest of the update is the component of -sign(mean) orthogonal to
+    the mean, which pushes every coordinate against the benign direction with equal weight.
+    With :data:`NORM_AWARE_COSINE` it passes the direction check; with :data:`MIX_COSINE` it
+    keeps a positive root-set trust while its signs (and its gradient record's, built the same
+    way) vote against the benign ones on most coordinates: a sign-flipped mix aimed at FedGMA's
+    mask."""
+
+    def attack(view: RoundView, position: int) -> Update:
+        return _norm_aware_update(view, cosine)
+
+    return attack
+
+
+def _norm_aware_update(view: RoundView, cosine: float) -> Update:
     length = clip_bound(view)
     # The reference the server compares with: the other replies, each scaled down to the
     # round's median norm (strategies.influence.direction_cosines), the attackers' at `length`.
@@ -206,7 +226,6 @@ def _norm_aware(view: RoundView, position: int) -> Update:
     along = _dot(against, unit)
     side = {key: against[key] - along * unit[key] for key in unit}
     side = {key: value / max(_norm(side), 1e-30) for key, value in side.items()}
-    cosine = -(DIRECTION_FLOOR - 0.01)
     return {
         key: length * (cosine * unit[key] + math.sqrt(1.0 - cosine**2) * side[key]) for key in unit
     }
@@ -255,7 +274,8 @@ ATTACKS: dict[str, Attack] = {
     "ipm-0.1": Attack(model=_ipm(0.1)),
     "ipm-0.5": Attack(model=_ipm(0.5)),
     "ipm-3": Attack(model=_ipm(3.0)),
-    "norm-aware": Attack(model=_norm_aware, num_examples=claim_bound),
+    "norm-aware": Attack(model=_norm_aware(NORM_AWARE_COSINE), num_examples=claim_bound),
+    "norm-aware-mix": Attack(model=_norm_aware(MIX_COSINE), num_examples=claim_bound),
     "backdoor": Attack(model=_to_clip_bound, backdoor=True),
     "backdoor-claim": Attack(model=_to_clip_bound, num_examples=claim_bound, backdoor=True),
 }
