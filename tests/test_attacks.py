@@ -134,6 +134,18 @@ def test_root_set_trust_holds_the_norm_aware_attacker_and_the_backdoor_for_every
     assert success <= 0.10, (rule, [run["backdoor-success"] for run in backdoors])
 
 
+def test_fedgmas_trusted_mask_holds_the_sign_flipped_mix_that_keeps_a_small_trust(
+    tmp_path: Path,
+) -> None:
+    # Seed 1, where one vote per trusted reply let the mix (cosine +0.05, a small positive
+    # trust) take FedGMA with root-set trust from 95.4 to 88.3 % (docs/reliability.md, "FedGMA's
+    # mask under root-set trust"); the trust-weighted mask keeps it within 5 points.
+    settings = {"strategy": "fedgma", "seed": 1, **FLTRUST}
+    honest = final_accuracy(tmp_path, "honest", attack="none", **settings)
+    mixed = final_accuracy(tmp_path, "mix", attack="norm-aware-mix", **settings)
+    assert mixed >= honest - 0.05, (honest, mixed)
+
+
 def test_root_set_trust_holds_a_sybil_majority_that_takes_the_defaults_to_chance(
     tmp_path: Path,
 ) -> None:
