@@ -22,6 +22,10 @@ each rule the replies and the model they give:
   ``update_clip_factor``), and Gaussian noise of standard deviation ``FLAME_NOISE_LAMBDA`` x the
   median update norm is added to the rule's new model (:meth:`DefendedStrategy.defended_model`).
 
+- ``pre_aggregation`` (``"nnm"``, ``"bucketing"``, ``"centered-clipping"``): the replies the
+  defences kept are mixed (:func:`strategies.preaggregation.mix`) before the rule's own
+  aggregation, so every rule's robust form runs on the mixtures.
+
 :class:`DefendedStrategy` sits between :class:`~strategies.base.ContractStrategy` (the
 orchestrator) and the rules: it keeps the root set, reads the round's client task from the
 train config, and records ``fltrust-trust``, ``fltrust-seconds`` and ``flame-noise-std``.
