@@ -35,9 +35,10 @@ from benchmarks.harness import Federation, federation
 from benchmarks.report import markdown_table, read_run
 from benchmarks.spec import load_spec
 from beyond_averaging.client import app as client_module
+from beyond_averaging.server.app import chance_accuracy, round_alarms
 from beyond_averaging.server.bounded_pull import DelegatingGrid
 from beyond_averaging.server.config import RunConfig, parse_run_config
-from beyond_averaging.server.recorder import RunRecorder
+from beyond_averaging.server.recorder import COMPLETED_WITH_ALARMS, RunRecorder
 from beyond_averaging.server.strategy_factory import build_strategy
 from beyond_averaging.strategies import ContractStrategy
 from beyond_averaging.strategies.base import DEFAULT_MAX_CLAIM_FACTOR, DEFAULT_UPDATE_CLIP_FACTOR
@@ -183,12 +184,32 @@ def _ipm(epsilon: float) -> ModelAttack:
     return attack
 
 
-def _norm_aware(view: RoundView, position: int) -> Update:
-    """Just inside every published bound: cosine -(DIRECTION_FLOOR - 0.01) = -0.09 with the
-    benign replies' mean as the direction check forms it (it drops only below -0.1), the norm
-    0.99 x the clip bound, the claim 0.99 x the claim bound (:func:`claim_bound`); the rest of
-    the update is the component of -sign(mean) orthogonal to the mean, which pushes every
-    coordinate against the benign direction with equal weight."""
+#: The norm-aware update's cosine with the benign mean: just above the direction check's floor
+#: (it drops only below -DIRECTION_FLOOR).
+NORM_AWARE_COSINE = -(DIRECTION_FLOOR - 0.01)
+#: The sign-flipped mix's cosine: just above root-set trust's drop threshold (FLTrust drops a
+#: reply whose cosine with the server's update is <= 0; the attackers aim at the benign mean, the
+#: best estimate of that update they have), so it keeps a small positive trust.
+MIX_COSINE = 0.05
+
+
+def _norm_aware(cosine: float) -> ModelAttack:
+    """Just inside every published bound: cosine ``cosine`` with the benign replies' mean as the
+    direction check forms it, the norm 0.99 x the clip bound, the claim 0.99 x the claim bound
+    (:func:`claim_bound`); the rest of the update is the component of -sign(mean) orthogonal to
+    the mean, which pushes every coordinate against the benign direction with equal weight.
+    With :data:`NORM_AWARE_COSINE` it passes the direction check; with :data:`MIX_COSINE` it
+    keeps a positive root-set trust while its signs (and its gradient record's, built the same
+    way) vote against the benign ones on most coordinates: a sign-flipped mix aimed at FedGMA's
+    mask."""
+
+    def attack(view: RoundView, position: int) -> Update:
+        return _norm_aware_update(view, cosine)
+
+    return attack
+
+
+def _norm_aware_update(view: RoundView, cosine: float) -> Update:
     length = clip_bound(view)
     # The reference the server compares with: the other replies, each scaled down to the
     # round's median norm (strategies.influence.direction_cosines), the attackers' at `length`.
@@ -205,7 +226,6 @@ def _norm_aware(view: RoundView, position: int) -> Update:
     along = _dot(against, unit)
     side = {key: against[key] - along * unit[key] for key in unit}
     side = {key: value / max(_norm(side), 1e-30) for key, value in side.items()}
-    cosine = -(DIRECTION_FLOOR - 0.01)
     return {
         key: length * (cosine * unit[key] + math.sqrt(1.0 - cosine**2) * side[key]) for key in unit
     }
@@ -254,7 +274,8 @@ ATTACKS: dict[str, Attack] = {
     "ipm-0.1": Attack(model=_ipm(0.1)),
     "ipm-0.5": Attack(model=_ipm(0.5)),
     "ipm-3": Attack(model=_ipm(3.0)),
-    "norm-aware": Attack(model=_norm_aware, num_examples=claim_bound),
+    "norm-aware": Attack(model=_norm_aware(NORM_AWARE_COSINE), num_examples=claim_bound),
+    "norm-aware-mix": Attack(model=_norm_aware(MIX_COSINE), num_examples=claim_bound),
     "backdoor": Attack(model=_to_clip_bound, backdoor=True),
     "backdoor-claim": Attack(model=_to_clip_bound, num_examples=claim_bound, backdoor=True),
 }
@@ -447,7 +468,9 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
         triggered = backdoor_test_set(fed.test_set)
         node_ids = sorted(fed.grid.get_node_ids())
         fed.grid = AttackGrid(fed.grid, node_ids[:attackers], attack, config.seed)
+        chance = chance_accuracy(fed.test_set.labels)
         loss, accuracy = fed.evaluate()
+        history = [(accuracy, loss)]  # the ServerApp's alarms, judged as it judges them
         recorder.log_round(
             {
                 "round": 0,
@@ -464,6 +487,9 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
             figures: dict[str, Any] = {}
             if isinstance(fed.strategy, ContractStrategy):  # Flower's keep no round metrics
                 figures = dict(fed.strategy.last_round_metrics)
+            last = server_round == config.num_server_rounds
+            alarms = round_alarms(history, accuracy, loss, chance, last=last)
+            history.append((accuracy, loss))
             recorder.log_round(
                 {
                     **figures,
@@ -473,12 +499,13 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
                     "backdoor-success": backdoor_success(fed, triggered),
                     "round-seconds": time.perf_counter() - started,
                     "aggregated": int(fed.arrays is not sent),
-                }
+                },
+                alarms,
             )
     except BaseException as error:
         recorder.write_summary("failed", error=f"{type(error).__name__}: {error}")
         raise
-    recorder.write_summary("completed")
+    recorder.write_summary(COMPLETED_WITH_ALARMS if recorder.alarm_summary() else "completed")
 
 
 # ----------------------------------------------------------------------------- condensed table

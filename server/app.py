@@ -90,14 +90,31 @@ class RunStalledError(RuntimeError):
     """The run kept its previous model ``max-idle-rounds`` rounds in a row, or in every round."""
 
 
-#: A model has collapsed when its test accuracy is back within CHANCE_MARGIN of chance after it
-#: had reached chance + LEARNED_MARGIN; its loss has exploded when the test loss is not finite, or
-#: above LOSS_VS_UNTRAINED x the untrained model's (round 0) and LOSS_VS_BEST x the lowest so far;
-#: a run never rose above chance when no trained round's accuracy passed chance + CHANCE_MARGIN.
+#: A model has collapsed when its test accuracy has stayed within CHANCE_MARGIN of chance for
+#: COLLAPSE_ROUNDS rounds in a row after it had reached chance + LEARNED_MARGIN, or when the run's
+#: last model is within CHANCE_MARGIN of chance after any trained round rose above it; its loss
+#: has exploded when the test loss is not finite, or above LOSS_VS_UNTRAINED x the untrained
+#: model's (round 0) and LOSS_VS_BEST x the lowest so far; a run never rose above chance when no
+#: trained round's accuracy passed chance + CHANCE_MARGIN.
 CHANCE_MARGIN = 0.05
 LEARNED_MARGIN = 0.2
+#: One round at chance is not a collapse: under strong label skew an honest round can dip there
+#: and recover (an honest FLAME run on digits, Dirichlet 0.1, fell to chance in round 6 and
+#: ended at 50.9 %). A model that stays there this many rounds, or ends there, is one.
+COLLAPSE_ROUNDS = 3
 LOSS_VS_UNTRAINED = 2.0
 LOSS_VS_BEST = 10.0
+#: What an alarm suggests: causes to check, none of them an accusation.
+COLLAPSE_CAUSES = (
+    "possible causes: a learning rate too high for this data, strong label skew with few "
+    "clients per round, a defence's noise or clipping, or a poisoned update; see "
+    "docs/reliability.md, Runs"
+)
+NEVER_LEARNED_CAUSES = (
+    "possible causes: too few rounds for this task, a learning rate too low or too high, a "
+    "data or model configuration that does not fit, or poisoned updates from the first round; "
+    "see docs/reliability.md, Runs"
+)
 
 
 def chance_accuracy(labels: np.ndarray) -> float:
@@ -125,36 +142,55 @@ def round_alarms(
     chance : float, optional
         :func:`chance_accuracy` of the test split; None skips the accuracy checks.
     last : bool
-        The run's last round: a run none of whose trained rounds (round 1 on) rose above
-        chance + CHANCE_MARGIN raises ``never-above-chance`` there (the collapse alarm needs a
-        model that had learned; this one catches a run taken over from its first round).
+        The run's last round: its model is what the run delivers, so a last model within
+        CHANCE_MARGIN of chance raises an alarm whatever came before: ``never-above-chance``
+        when no trained round (round 1 on) rose above chance + CHANCE_MARGIN, else
+        ``accuracy-at-chance``.
 
     Returns
     -------
     dict
         Alarm kind (``accuracy-at-chance``, ``loss-exploded``, ``never-above-chance``) -> a
-        message naming the figures. Empty for a healthy round, and for every round before the
-        model learned anything but the last.
+        message naming the figures (accuracy, loss, rounds) and causes to check. Empty for a
+        healthy round, for a single round's dip to chance, and for every round before the model
+        learned anything but the last.
     """
     alarms: dict[str, str] = {}
+    # Round numbers: history[i] is round i, this round is len(history).
+    this_round = len(history)
     if chance is not None and history:
-        best_round, best = max(enumerate(a for a, _ in history), key=lambda item: item[1])
-        if best >= chance + LEARNED_MARGIN and accuracy <= chance + CHANCE_MARGIN:
-            alarms["accuracy-at-chance"] = (
-                f"test accuracy {accuracy:.4f} is at or below chance ({chance:.4f}, always the "
-                f"most frequent label) after {best:.4f} in round {best_round}: the global model "
-                "collapsed (a poisoned or diverging update; see docs/reliability.md, Runs)"
+        at_chance = chance + CHANCE_MARGIN
+        trained = [past for past, _ in history[1:]] + [accuracy]
+        best_round, best = max(enumerate(trained, start=1), key=lambda item: item[1])
+        recent = [past for past, _ in history[-(COLLAPSE_ROUNDS - 1) :]] + [accuracy]
+        stayed = len(recent) == COLLAPSE_ROUNDS and max(recent) <= at_chance
+        collapsed = best >= chance + LEARNED_MARGIN and stayed and this_round >= COLLAPSE_ROUNDS
+        ended = last and accuracy <= at_chance and best > at_chance
+        if collapsed or ended:
+            span = (
+                f"in the run's last round ({this_round})"
+                if ended and not stayed
+                else f"in rounds {this_round - len(recent) + 1}-{this_round}"
             )
-    trained = [past for past, _ in history[1:]] + [accuracy]
-    if chance is not None and last and history and max(trained) <= chance + CHANCE_MARGIN:
-        alarms["never-above-chance"] = (
-            f"no round's test accuracy rose above chance ({chance:.4f}, always the most frequent "
-            f"label) + {CHANCE_MARGIN:g}: the best was {max(trained):.4f} in {len(trained)} "
-            "rounds; the run learned nothing (a Byzantine majority, a poisoned update from the "
-            "first round, or a broken configuration; see docs/reliability.md, Runs)"
-        )
+            alarms["accuracy-at-chance"] = (
+                f"test accuracy {accuracy:.4f} (test loss {loss:.4g}) is within "
+                f"{CHANCE_MARGIN:g} of chance ({chance:.4f}, always the most frequent label) "
+                f"{span}, after {best:.4f} in round {best_round}: the global model lost what "
+                f"it had learned; {COLLAPSE_CAUSES}"
+            )
+        if last and best <= at_chance:
+            alarms["never-above-chance"] = (
+                f"no round's test accuracy rose above chance ({chance:.4f}, always the most "
+                f"frequent label) + {CHANCE_MARGIN:g}: the best was {best:.4f} in round "
+                f"{best_round} of {len(trained)} rounds (test loss {loss:.4g}, untrained "
+                f"{history[0][1]:.4g}); the run learned nothing; {NEVER_LEARNED_CAUSES}"
+            )
     if not math.isfinite(loss):
-        alarms["loss-exploded"] = f"test loss is {loss}: the global model is not finite"
+        alarms["loss-exploded"] = (
+            f"test loss is {loss} in round {this_round}: the global model is not finite "
+            "(possible causes: a learning rate too high, an unbounded update; see "
+            "docs/reliability.md, Runs)"
+        )
     elif history:
         untrained = history[0][1]
         lowest = min(past for _, past in history)
@@ -164,9 +200,11 @@ def round_alarms(
             and loss > LOSS_VS_BEST * lowest
         ):
             alarms["loss-exploded"] = (
-                f"test loss {loss:.4g} is {loss / untrained:.1f}x the untrained model's "
-                f"({untrained:.4g}) and {loss / lowest:.1f}x the lowest so far ({lowest:.4g}): "
-                "the global model exploded"
+                f"test loss {loss:.4g} in round {this_round} (test accuracy {accuracy:.4f}) is "
+                f"{loss / untrained:.1f}x the untrained model's ({untrained:.4g}) and "
+                f"{loss / lowest:.1f}x the lowest so far ({lowest:.4g}): the global model "
+                "exploded (possible causes: a learning rate too high, a server step too large, "
+                "an unbounded update; see docs/reliability.md, Runs)"
             )
     return alarms
 

@@ -162,6 +162,8 @@ class RunConfig(BaseModel):
     trim_fraction: float = Field(
         0.1, ge=0.0, lt=0.5, description="trimmed-mean cut per end; Krum's Byzantine share"
     )
+    pre_aggregation: Literal["none", "nnm", "bucketing", "centered-clipping"] = "none"
+    bucket_size: int = Field(2, ge=1, le=1_000_000, description="replies per bucket (bucketing)")
     max_reply_bytes: int = Field(
         0, ge=0, description="larger replies are dropped undecoded; 0: from the model's bytes"
     )

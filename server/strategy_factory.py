@@ -51,6 +51,8 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "max_claim_factor": config.max_claim_factor,
         "robust_aggregation": config.robust_aggregation,
         "trim_fraction": config.trim_fraction,
+        "pre_aggregation": config.pre_aggregation,
+        "bucket_size": config.bucket_size,
         "max_reply_bytes": config.max_reply_bytes,
     }
     server_update: dict[str, Any] = {  # keyword arguments of several strategies

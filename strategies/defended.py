@@ -22,6 +22,10 @@ each rule the replies and the model they give:
   ``update_clip_factor``), and Gaussian noise of standard deviation ``FLAME_NOISE_LAMBDA`` x the
   median update norm is added to the rule's new model (:meth:`DefendedStrategy.defended_model`).
 
+- ``pre_aggregation`` (``"nnm"``, ``"bucketing"``, ``"centered-clipping"``): the replies the
+  defences kept are mixed (:func:`strategies.preaggregation.mix`) before the rule's own
+  aggregation, so every rule's robust form runs on the mixtures.
+
 :class:`DefendedStrategy` sits between :class:`~strategies.base.ContractStrategy` (the
 orchestrator) and the rules: it keeps the root set, reads the round's client task from the
 train config, and records ``fltrust-trust``, ``fltrust-seconds`` and ``flame-noise-std``.
@@ -53,6 +57,7 @@ from beyond_averaging.tasks.training import train_local
 from .aggregate import NDArrayDict, as_numpy, is_floating
 from .arguments import ProjectOptions
 from .base import ClientReply, ContractStrategy, received_norms
+from .preaggregation import PreAggregation, check_pre_aggregation, mix
 from .proxy_data import ProxySetError, proxy_arrays
 from .robust import (
     FLAME_CLIP_FACTOR,
@@ -194,8 +199,16 @@ class RootSet:
         )
 
 
-class RootSetOptions(ProjectOptions, total=False):
-    """:class:`~strategies.arguments.ProjectOptions` and the root set of ``fltrust``, keyword-only
+class DefenceOptions(ProjectOptions, total=False):
+    """:class:`~strategies.arguments.ProjectOptions` and the pre-aggregation step in front of
+    every rule (:mod:`strategies.preaggregation`), keyword-only (:class:`DefendedStrategy`)."""
+
+    pre_aggregation: PreAggregation
+    bucket_size: int
+
+
+class RootSetOptions(DefenceOptions, total=False):
+    """:class:`DefenceOptions` and the root set of ``fltrust``, keyword-only
     (:class:`DefendedStrategy`)."""
 
     model: nn.Module
@@ -236,11 +249,18 @@ class DefendedStrategy(ContractStrategy):
         model = options.pop("model", None)
         proxy_set = options.pop("proxy_set", None)
         device = options.pop("device", None)
-        project = cast(ProjectOptions, options)  # without the three keys popped above
+        pre_aggregation = options.pop("pre_aggregation", "none")
+        bucket_size = options.pop("bucket_size", 2)
+        check_pre_aggregation(pre_aggregation, bucket_size)
+        project = cast(ProjectOptions, options)  # without the five keys popped above
         super().__init__(*args, **project)
+        self.pre_aggregation: PreAggregation = pre_aggregation
+        self.bucket_size = bucket_size
         self.root_set: RootSet | None = None
         self._task: ClientTask | None = None  # fltrust: the clients' training of the round
         self._defence_metrics: dict[str, float | int | list[float]] = {}
+        #: fltrust: the server's update g_0 of the last aggregation (FedGMA's mask lets it vote).
+        self.last_root_update: NDArrayDict | None = None
         if model is not None and proxy_set is not None:
             self.root_set = RootSet.from_data(model, proxy_set, seed=self.seed, device=device)
         elif self.robust_aggregation == "fltrust" and not self.builds_root_set:
@@ -291,6 +311,8 @@ class DefendedStrategy(ContractStrategy):
         kept = self.defended_replies(server_round, global_arrays, replies)
         if not kept:  # fltrust trusted no reply
             return {key: np.array(value) for key, value in global_arrays.items()}
+        if self.pre_aggregation != "none":
+            kept = self.pre_aggregated(server_round, global_arrays, kept)
         new_arrays = self.aggregate_rule(server_round, global_arrays, kept)
         return self.defended_model(server_round, new_arrays)
 
@@ -308,6 +330,7 @@ class DefendedStrategy(ContractStrategy):
         ``trusted_length = "root"`` (empty when none is trusted: the rule then keeps the model);
         otherwise ``replies`` as they are."""
         self._defence_metrics = {}
+        self.last_root_update = None
         if self.robust_aggregation != "fltrust":
             return list(replies)
         if self._task is None or self.root_set is None:
@@ -318,6 +341,7 @@ class DefendedStrategy(ContractStrategy):
             )
         started = time.perf_counter()
         g0 = self.root_set.update(global_arrays, self._task, server_round)
+        self.last_root_update = g0
         trust, scales = fltrust_scores(global_arrays, [reply.arrays for reply in replies], g0)
         # ||u_k|| = ||g_0|| / s_k (a zero update has trust 0 and is left out anyway)
         reference = math.sqrt(sum(float(np.vdot(value, value)) for value in g0.values()))
@@ -338,6 +362,23 @@ class DefendedStrategy(ContractStrategy):
                 server_round,
             )
         return kept
+
+    def pre_aggregated(
+        self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
+    ) -> list[ClientReply]:
+        """The replies mixed by ``pre_aggregation`` (:func:`strategies.preaggregation.mix`), the
+        rule's robust form then running on them; the mixing matrix's rows count as
+        ``pre-aggregation-rows``."""
+        mixed = mix(
+            global_arrays,
+            replies,
+            self.pre_aggregation,
+            trim_fraction=self.trim_fraction,
+            bucket_size=self.bucket_size,
+            seed=(self.seed, server_round),
+        )
+        self._defence_metrics["pre-aggregation-rows"] = len(mixed)
+        return mixed
 
     def defended_model(self, server_round: int, arrays: NDArrayDict) -> NDArrayDict:
         """The rule's new model; under ``flame`` with FLAME's Gaussian noise added (standard

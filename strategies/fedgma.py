@@ -123,6 +123,27 @@ class GMAStep(NamedTuple):
     mask_mean: float
 
 
+class TrustVote(NamedTuple):
+    """The votes of the mask under root-set trust (:func:`trusted_agreement`).
+
+    Attributes
+    ----------
+    trust : array
+        TS_k per trusted reply, in reply order.
+    root : dict of arrays, optional
+        The root set's vote, w - theta_0 (the server's pseudo-gradient).
+    root_trust : float
+        The root set's weight (FedGMA: the trusted replies' median trust, one typical client).
+    abstaining : float
+        Weight of the replies dropped as suspects (FedGMA: their count x the median trust).
+    """
+
+    trust: npt.NDArray[np.float64]
+    root: Mapping[str, Any] | None = None
+    root_trust: float = 1.0
+    abstaining: float = 0.0
+
+
 def _check_threshold(threshold: float) -> None:
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold = {threshold}: allowed is [0, 1] (the paper uses 0.8)")
@@ -212,6 +233,65 @@ def soft_mask(
     }
 
 
+def trusted_agreement(
+    votes: Sequence[Mapping[str, Any]],
+    trust: Sequence[float] | npt.NDArray[Any],
+    key: str,
+    *,
+    reference: Any = None,
+    root: Mapping[str, Any] | None = None,
+    root_trust: float = 1.0,
+    abstaining: float = 0.0,
+) -> npt.NDArray[np.float64]:
+    """A = (sum_k TS_k sign(v_k) + TS_0 sign(v_0)) / (sum_k TS_k + TS_0 + a) for tensor
+    ``key``: the sign agreement under root-set trust, in [-1, 1] (signed; sign(0) = 0).
+
+    Each trusted reply votes with its trust TS_k (FLTrust's ReLU(cos(u_k, g_0))), not one vote
+    per reply, so a reply that keeps a small positive trust moves the agreement by at most
+    TS_k / (the total weight): it cannot cancel the honest majority's agreement alone. The root
+    set votes too, with ``root`` its vote v_0 (the server's own pseudo-gradient w - theta_0, whose
+    sign is its loss gradient's) and ``root_trust`` its weight TS_0; None leaves it out.
+    ``abstaining`` (a) is the weight of the replies left out as suspects: they vote for no sign
+    but count in the quorum, so that leaving a dissenting reply out never makes agreement
+    easier (as :func:`hard_mask`'s abstentions).
+
+    Parameters
+    ----------
+    votes : Sequence[Mapping[str, array]]
+        The replies' gradients (hard mask) or models (soft mask, with ``reference``).
+    trust : Sequence[float]
+        TS_k >= 0 per reply.
+    key : str
+        The tensor.
+    reference : array, optional
+        The global tensor w: the votes are then sign(w - theta_k) (the soft mask's).
+    root : Mapping[str, array], optional
+        The root set's vote v_0, keyed like the votes.
+    root_trust : float
+        TS_0.
+    abstaining : float
+        a >= 0.
+
+    Returns
+    -------
+    float64 array
+        The signed agreement, shaped like the tensor; 0 where no vote has weight.
+    """
+    weights = np.asarray(trust, dtype=np.float64)
+    if weights.shape != (len(votes),) or np.any(weights < 0.0) or not np.all(np.isfinite(weights)):
+        raise ValueError(f"need one finite trust >= 0 per vote, got {weights.tolist()}")
+    term = _SignVote(None if reference is None else as_numpy(reference))
+    total = blockwise_sum(votes, weights, key, _shape(votes, key), term)
+    weight = float(weights.sum())
+    if root is not None and root_trust > 0.0:
+        total += root_trust * np.sign(as_numpy(root[key]).astype(np.float64)).reshape(total.shape)
+        weight += root_trust
+    weight += abstaining
+    if weight > 0.0:
+        total /= weight
+    return total
+
+
 def _shape(dicts: Sequence[Mapping[str, Any]], key: str) -> tuple[int, ...]:
     return tuple(as_numpy(dicts[0][key]).shape)
 
@@ -271,8 +351,25 @@ def _masked_gradient_mean(
     robust: RobustAggregation = "none",
     trim_fraction: float = 0.1,
     abstentions: int = 0,
+    trust: TrustVote | None = None,
 ) -> tuple[dict[str, npt.NDArray[np.float64]], float]:
-    masks = hard_mask(gradients, threshold, abstentions)
+    if trust is None:
+        masks = hard_mask(gradients, threshold, abstentions)
+    else:
+        masks = {
+            key: np.abs(
+                trusted_agreement(
+                    gradients,
+                    trust.trust,
+                    key,
+                    root=trust.root,
+                    root_trust=trust.root_trust,
+                    abstaining=trust.abstaining,
+                )
+            )
+            >= threshold - _AGREEMENT_TOLERANCE
+            for key in _check_same_keys("gradient", gradients)
+        }
     # The mask is one per coordinate, shared by all clients, so sum_k p_k mask(g_k) equals
     # mask * sum_k p_k g_k: one weighted mean, then one multiplication.
     masked = (
@@ -330,6 +427,7 @@ def fedgma_step(
     robust: RobustAggregation = "none",
     trim_fraction: float = 0.1,
     abstentions: int = 0,
+    trust: TrustVote | None = None,
 ) -> GMAStep:
     """One FedGMA aggregation, with the mean mask value (see :func:`aggregate_fedgma`).
 
@@ -340,6 +438,10 @@ def fedgma_step(
     and, hard, of the gradients, in place of the weighted means; the masks are the sign votes
     as usual (one vote per client, whatever it claims or sends). ``abstentions`` (hard): the
     round's replies dropped as Byzantine suspects, counted in the quorum (:func:`hard_mask`).
+    ``trust`` (root-set trust): both masks' agreement is :func:`trusted_agreement`, each reply
+    voting with its trust, the root set and the abstentions with the weights ``trust`` gives,
+    in place of one vote per reply (hard) or the weights p_k (soft); ``abstentions`` is then
+    not used (``trust.abstaining`` counts them).
     """
     if mask not in MASK_VARIANTS:
         raise ValueError(f"mask = {mask!r}: allowed is 'hard' or 'soft'")
@@ -379,6 +481,7 @@ def fedgma_step(
             robust,
             trim_fraction,
             abstentions,
+            trust,
         )
         stepped = ServerOptimizer("sgd", server_lr).step(average, grad)
         return GMAStep({**average, **stepped}, mask_mean)
@@ -399,6 +502,16 @@ def fedgma_step(
                 key,
                 global_np[key].shape,
                 _SignVote(global_np[key]),
+            )
+            if trust is None
+            else trusted_agreement(
+                client_arrays,
+                trust.trust,
+                key,
+                reference=global_np[key],
+                root=trust.root,
+                root_trust=trust.root_trust,
+                abstaining=trust.abstaining,
             ),
             threshold,
         )
@@ -561,8 +674,21 @@ class FedGMA(DefendedStrategy):
         model). FLTrust: the trusted replies only, weighted by their trust in place of p_k,
         each update rescaled to the trusted updates' median norm; the hard mask counts the trusted
         replies' gradient signs, one vote each, and the masked gradient mean is their
-        trust-weighted mean; the soft mask's agreement is weighted by trust.
+        trust-weighted mean; both masks' sign agreement is weighted by trust, the root set's own
+        pseudo-gradient votes as one typical trusted reply (the median trust), and the replies
+        left out as suspects (trust 0 among them) count in the quorum with that weight each
+        (:func:`trusted_agreement`).
         """
+        trust = None
+        if self.robust_aggregation == "fltrust" and self.last_root_update is not None:
+            scores = np.array([reply.num_examples for reply in replies], dtype=np.float64)
+            typical = float(np.median(scores))
+            trust = TrustVote(
+                scores,
+                {key: -value for key, value in self.last_root_update.items()},
+                root_trust=typical,
+                abstaining=self.last_suspects * typical,
+            )
         result = fedgma_step(
             global_arrays,
             [reply.arrays for reply in replies],
@@ -578,6 +704,7 @@ class FedGMA(DefendedStrategy):
             else "none",
             trim_fraction=self.trim_fraction,
             abstentions=self.last_suspects,
+            trust=trust,
         )
         self.last_mask_mean = result.mask_mean
         return result.arrays

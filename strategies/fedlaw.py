@@ -93,9 +93,8 @@ from .aggregate import (
     scaled_mean,
     weighted_mean,
 )
-from .arguments import ProjectOptions
 from .base import ClientReply
-from .defended import DefendedStrategy, RootSet
+from .defended import DefenceOptions, DefendedStrategy, RootSet
 from .influence import read_only_tensor
 from .metrics import MetricsAggregationFn
 from .proxy_data import ProxySetError, count_shared_samples, proxy_arrays, to_labeled_data
@@ -824,7 +823,7 @@ class FedLAW(DefendedStrategy):
         bn: BatchNormMode = "reestimate",
         proxy_transform: Callable[[Any], Any] | None = None,
         test_set: Any = None,
-        **options: Unpack[ProjectOptions],
+        **options: Unpack[DefenceOptions],
     ) -> None:
         super().__init__(
             fraction_train,

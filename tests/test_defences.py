@@ -169,13 +169,42 @@ def test_fltrust_weighs_each_update_by_its_trust_at_the_trusted_median_length(ru
     g0 = flat(strategy.root_set.update(state, strategy._task, 1))
     updates = client_updates(g0)
     models = [unflat(flat(state) + u, state) for u in updates]
-    # FedGMA's gradients agree in sign on every coordinate for the trusted three; the reply of
-    # trust 0 abstains, so no coordinate has 0.8 x 4 votes and the mask keeps none.
-    records = [{GRADIENT_RECORD: {k: np.ones_like(v) for k, v in state.items()}}] * 4
+    # FedGMA's gradients agree in sign on every coordinate for the trusted three, against the
+    # root set's vote sign(w - theta_0) = -sign(g0) of weight 1: their agreement is
+    # (1 + 1 + 0.71 - 1) / 3.71 = 0.46 < 0.8, so the mask keeps no coordinate.
+    gradient = unflat(g0, state)
+    records = [{GRADIENT_RECORD: {k: np.asarray(v) for k, v in gradient.items()}}] * 4
     result = aggregated(strategy, models, records=records if rule is FedGMA else None)
     trust, expected = fltrust_reference(state, g0, updates)
     np.testing.assert_allclose(strategy.aggregation_metrics[1]["fltrust-trust"], trust, atol=1e-6)
     np.testing.assert_allclose(flat(result), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("agrees_with_root", [True, False])
+def test_fedgma_under_fltrust_lets_the_root_set_vote_as_one_typical_trusted_reply(
+    agrees_with_root: bool,
+) -> None:
+    model, root, state = root_setup()
+    strategy = with_task(
+        FedGMA(robust_aggregation="fltrust", model=model, proxy_set=root, **BOUNDS_OFF), state
+    )
+    g0 = flat(strategy.root_set.update(state, strategy._task, 1))
+    updates = [u for k, u in enumerate(client_updates(g0)) if k != 2]  # all trusted
+    models = [unflat(flat(state) + u, state) for u in updates]
+    # The three trusted gradients agree in sign on every coordinate (trust 1, 1, 0.71). The root
+    # set votes sign(w - theta_0) = -sign(g0) with the median trust, 1: agreeing, A = 1 and the
+    # whole trust-weighted mean gradient is stepped; against, A = (2.71 - 1) / 3.71 = 0.46 < 0.8
+    # and nothing is (one vote per reply, without the root, would step it in both cases).
+    descent = -g0 / np.linalg.norm(g0)
+    gradient = unflat(descent if agrees_with_root else -descent, state)
+    records = [{GRADIENT_RECORD: {k: np.asarray(v) for k, v in gradient.items()}}] * 3
+    result = aggregated(strategy, models, records=records)
+    _, expected = fltrust_reference(state, g0, updates)
+    # every trusted gradient is the same vector (already at the trusted median length), so
+    # their trust-weighted mean is that vector; server lr 1
+    stepped = expected - descent if agrees_with_root else expected
+    np.testing.assert_allclose(flat(result), stepped, rtol=1e-5, atol=1e-6)
+    assert strategy.last_mask_mean == (1.0 if agrees_with_root else 0.0)
 
 
 def test_trusted_replies_weigh_by_trust_at_the_trusted_median_or_the_root_length() -> None:

@@ -26,7 +26,13 @@ from beyond_averaging.strategies import (
     aggregate_fedgma,
     and_mask,
 )
-from beyond_averaging.strategies.fedgma import hard_mask, soft_mask
+from beyond_averaging.strategies.fedgma import (
+    TrustVote,
+    fedgma_step,
+    hard_mask,
+    soft_mask,
+    trusted_agreement,
+)
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData
 from beyond_averaging.tasks.models import build_model
@@ -439,3 +445,80 @@ def test_fedgma_simulation_runs_two_rounds_with_client_gradients(
         assert 0.0 <= entry["gma-mask-mean"] <= 1.0
         assert entry["aggregated"] == 1
     assert rounds[2]["test-loss"] != rounds[0]["test-loss"]
+
+
+# ------------------------------------------------------------------ the mask under root-set trust
+def loop_agreement(
+    votes: list[np.ndarray[Any, Any]],
+    trust: list[float],
+    root: np.ndarray[Any, Any] | None,
+    abstaining: float = 0.0,
+) -> np.ndarray[Any, Any]:
+    """(sum_k TS_k sign(v_k) + sign(v_0)) / (sum_k TS_k + 1 + a), coordinate by coordinate."""
+    out = np.zeros(votes[0].size)
+    for index in range(out.size):
+        total, weight = 0.0, abstaining
+        for vote, score in zip(votes, trust, strict=True):
+            value = float(vote.reshape(-1)[index])
+            total += score * ((value > 0) - (value < 0))
+            weight += score
+        if root is not None:
+            value = float(root.reshape(-1)[index])
+            total += (value > 0) - (value < 0)
+            weight += 1.0
+        out[index] = total / weight if weight else 0.0
+    return out.reshape(votes[0].shape)
+
+
+@pytest.mark.parametrize("with_root", [True, False])
+def test_the_trusted_agreement_is_the_trust_weighted_sign_vote_with_the_root_voting(
+    with_root: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aggregate, "BLOCK_ELEMENTS", 5)  # several blocks
+    rng = np.random.default_rng(11)
+    votes = [{"w": rng.integers(-1, 2, (3, 4)).astype(np.float32)} for _ in range(5)]
+    trust = [0.9, 0.0, 0.3, 0.05, 0.6]
+    root = {"w": rng.normal(size=(3, 4))} if with_root else None
+    got = trusted_agreement(votes, trust, "w", root=root)
+    expected = loop_agreement([v["w"] for v in votes], trust, None if root is None else root["w"])
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
+    # soft: the votes are sign(w - theta_k)
+    global_w = rng.normal(size=(3, 4)).astype(np.float32)
+    models = [{"w": global_w - v["w"]} for v in votes]
+    soft = trusted_agreement(models, trust, "w", reference=global_w, root=root)
+    np.testing.assert_allclose(soft, expected, rtol=0, atol=1e-12)
+    # two abstentions of weight 0.4 each count in the quorum, for no sign
+    abstained = trusted_agreement(votes, trust, "w", root=root, abstaining=0.8)
+    expected = loop_agreement([v["w"] for v in votes], trust, root and root["w"], 0.8)
+    np.testing.assert_allclose(abstained, expected, rtol=0, atol=1e-12)
+
+
+def test_one_client_of_small_trust_cannot_cancel_the_honest_agreement() -> None:
+    # Three honest gradients agree on every sign (trust 0.5 each) and so does the root set; the
+    # fourth reply keeps a small positive trust (0.05) and votes against every coordinate. One
+    # vote per reply would give |3 - 1| = 2 < 0.8 x 4 and mask every coordinate out.
+    global_arrays = {"w": np.zeros(6, np.float32)}
+    honest = {"w": np.linspace(1.0, 2.0, 6).astype(np.float32)}
+    against = {"w": -honest["w"]}
+    gradients = [honest, honest, honest, against]
+    models = [{"w": -0.1 * g["w"]} for g in gradients]
+    trust = np.array([0.5, 0.5, 0.5, 0.05])
+    unweighted = fedgma_step(global_arrays, models, gradients, trust, threshold=0.8)
+    assert unweighted.mask_mean == 0.0
+    root = {"w": honest["w"].astype(np.float64)}  # the root set's w - theta_0 agrees
+    weighted = fedgma_step(
+        global_arrays, models, gradients, trust, threshold=0.8, trust=TrustVote(trust, root)
+    )
+    # agreement (1.5 - 0.05 + 1) / 2.55 = 0.96 >= 0.8: every coordinate kept
+    assert weighted.mask_mean == 1.0
+    # ... and one reply of trust 0.5 against the others is still enough to mask: it is not
+    # a minority of the trust any more ((1.0 - 0.5 + 1) / 2.5 = 0.6 < 0.8)
+    split = fedgma_step(
+        global_arrays,
+        models,
+        [honest, honest, against, against],
+        trust,
+        threshold=0.8,
+        trust=TrustVote(np.array([0.5, 0.5, 0.5, 0.0]), root),
+    )
+    assert split.mask_mean == 0.0

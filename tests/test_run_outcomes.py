@@ -151,16 +151,31 @@ def test_replies_missing_at_the_round_timeout_are_counted_as_dropped(
 CHANCE = 0.1
 
 
+def alarms_of(accuracies: list[float], losses: list[float] | None = None) -> list[set[str]]:
+    """The alarm kinds of every round 1.. of a run whose server evaluation gave ``accuracies``
+    (round 0 first), as the ServerApp judges them: each round against the ones before it, the
+    last one as the last."""
+    figures = list(zip(accuracies, losses or [2.3] * len(accuracies), strict=True))
+    return [
+        set(round_alarms(figures[:index], *figures[index], CHANCE, last=index == len(figures) - 1))
+        for index in range(1, len(figures))
+    ]
+
+
 @pytest.mark.parametrize(
     ("history", "accuracy", "loss", "expected"),
     [
-        # learned (best 0.6 >= chance + 0.2), back within 0.05 of chance: collapsed
-        ([(0.08, 2.3), (0.6, 1.0)], 0.12, 1.5, {"accuracy-at-chance"}),
-        ([(0.08, 2.3), (0.6, 1.0)], 0.01, 1.5, {"accuracy-at-chance"}),  # below chance too
+        # learned (best 0.6 >= chance + 0.2), within 0.05 of chance for 3 rounds: collapsed
+        ([(0.08, 2.3), (0.6, 1.0), (0.12, 1.4), (0.11, 1.5)], 0.12, 1.5, {"accuracy-at-chance"}),
+        ([(0.08, 2.3), (0.6, 1.0), (0.01, 1.4), (0.02, 1.5)], 0.01, 1.5, {"accuracy-at-chance"}),
+        # one or two rounds at chance mid-run are a dip, not a collapse
+        ([(0.08, 2.3), (0.6, 1.0)], 0.12, 1.5, set()),
+        ([(0.08, 2.3), (0.6, 1.0), (0.12, 1.4)], 0.12, 1.5, set()),
+        ([(0.08, 2.3), (0.6, 1.0), (0.12, 1.4), (0.5, 1.0)], 0.12, 1.5, set()),
         # never learned (best 0.25 < 0.3): a slow start is not a collapse
-        ([(0.08, 2.3), (0.25, 2.0)], 0.1, 2.1, set()),
+        ([(0.08, 2.3), (0.25, 2.0), (0.1, 2.0), (0.1, 2.0)], 0.1, 2.1, set()),
         # dropped, but not to chance (0.16 > 0.15)
-        ([(0.08, 2.3), (0.9, 0.3)], 0.16, 2.0, set()),
+        ([(0.08, 2.3), (0.9, 0.3), (0.16, 2.0), (0.16, 2.0)], 0.16, 2.0, set()),
         # loss > 2 x untrained (4.6) and > 10 x lowest (3.0): exploded
         ([(0.08, 2.3), (0.9, 0.3)], 0.5, 4.7, {"loss-exploded"}),
         # above 2 x untrained but within 10 x the lowest (best 0.5): not exploded
@@ -176,6 +191,56 @@ def test_round_alarms_name_a_collapse_to_chance_and_an_exploded_loss(
     assert set(round_alarms(history, accuracy, loss, CHANCE)) == expected
 
 
+def test_an_honest_dip_to_chance_that_recovers_raises_no_alarm() -> None:
+    # The shape of the honest FLAME run of issue 35 (FedAvg, digits, Dirichlet 0.1, seed 1):
+    # learning, one round at chance (round 6), then back up to 50.9 % at the end.
+    accuracies = [0.09, 0.25, 0.38, 0.41, 0.45, 0.33, 0.11, 0.30, 0.509]
+    assert alarms_of(accuracies) == [set()] * 8
+
+
+@pytest.mark.parametrize(
+    "accuracies",
+    [
+        # peaked between chance + 0.05 and chance + 0.2, then fell to chance (FedLAW + FLAME
+        # under the norm-aware attack: best 18.0 %, last 10.3 %)
+        [0.09, 0.14, 0.18, 0.16, 0.12, 0.103],
+        # learned well, then fell to chance in the last round only
+        [0.09, 0.6, 0.7, 0.72, 0.11],
+        # learned well, at chance for the last two rounds (too few for a mid-run collapse)
+        [0.09, 0.6, 0.7, 0.12, 0.11],
+    ],
+)
+def test_a_run_that_ends_at_chance_after_learning_raises_an_alarm_at_its_last_round(
+    accuracies: list[float],
+) -> None:
+    alarms = alarms_of(accuracies)
+    assert alarms[-1] == {"accuracy-at-chance"}
+    assert all(not kinds for kinds in alarms[:-1])  # none before: no round stayed at chance
+
+
+def test_a_run_that_ends_above_chance_raises_no_chance_alarm() -> None:
+    # Low but above chance + 0.05 at the end (an honest FLAME run ending at 19.7 %): the model
+    # is weak, not at chance, and the run says nothing false about it.
+    assert alarms_of([0.09, 0.3, 0.12, 0.25, 0.197]) == [set()] * 4
+
+
+def test_alarm_messages_name_the_figures_and_suggest_causes_without_accusing() -> None:
+    collapsed = round_alarms(
+        [(0.08, 2.3), (0.6, 1.0), (0.12, 1.4), (0.11, 1.5)], 0.12, 1.6, CHANCE
+    )["accuracy-at-chance"]
+    assert "test accuracy 0.1200 (test loss 1.6)" in collapsed
+    assert "in rounds 2-4, after 0.6000 in round 1" in collapsed
+    never = round_alarms([(0.08, 2.3), (0.1, 2.31), (0.11, 2.29)], 0.09, 2.3, CHANCE, last=True)[
+        "never-above-chance"
+    ]
+    assert "the best was 0.1100 in round 2 of 3 rounds" in never
+    assert "too few rounds" in never
+    assert "learning rate" in never
+    for message in (collapsed, never):
+        assert "possible causes" in message
+        assert "Byzantine" not in message  # a cause to check, not a verdict
+
+
 def test_chance_is_the_share_of_the_most_frequent_test_label() -> None:
     assert chance_accuracy(np.array([0, 1, 1, 2, 1])) == 0.6
 
@@ -183,29 +248,34 @@ def test_chance_is_the_share_of_the_most_frequent_test_label() -> None:
 def test_a_collapsing_run_logs_its_alarm_every_round_and_marks_the_summary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The server's evaluation of rounds 0..5, scripted: it learns, then collapses to chance and
-    # its loss explodes from round 3 on (what one sign-flipping attacker did to every rule).
-    script = iter([(2.30, 0.08), (1.0, 0.55), (0.5, 0.85), (2.5, 0.09), (40.0, 0.10), (9e9, 0.1)])
+    # The server's evaluation of rounds 0..7, scripted: it learns, then collapses to chance from
+    # round 3 on and its loss explodes (what one sign-flipping attacker did to every rule); the
+    # collapse alarm fires once the model has stayed at chance 3 rounds (round 5).
+    script = iter(
+        [(2.30, 0.08), (1.0, 0.55), (0.5, 0.85), (2.5, 0.09), (40.0, 0.10), (9e9, 0.1)]
+        + [(9e9, 0.1)] * 2
+    )
     monkeypatch.setattr(
         "beyond_averaging.server.app.evaluate", lambda *args, **kwargs: next(script)
     )
-    settings = {**LEAN, "num-server-rounds": 5, "run-name": "sick", "output-dir": str(tmp_path)}
+    settings = {**LEAN, "num-server-rounds": 7, "run-name": "sick", "output-dir": str(tmp_path)}
     with caplog.at_level(logging.WARNING, logger="flwr"):
         run_inprocess(REPO, settings)
     rounds = read_metrics(tmp_path / "sick")
     at_chance = [r["round"] for r in rounds if r.get("alarm-accuracy-at-chance")]
     exploded = [r["round"] for r in rounds if r.get("alarm-loss-exploded")]
-    assert at_chance == [3, 4, 5]
-    assert exploded == [4, 5]  # round 3's 2.5 is under 2 x the untrained 2.30
+    assert at_chance == [5, 6, 7]
+    assert exploded == [4, 5, 6, 7]  # round 3's 2.5 is under 2 x the untrained 2.30
     warned = [m for m in caplog.messages if "ALARM accuracy-at-chance" in m]
     assert len(warned) == 3  # one warning per alarmed round, not once
     summary = json.loads((tmp_path / "sick" / "summary.json").read_text(encoding="utf-8"))
     assert summary["status"] == "completed-with-alarms"  # never plain "completed"
     assert summary["alarms"]["accuracy-at-chance"]["rounds"] == 3
-    assert summary["alarms"]["accuracy-at-chance"]["first-round"] == 3
+    assert summary["alarms"]["accuracy-at-chance"]["first-round"] == 5
     assert summary["alarms"]["accuracy-at-chance"]["last-round-alarmed"] is True
     assert summary["alarms"]["loss-exploded"]["first-round"] == 4
     assert "after 0.8500 in round 2" in summary["alarms"]["accuracy-at-chance"]["message"]
+    assert "in rounds 5-7" in summary["alarms"]["accuracy-at-chance"]["message"]
 
 
 def ba_run_inprocess(settings: dict[str, Any]) -> int:
@@ -275,7 +345,8 @@ def test_a_run_at_chance_from_round_1_raises_never_above_chance_and_exits_4(
     assert [r["round"] for r in rounds if r.get("alarm-never-above-chance")] == [3]  # the last
     summary = json.loads((tmp_path / "chance" / "summary.json").read_text(encoding="utf-8"))
     assert summary["status"] == "completed-with-alarms"
-    assert "the best was 0.1100 in 3 rounds" in summary["alarms"]["never-above-chance"]["message"]
+    message = summary["alarms"]["never-above-chance"]["message"]
+    assert "the best was 0.1100 in round 2 of 3 rounds" in message
 
 
 @pytest.mark.parametrize(
