@@ -67,8 +67,8 @@ DEFAULT_PRELOAD = (
     "torch",
     "beyond_averaging.client.app",
 )
-#: Seconds a ClientApp may run before the parent kills it (its message then gets no reply and
-#: the round goes on without it, as after the server's own ``round-timeout``, 600 s by default).
+#: Seconds a ClientApp may run before the parent kills it (Flower's SuperNode then answers its
+#: message with an error reply; the server's own ``round-timeout`` is 600 s by default too).
 DEFAULT_TASK_TIMEOUT = 600.0
 #: The line the warm parent prints once its modules are imported (tests and logs look for it).
 READY = "ba-warm-executor: ready"
@@ -263,7 +263,7 @@ class ForkExecutor:
             elif now > child.deadline:
                 self.say(
                     f"the ClientApp of task {child.task_id} (pid {pid}) ran past the task "
-                    f"timeout ({self.task_timeout:g} s): killed; its message gets no reply"
+                    f"timeout ({self.task_timeout:g} s): killed; its message fails"
                 )
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -341,7 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     security = parser.add_mutually_exclusive_group(required=True)
     security.add_argument(
-        "--insecure", action="store_true", help="the Runtime API serves no TLS (the default)"
+        "--insecure",
+        action="store_true",
+        help="the Runtime API serves no TLS (a SuperNode started without --ssl-* flags)",
     )
     security.add_argument(
         "--root-certificates",
