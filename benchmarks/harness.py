@@ -32,6 +32,7 @@ from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
 from beyond_averaging.server.inprocess import InProcessGrid
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.server.watch import strip_ansi
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate
 from beyond_averaging.tasks.federation import load_server_splits
@@ -262,7 +263,6 @@ def peak_rss_sampler(pids: Callable[[], list[int]], interval: float = 0.2) -> Pe
     )
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _LOG_PREFIX = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) *: *\t?", re.MULTILINE)
 
 
@@ -307,4 +307,4 @@ class RunOutcome:
 
 def clean_log(text: str) -> str:
     """A Flower log without colour codes and ``INFO :`` prefixes; each line as it was logged."""
-    return _LOG_PREFIX.sub("", _ANSI.sub("", text)).replace("\r", "")
+    return _LOG_PREFIX.sub("", strip_ansi(text)).replace("\r", "")
