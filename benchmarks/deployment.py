@@ -26,7 +26,6 @@ import difflib
 import itertools
 import json
 import os
-import shlex
 import shutil
 import signal
 import statistics
@@ -44,7 +43,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import MIB, PeakSampler, RunOutcome, clean_log, hardware, interpreter
+from benchmarks.harness import (
+    MIB,
+    PeakSampler,
+    RunOutcome,
+    clean_log,
+    command,
+    hardware,
+    save,
+)
 from benchmarks.report import markdown_table, read_metrics
 from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
@@ -57,7 +64,6 @@ from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
 
 RESULTS = REPO / "benchmarks" / "results" / "deployment"
-PUBLISHED = REPO / "docs" / "results"
 QUICKSTART = REPO / "tests" / "apps" / "quickstart"
 QUICKSTART_TASK = Path("pytorchexample") / "task.py"
 
@@ -283,8 +289,6 @@ class ProcessWatch:
         self.root = root
         self.processes: dict[int, Tracked] = {}
         self.foreign: set[int] = set()
-        #: Processes below ``root`` that are not measured, nor what they start.
-        self.excluded: set[int] = set()
         #: The SuperNodes' logs, read at every sample for the train instructions they receive.
         self.receipts: LogWatch | None = None
         self.page = os.sysconf("SC_PAGE_SIZE")
@@ -324,7 +328,7 @@ class ProcessWatch:
             process.peak_rss_pages = max(process.peak_rss_pages, stat.rss_pages)
         listed = {int(name) for name in os.listdir("/proc") if name.isdigit()}
         self.foreign &= listed  # a pid that went away may come back as one of ours
-        fresh = sorted(listed - self.foreign - self.excluded - self.processes.keys())
+        fresh = sorted(listed - self.foreign - self.processes.keys())
         found = True
         while found:  # a child may be listed before its parent
             found = False
@@ -900,11 +904,6 @@ METHOD = """## Method
 """
 
 
-def command_line() -> str:
-    """This benchmark's command line as the page gives it."""
-    return f"nice -n 10 {interpreter()} -m benchmarks.deployment {shlex.join(sys.argv[1:])}"
-
-
 def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Alternate the two apps for ``args.repeats`` repeats; the rows and the page's facts."""
     rows: list[dict[str, Any]] = []
@@ -938,7 +937,7 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
     loads = [row["load-average"][1] for row in rows if row["status"] == "completed"]
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": command_line(),
+        "command": command("deployment"),
         "flwr": release.version,
         "transport": "gRPC" if release.transport == "grpc" else "HTTP",
         "machine": hardware(),
@@ -999,11 +998,7 @@ def main() -> None:
     else:
         rows, meta = measure_all(args, name)
     record = {"meta": meta, "rows": rows, "summary": summarize(rows)}
-    saved.write_text(json.dumps(record, indent=2), encoding="utf-8")
-    page = markdown(rows, meta)
-    print(page)
-    if args.publish:
-        (PUBLISHED / f"{name}.md").write_text(page, encoding="utf-8")
+    save("deployment", name, markdown(rows, meta), record, args.publish)
 
 
 if __name__ == "__main__":
