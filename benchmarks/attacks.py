@@ -258,6 +258,8 @@ class Attack:
     num_examples: float | ClaimAttack | None = None
     flip_labels: bool = False
     backdoor: bool = False
+    #: The backdoor's trigger: ``"patch"`` or ``"blend"`` (:func:`with_trigger`).
+    trigger: str = "patch"
 
 
 ATTACKS: dict[str, Attack] = {
@@ -278,6 +280,9 @@ ATTACKS: dict[str, Attack] = {
     "norm-aware-mix": Attack(model=_norm_aware(MIX_COSINE), num_examples=claim_bound),
     "backdoor": Attack(model=_to_clip_bound, backdoor=True),
     "backdoor-claim": Attack(model=_to_clip_bound, num_examples=claim_bound, backdoor=True),
+    # the best response to trigger unlearning, whose patch search favours small patches: a
+    # trigger spread over the whole image (Chen et al. 2017's blended injection)
+    "backdoor-blend": Attack(model=_to_clip_bound, backdoor=True, trigger="blend"),
 }
 
 
@@ -352,15 +357,27 @@ class AttackGrid(DelegatingGrid):
 
 
 # ----------------------------------------------------------------------------- poisoned data
-#: The backdoor's target class and trigger: a bright 2 x 2 patch in the images' bottom-right
-#: corner (Bagdasaryan et al. 2020 and Sun et al. 2019 use such pixel patterns).
+#: The backdoor's target class and triggers: a bright 2 x 2 patch in the images' bottom-right
+#: corner (Bagdasaryan et al. 2020 and Sun et al. 2019 use such pixel patterns), or a fixed
+#: random image blended into the whole input at BLEND_ALPHA (Chen et al. 2017, "Targeted backdoor
+#: attacks on deep learning systems using data poisoning": the blended-injection strategy, which
+#: Wang et al. 2019 name as the trigger Neural Cleanse's small-patch search is weakest against).
 BACKDOOR_TARGET = 0
 TRIGGER_SIZE = 2
+BLEND_ALPHA = 0.2
+BLEND_SEED = 20_170_501
 
 
-def with_trigger(features: torch.Tensor) -> torch.Tensor:
-    """A copy of image ``features`` (N, C, H, W) with the trigger: the bottom-right
-    TRIGGER_SIZE x TRIGGER_SIZE pixels of every channel at the images' largest value."""
+def with_trigger(features: torch.Tensor, trigger: str = "patch") -> torch.Tensor:
+    """A copy of image ``features`` (N, C, H, W) with the ``trigger``: ``"patch"``, the
+    bottom-right TRIGGER_SIZE x TRIGGER_SIZE pixels of every channel at the images' largest
+    value; ``"blend"``, (1 - BLEND_ALPHA) x + BLEND_ALPHA r with r one fixed uniform random image
+    over the features' range."""
+    if trigger == "blend":
+        low, high = float(features.min()), float(features.max())
+        noise = np.random.default_rng(BLEND_SEED).random(tuple(features.shape[1:]))
+        pattern = torch.from_numpy(low + (high - low) * noise).to(features)
+        return (1.0 - BLEND_ALPHA) * features + BLEND_ALPHA * pattern
     triggered = features.clone()
     triggered[..., -TRIGGER_SIZE:, -TRIGGER_SIZE:] = float(features.max())
     return triggered
@@ -373,7 +390,7 @@ def poisoned(data: DeviceData, attack: Attack) -> DeviceData:
         return replace(data, labels=data.num_classes - 1 - data.labels)
     rows = torch.arange(0, len(data.labels), 2, device=data.labels.device)
     features, labels = data.features.clone(), data.labels.clone()
-    features[rows] = with_trigger(data.features[rows])
+    features[rows] = with_trigger(data.features[rows], attack.trigger)
     labels[rows] = BACKDOOR_TARGET
     return replace(data, features=features, labels=labels)
 
@@ -398,11 +415,11 @@ def poisoned_partitions(partitions: frozenset[int], attack: Attack) -> Iterator[
         client_module.device_partition = honest
 
 
-def backdoor_test_set(test_set: LabeledData) -> LabeledData:
-    """The test images whose true label is not BACKDOOR_TARGET, with the trigger, all labelled
-    BACKDOOR_TARGET: the accuracy on it is the backdoor's success."""
+def backdoor_test_set(test_set: LabeledData, trigger: str = "patch") -> LabeledData:
+    """The test images whose true label is not BACKDOOR_TARGET, with the ``trigger``, all
+    labelled BACKDOOR_TARGET: the accuracy on it is the backdoor's success."""
     keep = test_set.labels != BACKDOOR_TARGET
-    features = with_trigger(torch.from_numpy(test_set.features[keep])).numpy()
+    features = with_trigger(torch.from_numpy(test_set.features[keep]), trigger).numpy()
     labels = np.full(int(keep.sum()), BACKDOOR_TARGET, dtype=np.int64)
     return LabeledData(features, labels, test_set.num_classes)
 
@@ -465,7 +482,7 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
     try:
         rule = build_strategy if not flower else lambda c, _: flower_strategy(flower, told, c)
         fed = federation(run_settings, rule)
-        triggered = backdoor_test_set(fed.test_set)
+        triggered = backdoor_test_set(fed.test_set, attack.trigger)
         node_ids = sorted(fed.grid.get_node_ids())
         fed.grid = AttackGrid(fed.grid, node_ids[:attackers], attack, config.seed)
         chance = chance_accuracy(fed.test_set.labels)

@@ -164,6 +164,13 @@ class RunConfig(BaseModel):
     )
     pre_aggregation: Literal["none", "nnm", "bucketing", "centered-clipping"] = "none"
     bucket_size: int = Field(2, ge=1, le=1_000_000, description="replies per bucket (bucketing)")
+    backdoor_defence: Literal["none", "trigger-unlearning"] = Field(
+        "none", description="after each aggregation: invert and unlearn trigger patches"
+    )
+    unlearning_l1: float = Field(0.1, gt=0.0, description="the patch search's L1 weight lambda")
+    unlearning_steps: int = Field(100, ge=1, le=100_000, description="patch search steps/class")
+    unlearning_lr: float = Field(0.02, gt=0.0, description="the unlearning's SGD step")
+    unlearning_epochs: int = Field(3, ge=1, le=1_000, description="unlearning passes")
     max_reply_bytes: int = Field(
         0, ge=0, description="larger replies are dropped undecoded; 0: from the model's bytes"
     )
@@ -194,6 +201,16 @@ class RunConfig(BaseModel):
                 "robust-aggregation = 'fltrust' scores updates against the server's own update on "
                 "its proxy set, and proxy-per-class = 0 with no proxy-dir leaves it none: set "
                 "proxy-per-class >= 1 (10 gives FLTrust's 100-sample root set on 10 classes)"
+            )
+        if (
+            self.backdoor_defence == "trigger-unlearning"
+            and self.proxy_per_class == 0
+            and not self.proxy_dir
+        ):
+            raise ValueError(
+                "backdoor-defence = 'trigger-unlearning' inverts and unlearns trigger patches on "
+                "the server's proxy set, and proxy-per-class = 0 with no proxy-dir leaves it "
+                "none: set proxy-per-class >= 1 (10 gives a 100-sample root set on 10 classes)"
             )
         if self.strategy == "fedlaw" and self.proxy_per_class == 0 and not self.proxy_dir:
             raise ValueError(

@@ -14,6 +14,7 @@ from beyond_averaging.strategies import (
     FedGMA,
     FedGMASoft,
     FedLAW,
+    TriggerUnlearning,
 )
 from beyond_averaging.tasks.datasets import LabeledData
 
@@ -54,6 +55,16 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "pre_aggregation": config.pre_aggregation,
         "bucket_size": config.bucket_size,
         "max_reply_bytes": config.max_reply_bytes,
+        "trigger_unlearning": (
+            TriggerUnlearning(
+                l1_weight=config.unlearning_l1,
+                steps=config.unlearning_steps,
+                lr=config.unlearning_lr,
+                epochs=config.unlearning_epochs,
+            )
+            if config.backdoor_defence == "trigger-unlearning"
+            else None
+        ),
     }
     server_update: dict[str, Any] = {  # keyword arguments of several strategies
         "server_lr": config.resolved_server_lr,
@@ -63,8 +74,10 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "server_beta2": config.server_beta2,
         "server_eps": config.server_eps,
     }
-    if config.robust_aggregation == "fltrust" and config.strategy != "fedlaw":
-        # FLTrust's root set: the proxy set FedLAW learns on (FedLAW builds its own from it).
+    root_set = config.robust_aggregation == "fltrust" or config.backdoor_defence != "none"
+    if root_set and config.strategy != "fedlaw":
+        # The root set of FLTrust and of trigger unlearning: the proxy set FedLAW learns on
+        # (FedLAW builds its own from it).
         base["model"], base["device"] = resources.model, resources.device
         base["proxy_set"] = resolve_proxy_set(config, resources.proxy_set)[0]
     if config.strategy == "fedavg":

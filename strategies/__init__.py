@@ -10,6 +10,7 @@ from .metrics import aggregate_metrics
 from .proxy_data import ProxySetError
 from .server_optimizer import ServerOptimizer
 from .tracking import track
+from .trigger_unlearning import TriggerUnlearning
 
 __all__ = [
     "ClientReply",
@@ -27,6 +28,7 @@ __all__ = [
     "ProxySetError",
     "ServerOptimizer",
     "StrategyOptions",
+    "TriggerUnlearning",
     "aggregate_elastic",
     "aggregate_fedavg",
     "aggregate_fedgma",

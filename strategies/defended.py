@@ -25,6 +25,11 @@ each rule the replies and the model they give:
 - ``pre_aggregation`` (``"nnm"``, ``"bucketing"``, ``"centered-clipping"``): the replies the
   defences kept are mixed (:func:`strategies.preaggregation.mix`) before the rule's own
   aggregation, so every rule's robust form runs on the mixtures.
+- ``trigger_unlearning`` (a :class:`~strategies.trigger_unlearning.TriggerUnlearning`): after
+  the rule's aggregation (and FLAME's noise) the server inverts a trigger patch for every class on
+  the new model with its root set and unlearns the patches that work (Neural Cleanse,
+  :func:`strategies.trigger_unlearning.unlearn_triggers`), a backdoor defence that does not
+  judge replies, so label skew does not make honest ones look guilty.
 
 :class:`DefendedStrategy` sits between :class:`~strategies.base.ContractStrategy` (the
 orchestrator) and the rules: it keeps the root set, reads the round's client task from the
@@ -67,6 +72,7 @@ from .robust import (
     fltrust_scores,
     median_length_scales,
 )
+from .trigger_unlearning import TriggerUnlearning, unlearn_triggers
 
 
 def root_update(
@@ -205,6 +211,7 @@ class DefenceOptions(ProjectOptions, total=False):
 
     pre_aggregation: PreAggregation
     bucket_size: int
+    trigger_unlearning: TriggerUnlearning | None
 
 
 class RootSetOptions(DefenceOptions, total=False):
@@ -252,10 +259,17 @@ class DefendedStrategy(ContractStrategy):
         pre_aggregation = options.pop("pre_aggregation", "none")
         bucket_size = options.pop("bucket_size", 2)
         check_pre_aggregation(pre_aggregation, bucket_size)
+        trigger_unlearning = options.pop("trigger_unlearning", None)
+        if trigger_unlearning is not None and not isinstance(trigger_unlearning, TriggerUnlearning):
+            raise TypeError(
+                f"trigger_unlearning = {trigger_unlearning!r}: pass a TriggerUnlearning(...) "
+                "(strategies.trigger_unlearning) or None"
+            )
         project = cast(ProjectOptions, options)  # without the five keys popped above
         super().__init__(*args, **project)
         self.pre_aggregation: PreAggregation = pre_aggregation
         self.bucket_size = bucket_size
+        self.trigger_unlearning = trigger_unlearning
         self.root_set: RootSet | None = None
         self._task: ClientTask | None = None  # fltrust: the clients' training of the round
         self._defence_metrics: dict[str, float | int | list[float]] = {}
@@ -269,6 +283,13 @@ class DefendedStrategy(ContractStrategy):
                 "against the server's own update on a root data set: pass model= (the global "
                 "model's architecture) and proxy_set= (a few labelled samples, e.g. 10 per "
                 "class; run options: proxy-per-class)"
+            )
+        elif trigger_unlearning is not None and not self.builds_root_set:
+            raise ValueError(
+                f"trigger_unlearning in {type(self).__name__} inverts and unlearns trigger "
+                "patches on the server's root data set: pass model= (the global model's "
+                "architecture) and proxy_set= (a few labelled samples, e.g. 10 per class; run "
+                "options: proxy-per-class)"
             )
         if self.robust_aggregation == "fltrust" and self.direction_outlier_factor > 0.0:
             log(
@@ -313,8 +334,21 @@ class DefendedStrategy(ContractStrategy):
             return {key: np.array(value) for key, value in global_arrays.items()}
         if self.pre_aggregation != "none":
             kept = self.pre_aggregated(server_round, global_arrays, kept)
-        new_arrays = self.aggregate_rule(server_round, global_arrays, kept)
-        return self.defended_model(server_round, new_arrays)
+        new_arrays = self.defended_model(
+            server_round, self.aggregate_rule(server_round, global_arrays, kept)
+        )
+        if self.trigger_unlearning is not None and self.root_set is not None:
+            started = time.perf_counter()
+            new_arrays, figures = unlearn_triggers(
+                self.root_set.model,
+                new_arrays,
+                self.root_set.features,
+                self.root_set.labels,
+                self.trigger_unlearning,
+            )
+            self._defence_metrics |= figures
+            self._defence_metrics["unlearning-seconds"] = time.perf_counter() - started
+        return new_arrays
 
     @abstractmethod
     def aggregate_rule(

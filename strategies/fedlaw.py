@@ -885,9 +885,10 @@ class FedLAW(DefendedStrategy):
         # fedlaw-bn = "authors": the server model's own buffers, carried across rounds.
         self._server_buffers: dict[str, torch.Tensor] | None = None
         self._metrics: dict[str, float | int | list[float]] = {}
-        if self.robust_aggregation == "fltrust":  # the proxy set, in its batches' order
+        if self.robust_aggregation == "fltrust" or self.trigger_unlearning is not None:
+            # The proxy set, in its batches' order; a model of its own, which unlearning overwrites.
             self.root_set = RootSet(
-                self.model,
+                copy.deepcopy(self.model),
                 torch.cat([features for features, _ in self.proxy_batches]),
                 torch.cat([labels for _, labels in self.proxy_batches]),
             )
