@@ -282,7 +282,7 @@ ATTACKS: dict[str, Attack] = {
     "backdoor-claim": Attack(model=_to_clip_bound, num_examples=claim_bound, backdoor=True),
     # the best response to trigger unlearning, whose patch search favours small patches: a
     # trigger spread over the whole image (Chen et al. 2017's blended injection)
-    "backdoor-blend": Attack(model=_to_clip_bound, backdoor=True, trigger="blend"),
+    "backdoor-blended-trigger": Attack(model=_to_clip_bound, backdoor=True, trigger="blend"),
 }
 
 

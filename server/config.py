@@ -171,6 +171,12 @@ class RunConfig(BaseModel):
     unlearning_steps: int = Field(100, ge=1, le=100_000, description="patch search steps/class")
     unlearning_lr: float = Field(0.02, gt=0.0, description="the unlearning's SGD step")
     unlearning_epochs: int = Field(3, ge=1, le=1_000, description="unlearning passes")
+    server_noise_std: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="Gaussian noise on each new model (weak DP)"
+    )
+    flame_noise_lambda: float = Field(
+        0.001, ge=0.0, allow_inf_nan=False, description="FLAME's noise x the median update norm"
+    )
     max_reply_bytes: int = Field(
         0, ge=0, description="larger replies are dropped undecoded; 0: from the model's bytes"
     )

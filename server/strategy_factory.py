@@ -55,6 +55,8 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "pre_aggregation": config.pre_aggregation,
         "bucket_size": config.bucket_size,
         "max_reply_bytes": config.max_reply_bytes,
+        "server_noise_std": config.server_noise_std,
+        "flame_noise_lambda": config.flame_noise_lambda,
         "trigger_unlearning": (
             TriggerUnlearning(
                 l1_weight=config.unlearning_l1,

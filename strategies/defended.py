@@ -19,7 +19,8 @@ each rule the replies and the model they give:
 - ``"flame"`` (Nguyen et al., USENIX Security 2022): the majority cluster by cosine is kept by
   the base's selection step (:func:`strategies.robust.flame_selection`), every kept update and
   record is clipped at the round's median norm (``FLAME_CLIP_FACTOR`` in place of
-  ``update_clip_factor``), and Gaussian noise of standard deviation ``FLAME_NOISE_LAMBDA`` x the
+  ``update_clip_factor``), and Gaussian noise of standard deviation ``flame_noise_lambda``
+  (default ``FLAME_NOISE_LAMBDA``, the paper's 0.001 for images) x the
   median update norm is added to the rule's new model (:meth:`DefendedStrategy.defended_model`).
 
 - ``pre_aggregation`` (``"nnm"``, ``"bucketing"``, ``"centered-clipping"``): the replies the
@@ -212,6 +213,8 @@ class DefenceOptions(ProjectOptions, total=False):
     pre_aggregation: PreAggregation
     bucket_size: int
     trigger_unlearning: TriggerUnlearning | None
+    server_noise_std: float
+    flame_noise_lambda: float
 
 
 class RootSetOptions(DefenceOptions, total=False):
@@ -260,6 +263,15 @@ class DefendedStrategy(ContractStrategy):
         bucket_size = options.pop("bucket_size", 2)
         check_pre_aggregation(pre_aggregation, bucket_size)
         trigger_unlearning = options.pop("trigger_unlearning", None)
+        noise = {
+            "server_noise_std": options.pop("server_noise_std", 0.0),
+            "flame_noise_lambda": options.pop("flame_noise_lambda", FLAME_NOISE_LAMBDA),
+        }
+        for name, value in noise.items():
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"{name} = {value!r}: use a finite value >= 0 (0: no noise)")
+        self.server_noise_std = float(noise["server_noise_std"])
+        self.flame_noise_lambda = float(noise["flame_noise_lambda"])
         if trigger_unlearning is not None and not isinstance(trigger_unlearning, TriggerUnlearning):
             raise TypeError(
                 f"trigger_unlearning = {trigger_unlearning!r}: pass a TriggerUnlearning(...) "
@@ -415,13 +427,19 @@ class DefendedStrategy(ContractStrategy):
         return mixed
 
     def defended_model(self, server_round: int, arrays: NDArrayDict) -> NDArrayDict:
-        """The rule's new model; under ``flame`` with FLAME's Gaussian noise added (standard
-        deviation ``FLAME_NOISE_LAMBDA`` x the median update norm, drawn from the run's seed and
-        the round)."""
-        if self.robust_aggregation != "flame":
+        """The rule's new model plus Gaussian noise, drawn from the run's seed and the round:
+        under ``flame`` FLAME's, of standard deviation ``flame_noise_lambda`` x the median update
+        norm; and ``server_noise_std`` on top (weak differential privacy, Sun et al. 2019, with
+        ``update_clip_factor`` as the norm bound), independent noises adding in variance."""
+        std = self.server_noise_std
+        if self.server_noise_std > 0.0:
+            self._defence_metrics["server-noise-std"] = self.server_noise_std
+        if self.robust_aggregation == "flame":
+            flame_std = self.flame_noise_lambda * self._median_update
+            self._defence_metrics["flame-noise-std"] = flame_std
+            std = math.hypot(std, flame_std)
+        if std == 0.0:
             return arrays
-        std = FLAME_NOISE_LAMBDA * self._median_update
-        self._defence_metrics["flame-noise-std"] = std
         return flame_noise(arrays, std, (self.seed, server_round))
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:

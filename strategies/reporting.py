@@ -41,6 +41,8 @@ LISTED_VALUES = 8
 DEFENCE_FIELDS: RoundLogFields = {
     "fltrust-trust": ("trust", ".2f"),
     "flame-noise-std": ("FLAME noise std", ".3g"),
+    "unlearning-patches": ("trigger patches unlearned", "d"),
+    "unlearning-anomaly": ("anomaly index", ".1f"),
 }
 
 

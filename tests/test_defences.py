@@ -115,6 +115,38 @@ def test_flame_clips_the_kept_updates_at_their_median_norm_and_adds_lambda_scale
     assert abs(float(np.mean(noise))) < 1e-4
 
 
+@pytest.mark.parametrize(
+    ("options", "std"),
+    [
+        ({"server_noise_std": 0.01}, 0.01),
+        # FLAME's 0.005 x median 2 = 0.01 and weak DP's 0.02 add in variance: sqrt(5) x 0.01
+        (
+            {"robust_aggregation": "flame", "flame_noise_lambda": 0.005, "server_noise_std": 0.02},
+            math.sqrt(0.01**2 + 0.02**2),
+        ),
+    ],
+)
+def test_server_noise_is_added_to_the_new_model_with_the_configured_std(
+    options: dict[str, Any], std: float
+) -> None:
+    size = 20_000
+    direction = np.zeros(size)
+    direction[0] = 1.0
+    global_model = {"w": np.zeros(size, np.float32)}
+    models = [{"w": (norm * direction).astype(np.float32)} for norm in (1.0, 2.0, 2.0)]
+    strategy = FedAvg(**options, **BOUNDS_OFF)
+    strategy.global_arrays, strategy.reply_byte_limit = dict(global_model), 1 << 24
+    noise = aggregated(strategy, models)["w"][1:]  # every coordinate but the update's
+    assert np.std(noise) == pytest.approx(std, rel=0.05)
+    assert strategy.aggregation_metrics[1].get("server-noise-std") == options["server_noise_std"]
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf")])
+def test_a_negative_or_non_finite_noise_is_refused_naming_it(value: float) -> None:
+    with pytest.raises(ValueError, match=f"server_noise_std = {value}"):
+        FedAvg(server_noise_std=value)
+
+
 def test_flame_noise_is_drawn_from_the_run_seed_and_round_and_spares_integer_tensors() -> None:
     arrays = {"w": np.ones(1000, np.float32), "count": np.array(3, np.int64)}
     first = flame_noise(arrays, 0.5, (7, 3))
