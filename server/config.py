@@ -167,7 +167,9 @@ class RunConfig(BaseModel):
     backdoor_defence: Literal["none", "trigger-unlearning"] = Field(
         "none", description="after each aggregation: invert and unlearn trigger patches"
     )
-    unlearning_l1: float = Field(0.1, gt=0.0, description="the patch search's L1 weight lambda")
+    unlearning_l1: float = Field(
+        6.4, gt=0.0, description="the patch search's L1 weight on the share of the input it covers"
+    )
     unlearning_steps: int = Field(100, ge=1, le=100_000, description="patch search steps/class")
     unlearning_lr: float = Field(0.02, gt=0.0, description="the unlearning's SGD step")
     unlearning_epochs: int = Field(3, ge=1, le=1_000, description="unlearning passes")

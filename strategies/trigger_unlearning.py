@@ -5,7 +5,7 @@ Wang et al., "Neural Cleanse: Identifying and Mitigating Backdoor Attacks in Neu
 class c the smallest input patch that sends clean inputs to c is found: a mask m in [0, 1] over
 the input's positions and a pattern p, inputs x' = (1 - m) x + m p, minimising
 
-    CE(f(x'), c) + lambda ||m||_1                                        (Neural Cleanse, eq. 3)
+    CE(f(x'), c) + lambda ||m||_1 / P                       (Neural Cleanse, eq. 3; P below)
 
 over the clean inputs of other classes. A class a backdoor targets has a much smaller such patch
 than the others; their anomaly index is the MAD-scaled distance of the smallest ||m||_1 below the
@@ -24,7 +24,10 @@ model has learned, which is what inversion reads. What differs from the paper, a
   root set, so every patch that works is unlearned, every round; on an honest model that is a
   small adversarial fine-tuning on balanced data (its cost is in the honest rows of the tables).
 - The paper's Adam-with-schedule search for lambda is replaced by a fixed lambda
-  (``l1_weight``) and step count: a round must take a bounded time.
+  (``l1_weight``) and step count: a round must take a bounded time. So that one lambda fits
+  inputs of any size, the L1 norm is divided by the number of positions the mask covers, P
+  (64 on 8 x 8 digits, 784 on 28 x 28 images): lambda weighs the share of the input the patch
+  covers, not its pixel count.
 - The model is fine-tuned in ``eval()`` mode, so normalisation statistics stay those the
   federation computed; every parameter is trained.
 
@@ -61,7 +64,8 @@ class TriggerUnlearning:
     Parameters
     ----------
     l1_weight : float
-        lambda of the inversion objective: larger finds smaller patches.
+        lambda of the inversion objective, on the share of the input's positions the mask
+        covers (||m||_1 / P): larger finds smaller patches.
     steps : int
         Adam steps of the inversion per class.
     lr : float
@@ -73,7 +77,7 @@ class TriggerUnlearning:
         inputs to its class.
     """
 
-    l1_weight: float = 0.1
+    l1_weight: float = 6.4
     steps: int = 100
     lr: float = 0.02
     epochs: int = 3
@@ -138,6 +142,7 @@ def invert_trigger(
     mask_logit.requires_grad_(True)
     pattern_logit.requires_grad_(True)
     optimizer = torch.optim.Adam([mask_logit, pattern_logit], lr=INVERSION_LR)
+    per_position = options.l1_weight / mask_logit.numel()
     wanted = torch.full((len(others),), target, dtype=torch.long, device=features.device)
 
     def patch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +151,7 @@ def invert_trigger(
     for _ in range(options.steps):
         mask, pattern = patch()
         logits = model((1.0 - mask) * others + mask * pattern)
-        loss = CROSS_ENTROPY(logits, wanted) + options.l1_weight * mask.sum()
+        loss = CROSS_ENTROPY(logits, wanted) + per_position * mask.sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

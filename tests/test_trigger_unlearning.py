@@ -97,7 +97,7 @@ def test_the_patch_search_puts_the_target_class_patch_on_the_planted_trigger(
     backdoored: nn.Module,
 ) -> None:
     root, root_labels = bars(60, seed=3)
-    options = TriggerUnlearning(l1_weight=0.05, steps=200)
+    options = TriggerUnlearning(l1_weight=1.8, steps=200)
     found = invert_trigger(backdoored, root, root_labels, 0, options)
     assert found.success > 0.9
     corner = float(found.mask[-2:, -2:].sum())
@@ -120,7 +120,7 @@ def test_unlearning_removes_the_planted_backdoor_and_keeps_clean_accuracy(
         root,
         root_labels,
         # A backdoor trained in for 300 steps takes more passes than one round's re-injection.
-        TriggerUnlearning(l1_weight=0.05, epochs=20),
+        TriggerUnlearning(l1_weight=1.8, epochs=20),
     )
     scratch.load_state_dict({key: torch.from_numpy(value) for key, value in cleaned.items()})
     others = test[test_labels != 0]
