@@ -49,16 +49,16 @@ from benchmarks.harness import (
     RunOutcome,
     clean_log,
     command,
-    hardware,
     save,
 )
-from benchmarks.report import markdown_table, read_metrics
 from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.deploy import CONNECTION, LocalDeployment
 from beyond_averaging.server.flower_release import CLIENTAPP_EXECUTORS, FlowerRelease
 from beyond_averaging.server.launch import LaunchError, run_config_argument
+from beyond_averaging.server.provenance import hardware_line
+from beyond_averaging.server.sweep_report import markdown_table, read_metrics
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
@@ -940,7 +940,7 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         "command": command("deployment"),
         "flwr": release.version,
         "transport": "gRPC" if release.transport == "grpc" else "HTTP",
-        "machine": hardware(),
+        "machine": hardware_line(),
         "cpus": os.cpu_count(),
         "load": f"mean {min(loads):.1f} to {max(loads):.1f} per run" if loads else "-",
         "nodes": args.nodes,

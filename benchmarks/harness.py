@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -39,21 +38,6 @@ from beyond_averaging.tasks.federation import load_server_splits
 from beyond_averaging.tasks.models import build_model
 
 MIB = float(1 << 20)
-
-
-def hardware() -> str:
-    """The machine in one line: CPU model, cores this process may use, GPU, torch, Python."""
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [line for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        model = names[0].split(":", 1)[1].strip() if names else model
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{model}, {cores} cores visible, {gpu}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}"
-    )
 
 
 def interpreter() -> str:

@@ -19,19 +19,19 @@ from benchmarks.harness import (
     PeakSampler,
     command,
     descendants,
-    hardware,
     peak_rss_sampler,
     process_table,
     save,
     status_bytes,
 )
-from benchmarks.report import markdown_table, read_metrics
 from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.deploy import LocalDeployment
 from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import LaunchError
+from beyond_averaging.server.provenance import hardware_line
+from beyond_averaging.server.sweep_report import markdown_table, read_metrics
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
 
@@ -242,7 +242,7 @@ def main() -> None:
         "command": command("load"),
         "flwr": release.version,
         "transport": release.transport,
-        "machine": hardware(),
+        "machine": hardware_line(),
         "cpus": os.cpu_count(),
         "memory-gib": round(status_bytes("MemTotal", path="/proc/meminfo") / 2**30, 1),
         "superlink-state": "an SQLite file" if args.state == "file" else "memory",

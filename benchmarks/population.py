@@ -26,11 +26,9 @@ from benchmarks.harness import (
     PeakSampler,
     command,
     descendants,
-    hardware,
     process_table,
     tree_cpu,
 )
-from benchmarks.report import markdown_table, read_metrics, shown
 from benchmarks.spec import REPO
 from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
 from beyond_averaging.server.launch import (
@@ -39,7 +37,9 @@ from beyond_averaging.server.launch import (
     run_config_argument,
     stop_process_tree,
 )
+from beyond_averaging.server.provenance import hardware_line
 from beyond_averaging.server.recorder import FINISHED_STATUSES
+from beyond_averaging.server.sweep_report import markdown_table, read_metrics, shown
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.tasks.synthetic import device_size
 
@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)  # the hardware line then names the runs' threads
         saved = {
             "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
-            "hardware": hardware(),
+            "hardware": hardware_line(),
             "load": [load_before[0], os.getloadavg()[0]],
             "command": command("population", argv),
             "sampled": args.sampled,

@@ -33,18 +33,18 @@ from benchmarks.harness import (
     Stopwatch,
     command,
     federation,
-    hardware,
     reset_peak_rss,
     save,
     status_bytes,
 )
-from benchmarks.report import markdown_table, shown
 from benchmarks.spec import REPO
 from beyond_averaging.client.sensitivity import compute_sensitivity, to_upload
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.inprocess import FIRST_NODE_ID
+from beyond_averaging.server.provenance import hardware_line
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.server.sweep_report import markdown_table, shown
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
 from beyond_averaging.tasks.batching import shuffled_batches
@@ -444,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # machine (spin-waits count).
     text = (
         f"Command: `{command('systems', argv)}`\n\n"
-        + f"Machine: {hardware()}. Server figures: {options.clients} clients of an MLP "
+        + f"Machine: {hardware_line()}. Server figures: {options.clients} clients of an MLP "
         f"{'-'.join(map(str, BIG_LAYERS))} ({parameters:,} parameters, {model_bytes / MIB:.1f} "
         f"MiB float32), median of {options.repeats} (FedLAW: 1 run, {options.fedlaw_epochs} "
         f"server epochs). Wall time of this benchmark: {clock.wall:.0f} s.\n\n"
@@ -460,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{setting['sensitivity-pass-seconds']:.3f} s.\n\n" + client_table(clients)
         )
     raw: dict[str, Any] = {"server": [asdict(f) for f in server], "client-setting": setting}
-    raw |= {"client-seconds": clients, "parameters": parameters, "hardware": hardware()}
+    raw |= {"client-seconds": clients, "parameters": parameters, "hardware": hardware_line()}
     save("systems", options.page, text, raw, options.publish)
     return 0
 
