@@ -33,9 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -43,14 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import (
-    MIB,
-    PeakSampler,
-    RunOutcome,
-    clean_log,
-    command,
-    save,
-)
+from benchmarks.harness import RunOutcome, clean_log, command, save
 from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
@@ -58,6 +49,14 @@ from beyond_averaging.server.deploy import CONNECTION, LocalDeployment
 from beyond_averaging.server.flower_release import CLIENTAPP_EXECUTORS, FlowerRelease
 from beyond_averaging.server.launch import LaunchError, run_config_argument
 from beyond_averaging.server.provenance import hardware_line
+from beyond_averaging.server.resources import (
+    KINDS,
+    MIB,
+    PeakSampler,
+    ProcessWatch,
+    cpu_seconds_by,
+    kinds_of,
+)
 from beyond_averaging.server.sweep_report import markdown_table, read_metrics
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
 from beyond_averaging.tasks.models import build_model
@@ -88,153 +87,6 @@ APPS = {"project": "this project's app", "quickstart": "Flower's quickstart"}
 #: Hidden width of this project's MLP (tasks/models.py), which the quickstart's copy trains too;
 #: :func:`check_same_model` holds the copy to the project's model, shape by shape.
 HIDDEN = 200
-
-# ------------------------------------------------------------------------------ process table
-#: ``comm`` of each Flower process (Linux keeps the first 15 characters of the script's name).
-COMM_KINDS = {
-    "ba-supernode": "supervisor",
-    "ba-warm-exec": "warm-executor",
-    "ba-clientapp": "clientapp",
-    "flower-superlin": "superlink",
-    "flwr-serverapp": "serverapp",
-    "flower-supernod": "supernode",
-    "flower-superexe": "superexec",
-    "flwr-clientapp": "clientapp",
-    "flwr": "flwr-run",
-}
-#: Every kind of process, in the page's order, with its name there.
-KINDS = {
-    "superlink": "SuperLink",
-    "superexec-server": "SuperExec (starts the ServerApp)",
-    "serverapp": "ServerApp",
-    "supernode": "SuperNode",
-    "superexec-node": "SuperExec (starts ClientApps)",
-    "supervisor": "`ba-supernode` (restarts the SuperNode and the warm executor)",
-    "warm-executor": "warm executor (forks ClientApps)",
-    "clientapp": "ClientApp",
-    "flwr-run": "`flwr run` (the user's CLI)",
-    "benchmark": "this benchmark (its sampling of /proc)",
-    "other": "other processes below the benchmark",
-    "unseen": "processes that ended between two samples",
-}
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    """The fields of one ``/proc/<pid>/stat`` line that the benchmark reads.
-
-    Times are in clock ticks (``SC_CLK_TCK``), ``rss_pages`` in pages.
-    """
-
-    pid: int
-    comm: str
-    state: str
-    ppid: int
-    cpu_ticks: int  # utime + stime: the process's own CPU, all its threads
-    children_ticks: int  # cutime + cstime: of the children it has reaped (waited for)
-    start_ticks: int  # starttime: since boot
-    rss_pages: int
-
-
-def parse_stat(line: str) -> ProcStat:
-    """One ``/proc/<pid>/stat`` line (proc(5)). ``comm`` may hold spaces and parentheses, so the
-    fields are counted from the last ``)``."""
-    head, _, rest = line.rpartition(")")
-    pid, _, comm = head.partition(" (")
-    fields = rest.split()  # fields[0] is field 3 (state) of proc(5)
-    return ProcStat(
-        pid=int(pid),
-        comm=comm,
-        state=fields[0],
-        ppid=int(fields[1]),
-        cpu_ticks=int(fields[11]) + int(fields[12]),
-        children_ticks=int(fields[13]) + int(fields[14]),
-        start_ticks=int(fields[19]),
-        rss_pages=int(fields[21]),
-    )
-
-
-def read_stat(pid: int) -> ProcStat | None:
-    """The stat of a process, or None once it has been reaped."""
-    try:
-        return parse_stat((Path("/proc") / str(pid) / "stat").read_text(encoding="utf-8"))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-@dataclass
-class Tracked:
-    """One process below the benchmark, as sampled.
-
-    ``first`` is its reading when the window opened (``at_start``) or when it was first seen;
-    ``last`` its latest (a zombie still reads: its final times); ``ended`` once it was reaped.
-    """
-
-    first: ProcStat
-    last: ProcStat
-    at_start: bool
-    peak_rss_pages: int = 0
-    ended: bool = False
-
-    @property
-    def own_ticks(self) -> int:
-        """CPU ticks of the process itself within the window."""
-        return self.last.cpu_ticks - (self.first.cpu_ticks if self.at_start else 0)
-
-    @property
-    def reaped_ticks(self) -> int:
-        """CPU ticks of the children it reaped within the window (the kernel's exact sum)."""
-        return self.last.children_ticks - (self.first.children_ticks if self.at_start else 0)
-
-
-def kinds_of(processes: Mapping[int, Tracked], root: int | None = None) -> dict[int, str]:
-    """The kind of every process: by its ``comm``, a SuperExec by whom it serves (its parent);
-    ``root`` is the benchmark's own process."""
-    kinds: dict[int, str] = {root: "benchmark"} if root is not None and root in processes else {}
-
-    def kind(pid: int) -> str:
-        if pid not in kinds:
-            found = COMM_KINDS.get(processes[pid].last.comm, "other")
-            if found == "superexec":
-                parent = processes[pid].last.ppid
-                above = kind(parent) if parent in processes else "other"
-                found = "superexec-server" if above == "superlink" else "superexec-node"
-            kinds[pid] = found
-        return kinds[pid]
-
-    for pid in processes:
-        kind(pid)
-    return kinds
-
-
-def cpu_seconds_by_kind(
-    processes: Mapping[int, Tracked], ticks_per_second: float, root: int | None = None
-) -> tuple[dict[str, float], dict[str, float]]:
-    """CPU seconds of each kind of process within the window, and the part of it that only the
-    parents' reaped-children times show.
-
-    Each process counts its own ticks at its last reading. A process reaped within the window
-    may have run after its last reading (at most one interval); its parent's
-    ``cutime + cstime`` holds its exact total, so the parent's reaped ticks minus the last
-    readings of the children seen to end are added to those children's kind (to ``unseen``
-    when no ended child of that parent was seen: every child lived less than an interval).
-    """
-    kinds = kinds_of(processes, root)
-    seconds = dict.fromkeys(KINDS, 0.0)
-    recovered = dict.fromkeys(KINDS, 0.0)
-    for pid, process in processes.items():
-        seconds[kinds[pid]] += process.own_ticks / ticks_per_second
-    for pid, parent in processes.items():
-        children = [c for c, p in processes.items() if p.last.ppid == pid and p.ended]
-        seen = sum(processes[c].own_ticks + processes[c].reaped_ticks for c in children)
-        missed = parent.reaped_ticks - seen
-        if missed <= 0:
-            continue  # a child's last reading came after its parent's: nothing was missed
-        kind = Counter(kinds[c] for c in children).most_common(1)[0][0] if children else "unseen"
-        seconds[kind] += missed / ticks_per_second
-        recovered[kind] += missed / ticks_per_second
-    return seconds, recovered
-
 
 #: What a SuperNode logs when a train instruction reaches it (flwr 1.39 to 1.42).
 RECEIVED_TRAIN = "Receiving: train message"
@@ -274,120 +126,6 @@ class LogWatch:
             *lines, self.partial[key] = (self.partial[key] + chunk).split(b"\n")
             marker = self.marker.encode()
             self.seen[key] += [now for line in lines if marker in line]
-
-
-class ProcessWatch:
-    """This process (``root``) and every process below it, sampled from ``/proc``.
-
-    :meth:`sample` reads the stat of each known process (parents before children: a child
-    reaped during the sample is then in its parent's reaped times, or read by itself), finds new
-    ones by their parent, and returns the resident bytes of each SuperNode with everything
-    below it (``node-<pid>``), for :class:`benchmarks.harness.PeakSampler`.
-    """
-
-    def __init__(self, root: int) -> None:
-        self.root = root
-        self.processes: dict[int, Tracked] = {}
-        self.foreign: set[int] = set()
-        #: The SuperNodes' logs, read at every sample for the train instructions they receive.
-        self.receipts: LogWatch | None = None
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        #: The process the deployment started for each SuperNode (see :meth:`node_of`).
-        self.node_roots: set[int] = set()
-        self.pss_read = 0.0
-        self.load: list[float] = []
-        self.samples = 0
-
-    def open_window(self) -> None:
-        """Count from now: the processes alive now count their times from this reading."""
-        self.processes, self.foreign, self.load, self.samples = {}, set(), [], 0
-        self.sample()
-        for process in self.processes.values():
-            process.at_start = True
-
-    def _depth(self, pid: int) -> int:
-        depth = 0
-        while pid in self.processes and pid != self.root and depth < 64:
-            pid, depth = self.processes[pid].last.ppid, depth + 1
-        return depth
-
-    def sample(self) -> dict[str, float]:
-        """One reading of every process (and of the logs); the SuperNodes' memory now."""
-        self.samples += 1
-        for pid in sorted(self.processes, key=self._depth):
-            process = self.processes[pid]
-            if process.ended:
-                continue
-            stat = read_stat(pid)
-            if stat is None or stat.start_ticks != process.first.start_ticks:
-                process.ended = True  # reaped (a new process under an old pid is another)
-                continue
-            if stat.comm != process.last.comm:  # it exec'd: its parent's pages are gone
-                process.peak_rss_pages = 0
-            process.last = stat
-            process.peak_rss_pages = max(process.peak_rss_pages, stat.rss_pages)
-        listed = {int(name) for name in os.listdir("/proc") if name.isdigit()}
-        self.foreign &= listed  # a pid that went away may come back as one of ours
-        fresh = sorted(listed - self.foreign - self.processes.keys())
-        found = True
-        while found:  # a child may be listed before its parent
-            found = False
-            for pid in fresh:
-                if pid in self.processes:
-                    continue
-                stat = read_stat(pid)
-                if stat is not None and (pid == self.root or stat.ppid in self.processes):
-                    self.processes[pid] = Tracked(stat, stat, False, stat.rss_pages)
-                    found = True
-        # Not below the benchmark: read once, not again while the pid stays taken. A process
-        # forked by ours is ours from its birth (its parent is known before it is listed).
-        self.foreign |= {pid for pid in fresh if pid not in self.processes}
-        self.load.append(os.getloadavg()[0])
-        if self.receipts is not None:
-            self.receipts.read()
-        return self.node_memory()
-
-    def node_of(self, pid: int) -> int | None:
-        """The node a process runs under: the process the deployment started for that
-        SuperNode (a bare SuperNode, or ``ba-supernode`` with the SuperNode and the warm
-        executor below it), or None."""
-        while pid in self.processes and pid != self.root:
-            if pid in self.node_roots:
-                return pid
-            pid = self.processes[pid].last.ppid
-        return None
-
-    def node_memory(self) -> dict[str, float]:
-        """Memory now of each node with its live processes: resident bytes (``rss-<pid>``)
-        and, at most once a second, proportional bytes (``pss-<pid>``, Linux ``Pss``: a page
-        shared by k processes counts 1/k to each). A forked ClientApp shares most of its
-        pages with the warm parent, which RSS counts twice and PSS once."""
-        memory: dict[str, float] = {}
-        read_pss = time.monotonic() - self.pss_read >= 1.0
-        for pid, process in self.processes.items():
-            node = self.node_of(pid)
-            if node is None or process.ended:
-                continue
-            memory[f"rss-{node}"] = (
-                memory.get(f"rss-{node}", 0.0) + process.last.rss_pages * self.page
-            )
-            if read_pss:
-                memory[f"pss-{node}"] = memory.get(f"pss-{node}", 0.0) + pss_bytes(pid)
-        if read_pss:
-            self.pss_read = time.monotonic()
-        return memory
-
-
-def pss_bytes(pid: int) -> float:
-    """A process's proportional set size (``/proc/<pid>/smaps_rollup``), 0 once it ended."""
-    try:
-        rollup = (Path("/proc") / str(pid) / "smaps_rollup").read_text(encoding="utf-8")
-    except OSError:
-        return 0.0
-    for line in rollup.splitlines():
-        if line.startswith("Pss:"):
-            return float(line.split()[1]) * 1024
-    return 0.0
 
 
 # --------------------------------------------------------------------------- the quickstart copy
@@ -573,19 +311,25 @@ def measure(
     )
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
     row["executor"] = executor if project else "flower-subprocess"
-    watch = ProcessWatch(os.getpid())
+    watch, load = ProcessWatch(os.getpid()), []
     try:
         deployment.start()
         for partition in range(nodes):
             deployment.start_supernode(partition, nodes, supervised=project)
         deployment.wait_for_nodes(nodes, timeout=max(120.0, 10.0 * nodes))
-        watch.node_roots = {node.process.pid for node in deployment.supernodes}
+        watch.groups = {node.process.pid: str(node.process.pid) for node in deployment.supernodes}
         run_settings = {**WORK, "num-server-rounds": rounds, "num-clients": nodes}
         run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
         logs = {node.process.pid: node.log_path for node in deployment.supernodes}
-        watch.receipts = LogWatch(logs, RECEIVED_TRAIN)
+        receipts = LogWatch(logs, RECEIVED_TRAIN)
+
+        def sample() -> dict[str, float]:  # the processes, the logs and the load, each sample
+            receipts.read()
+            load.append(os.getloadavg()[0])
+            return watch.sample()
+
         watch.open_window()
-        with PeakSampler(watch.sample, interval=interval) as sampler:
+        with PeakSampler(sample, interval=interval) as sampler:
             started = time.monotonic()
             if app == "project":
                 run_dir = deployment.run(run_settings, timeout=timeout)
@@ -603,7 +347,7 @@ def measure(
                 raise LaunchError(f"the quickstart did not complete: {outcome.tail(3000)}")
             evaluated = outcome.final_metrics("ServerApp-side Evaluate Metrics")
             row["final-accuracy"] = round(evaluated[max(evaluated)]["accuracy"], 4)
-        row.update(figures(watch, sampler.peaks, rounds))
+        row.update(figures(watch, sampler.peaks, rounds, receipts.seen, load))
         row["status"] = "completed"
     except (LaunchError, OSError, KeyError, ValueError) as error:
         row["status"] = "failed"
@@ -613,14 +357,21 @@ def measure(
     return row
 
 
-def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -> dict[str, Any]:
-    """The figures of one run from its process watch and the SuperNodes' peak memory."""
+def figures(
+    watch: ProcessWatch,
+    node_peaks: Mapping[str, float],
+    rounds: int,
+    receipts: Mapping[int, Sequence[float]],
+    load: Sequence[float],
+) -> dict[str, Any]:
+    """The figures of one run from its process watch, the SuperNodes' peak memory, the times
+    each node received a train instruction and the load averages sampled."""
     ticks = float(os.sysconf("SC_CLK_TCK"))
     processes = watch.processes
-    seconds, recovered = cpu_seconds_by_kind(processes, ticks, watch.root)
     kinds = kinds_of(processes, watch.root)
+    seconds, recovered = cpu_seconds_by(processes, kinds, ticks)
+    seconds = {kind: seconds.get(kind, 0.0) for kind in KINDS}
     clientapps = [pid for pid, kind in kinds.items() if kind == "clientapp"]
-    receipts = {} if watch.receipts is None else watch.receipts.seen
     intervals = round_intervals(receipts, rounds)
     peak_rss = dict.fromkeys(KINDS, 0.0)
     for pid, process in processes.items():
@@ -643,10 +394,7 @@ def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -
         "node-peak-pss-mb": (
             round(statistics.fmean(proportional) / MIB, 1) if proportional else None
         ),
-        "load-average": [
-            round(value, 1)
-            for value in (min(watch.load), statistics.fmean(watch.load), max(watch.load))
-        ],
+        "load-average": [round(v, 1) for v in (min(load), statistics.fmean(load), max(load))],
         "samples": watch.samples,
     }
 

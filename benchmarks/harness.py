@@ -12,7 +12,6 @@ import re
 import shlex
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,14 +29,13 @@ from beyond_averaging.client.app import app as client_app
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
 from beyond_averaging.server.inprocess import InProcessGrid
+from beyond_averaging.server.resources import PeakSampler
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.server.watch import strip_ansi
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate
 from beyond_averaging.tasks.federation import load_server_splits
 from beyond_averaging.tasks.models import build_model
-
-MIB = float(1 << 20)
 
 
 def interpreter() -> str:
@@ -142,47 +140,6 @@ def tree_cpu(root: int) -> float:
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
     return total / os.sysconf("SC_CLK_TCK")
-
-
-class PeakSampler:
-    """Samples ``measure()`` (named figures) on a thread every ``interval`` s; keeps each peak.
-
-    ``peaks`` holds the largest value of each figure since the start; :meth:`mark` closes a
-    phase and returns each figure's largest value since the previous mark. Use it as a context
-    manager (sampling stops, with a last sample, when the block is left).
-    """
-
-    def __init__(self, measure: Callable[[], Mapping[str, float]], interval: float) -> None:
-        self.measure, self.interval = measure, interval
-        self.peaks: dict[str, float] = dict(measure())
-        self._phase = dict(self.peaks)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        for name, value in self.measure().items():
-            self.peaks[name] = max(self.peaks.get(name, value), value)
-            self._phase[name] = max(self._phase.get(name, value), value)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.interval)
-
-    def mark(self) -> dict[str, float]:
-        """The largest value of each figure since the previous mark (or the start)."""
-        self._sample()
-        phase, self._phase = self._phase, dict(self.measure())
-        return phase
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
 
 
 @dataclass

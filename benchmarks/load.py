@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import (
-    MIB,
-    PeakSampler,
     command,
     descendants,
     peak_rss_sampler,
@@ -31,6 +29,7 @@ from beyond_averaging.server.deploy import LocalDeployment
 from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import LaunchError
 from beyond_averaging.server.provenance import hardware_line
+from beyond_averaging.server.resources import MIB, PeakSampler
 from beyond_averaging.server.sweep_report import markdown_table, read_metrics
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.partition_cache import CACHE_ENV

@@ -21,14 +21,7 @@ from typing import Any
 import torch
 from flwr.clientapp import ClientApp
 
-from benchmarks.harness import (
-    MIB,
-    PeakSampler,
-    command,
-    descendants,
-    process_table,
-    tree_cpu,
-)
+from benchmarks.harness import command, descendants, process_table, tree_cpu
 from benchmarks.spec import REPO
 from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
 from beyond_averaging.server.launch import (
@@ -39,6 +32,7 @@ from beyond_averaging.server.launch import (
 )
 from beyond_averaging.server.provenance import hardware_line
 from beyond_averaging.server.recorder import FINISHED_STATUSES
+from beyond_averaging.server.resources import MIB, PeakSampler
 from beyond_averaging.server.sweep_report import markdown_table, read_metrics, shown
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.tasks.synthetic import device_size

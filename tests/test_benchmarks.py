@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.harness import PeakSampler, Stopwatch, status_bytes
+from benchmarks.harness import Stopwatch, status_bytes
 from benchmarks.spec import REPO, load_spec
 from benchmarks.systems import FLOWER, ServerFigure, client_table, server_table
 from beyond_averaging.server.diagnostics_figures import critical_point, plot_diagnostics
+from beyond_averaging.server.resources import PeakSampler
 from beyond_averaging.server.runs import read_metrics
 from beyond_averaging.server.sweep_report import band, mean_sd, seed_sd
 
