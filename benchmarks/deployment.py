@@ -1,22 +1,9 @@
-"""A deployed round of this project's app beside Flower's quickstart app, on the same work.
-
-For each app, one local deployment (a SuperLink and N SuperNodes as processes on loopback,
-insecure, state in memory: :class:`tests.deploy_helpers.LocalDeployment`) runs R rounds of
-FedAvg on digits with the same MLP, local epochs, batch size, learning rate and momentum; every
-node trains every round and no client evaluates. The apps alternate (A B, then B A, ...) so
-that both share the machine's noise, and the ratios are taken within each repeat.
-
-- App A: this project's app, as ``flwr run`` ships it (the repository's FAB).
-- App B: Flower's quickstart (``tests/apps/quickstart``, Flower's examples/quickstart-pytorch),
-  copied at run time with a ``task.py`` that trains the same MLP on the same digits partitions
-  (:func:`quickstart_copy`; the page prints the diff). Its ``server_app.py`` and
-  ``client_app.py`` are Flower's, unchanged: Flower's FedAvg, a DataLoader loop.
-
-Measured from outside, the same way for both apps, by sampling ``/proc`` every ``--interval``
-seconds (:class:`ProcessWatch`): every process below this one (SuperLink, the SuperExec that
-starts the ServerApp, the ServerApp, each SuperNode, the SuperExec that starts its ClientApps,
-every ClientApp, ``flwr run``); see the page's "Method" for what that misses. docs/deployment.md
-("Deployment figures") gives the headline and the command.
+"""A deployed round of this project's app beside Flower's quickstart app, on the same work: one
+local deployment per app and repeat (:class:`server.deploy.LocalDeployment`), apps alternating,
+every process sampled from ``/proc`` (:mod:`server.resources`). The quickstart is
+``tests/apps/quickstart`` with a ``task.py`` that trains this project's MLP on its partitions
+(:func:`quickstart_copy`). docs/deployment.md ("Deployment figures") gives the method, the
+headline and the command.
 """
 
 from __future__ import annotations
@@ -582,7 +569,13 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     head += " | ClientApp processes | peak RSS per node (MB) | load average min / mean / max"
     head += " | status"
     lines += [markdown_table(head.split(" | "), run_cells)]
-    lines += METHOD.format(interval=meta["interval"]).splitlines()
+    lines += [
+        "## Method",
+        "",
+        f"Every process sampled from `/proc` every {meta['interval']} s; what each figure counts, "
+        "and what it misses: "
+        "[deployment](../deployment.md#how-the-deployment-figures-are-measured).",
+    ]
     lines += [
         "",
         "## What the quickstart copy changes",
@@ -605,51 +598,6 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-METHOD = """## Method
-
-- **Seconds per round**: the same for both apps, from the SuperNodes' logs, read at every
-  sample: a round starts when the first SuperNode logs that it received that round's train
-  instruction (`Receiving: train message`, timed to the sample), and lasts until the next
-  round starts (so R rounds give R - 1 figures: local training, uploads, aggregation, the
-  server's evaluation, the next round's instructions and the polling between). This project's
-  own `round-seconds` (metrics.jsonl) are in the JSON beside the page for comparison.
-- **ClientApp processes**: a SuperNode starts one per instruction, and one more whenever a
-  started one missed its heartbeat (Flower then invalidates its token: "Runtime task-token
-  authentication failed" in the SuperNode's log); on a loaded machine a ClientApp still
-  importing torch can miss it. ClientApp CPU per train instruction includes such restarts.
-- **CPU per round**: every process below the benchmark (SuperLink, the SuperExec that starts
-  the ServerApp, the ServerApp, each SuperNode, the SuperExec that starts its ClientApps, every
-  ClientApp, `flwr run`, and the benchmark itself), sampled every {interval} s from
-  `/proc/<pid>/stat` (utime + stime, all threads), from the moment `flwr run` starts until it
-  ends, divided by the rounds; a process that was alive when the window opened counts from
-  its reading then. A process is assigned its kind by its executable's name (`comm`), a
-  SuperExec by its parent. Short-lived ClientApp processes are read until they are reaped: one
-  that has exited stays a zombie, whose stat holds its final times, until its SuperExec
-  starts the next one. **Blind spot**, and its fix: a process reaped between two samples may
-  have run after its last reading (at most one interval). Its parent's reaped-children times
-  (cutime + cstime, exact) minus the last readings of the children seen to end are added to
-  those children's kind ("cpu-from-reaped-times" in the JSON says how much that was). Not
-  counted: CPU of processes outside the benchmark's tree (the kernel's own work for the
-  network and the disk, other jobs), and the deployment's CPU before and after the run (its
-  idle polling: about a SuperNode's figure per round, which both apps share).
-- **Startup is in the figure**: CPU per round is the whole run's CPU over its rounds, so the
-  ServerApp's start and `flwr run` (building and uploading the FAB) are spread over the
-  rounds.
-- **Memory**: the resident set (`/proc/<pid>/stat` rss) at each sample. Per node: the largest
-  sum over a node's processes at one sample (this project's: `ba-supernode`, the SuperNode,
-  the warm executor and the ClientApp(s) forked from it; the quickstart's: the SuperNode, its
-  SuperExec and ClientApp(s)), the mean over the nodes; per kind: the largest single process
-  of that kind. A forked ClientApp shares the pages of its warm parent, which the summed RSS
-  counts twice; the proportional set size (`Pss` of `/proc/<pid>/smaps_rollup`, read once a
-  second: a page shared by k processes counts 1/k to each) counts them once.
-- **Executors**: this project's app runs as docs/deployment.md deploys it, every SuperNode
-  under `ba-supernode` with the executor named in the page's command (`--executor`, warm by
-  default: ClientApps forked from one pre-imported process); the quickstart runs as Flower
-  runs it, bare `flower-supernode` processes with Flower's subprocess isolation (a new
-  `flwr-clientapp` Python per message).
-"""
 
 
 def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:

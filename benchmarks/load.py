@@ -6,6 +6,7 @@ per SuperLink") says what is measured and gives the commands.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import tempfile
@@ -16,9 +17,7 @@ from typing import Any
 
 from benchmarks.harness import (
     command,
-    descendants,
     peak_rss_sampler,
-    process_table,
     save,
     status_bytes,
 )
@@ -29,7 +28,7 @@ from beyond_averaging.server.deploy import LocalDeployment
 from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import LaunchError
 from beyond_averaging.server.provenance import hardware_line
-from beyond_averaging.server.resources import MIB, PeakSampler
+from beyond_averaging.server.resources import MIB, PeakSampler, ProcessWatch, kinds_of
 from beyond_averaging.server.sweep_report import markdown_table, read_metrics
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
@@ -39,19 +38,20 @@ from beyond_averaging.tasks.partition_cache import CACHE_ENV
 NODE_PARTS = ("supernode", "clientapp", "superexec")
 
 
-def node_memory(deployment: LocalDeployment, load: list[float]) -> dict[str, float]:
-    """The summed RSS of every node's processes, by part and in all, and the ClientApp processes
-    running; appends the 1-minute load average to ``load`` (the cores are shared with others)."""
-    children, rss, commands = process_table()
+def node_memory(watch: ProcessWatch, load: list[float]) -> dict[str, float]:
+    """The summed RSS of every node's processes (``watch.groups``: the SuperNodes), by part and
+    in all, and the ClientApp processes running; appends the 1-minute load average to ``load``
+    (the cores are shared with others)."""
+    watch.sample()
+    kinds = kinds_of(watch.processes)
     part = dict.fromkeys(NODE_PARTS, 0.0)
     clientapps = 0
-    for node in deployment.supernodes:
-        part["supernode"] += rss.get(node.process.pid, 0)
-        for pid in descendants(node.process.pid, children):
-            command = commands.get(pid, "")
-            is_clientapp = "flwr-clientapp" in command
-            clientapps += is_clientapp and "<defunct>" not in command  # not yet reaped
-            part["clientapp" if is_clientapp else "superexec"] += rss.get(pid, 0)
+    for pid, process in list(watch.processes.items()):
+        if process.ended or watch.group_of(pid) is None:
+            continue
+        kind = kinds[pid] if kinds[pid] in ("supernode", "clientapp") else "superexec"
+        part[kind] += process.last.rss_pages * watch.page
+        clientapps += kind == "clientapp" and process.last.state != "Z"  # not yet reaped
     load.append(os.getloadavg()[0])
     return {**part, "total": sum(part.values()), "clientapps": clientapps}
 
@@ -97,7 +97,9 @@ def measure(size: int, args: argparse.Namespace, workdir: Path, file_state: bool
             "output-dir": str(deployment.workdir / "runs"),
         }
         assert deployment.superlink is not None
-        sampler = PeakSampler(lambda: node_memory(deployment, load), interval=1.0)
+        groups = {node.process.pid: "node" for node in deployment.supernodes}
+        watch = ProcessWatch(os.getpid(), groups, pss_every=math.inf)
+        sampler = PeakSampler(lambda: node_memory(watch, load), interval=1.0)
         with sampler as nodes, peak_rss_sampler(deployment.serverapp_pids) as server:
             run_started = time.monotonic()
             try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from flwr.clientapp import ClientApp
 
-from benchmarks.harness import command, descendants, process_table, tree_cpu
+from benchmarks.harness import command
 from benchmarks.spec import REPO
 from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
 from beyond_averaging.server.launch import (
@@ -32,7 +33,7 @@ from beyond_averaging.server.launch import (
 )
 from beyond_averaging.server.provenance import hardware_line
 from beyond_averaging.server.recorder import FINISHED_STATUSES
-from beyond_averaging.server.resources import MIB, PeakSampler
+from beyond_averaging.server.resources import MIB, PeakSampler, ProcessWatch
 from beyond_averaging.server.sweep_report import markdown_table, read_metrics, shown
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.tasks.synthetic import device_size
@@ -92,10 +93,16 @@ def measure(
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, *words], cwd=REPO, env=env, stdout=log, stderr=log)
 
+    watch = ProcessWatch(process.pid, pss_every=math.inf)  # the run and every process below it
+    ticks = os.sysconf("SC_CLK_TCK")
+
     def tree_rss() -> dict[str, float]:
-        children, rss, _ = process_table()
-        pids = [process.pid, *descendants(process.pid, children)]
-        return {"tree": float(sum(rss.get(pid, 0) for pid in pids))}
+        watch.sample()
+        live = [p.last.rss_pages for p in list(watch.processes.values()) if not p.ended]
+        return {"tree": float(sum(live) * watch.page)}
+
+    def tree_cpu() -> float:  # CPU seconds so far of the run's processes, at their last reading
+        return sum(p.last.cpu_ticks for p in list(watch.processes.values())) / ticks
 
     status, code, usage = "completed", None, None
     metrics = runs / name / "metrics.jsonl"
@@ -104,7 +111,7 @@ def measure(
         while code is None and time.perf_counter() < started + limit + 120:  # ba-run stops at limit
             lines = metrics.read_bytes().count(b"\n") if metrics.is_file() else 0
             if lines and lines - 1 not in cpu_at_round:
-                cpu_at_round[lines - 1] = tree_cpu(process.pid)
+                cpu_at_round[lines - 1] = tree_cpu()
             pid, wait_status, usage = os.wait4(process.pid, os.WNOHANG)  # its own rusage
             if pid:
                 code = os.waitstatus_to_exitcode(wait_status)

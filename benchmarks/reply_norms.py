@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from benchmarks.harness import federation
+from beyond_averaging.server.interactive import federation
 from beyond_averaging.strategies.influence import max_over_median, record_norms, update_norms
 
 #: The strategies whose replies are measured, as run-config overrides.

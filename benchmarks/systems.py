@@ -28,12 +28,13 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
-from benchmarks.harness import Stopwatch, command, federation, reset_peak_rss, save, status_bytes
+from benchmarks.harness import Stopwatch, command, reset_peak_rss, save, status_bytes
 from benchmarks.spec import REPO
 from beyond_averaging.client.sensitivity import compute_sensitivity, to_upload
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.inprocess import FIRST_NODE_ID
+from beyond_averaging.server.interactive import federation
 from beyond_averaging.server.provenance import hardware_line
 from beyond_averaging.server.resources import MIB
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from flwr.app import Message
 
-from benchmarks.harness import Stopwatch, federation, status_bytes
+from benchmarks.harness import Stopwatch, status_bytes
 from benchmarks.speed import SETTINGS
 from beyond_averaging.client import vectorized
+from beyond_averaging.server.interactive import federation
 from beyond_averaging.server.resources import MIB, PeakSampler
 
 #: FedLAW's Table 3 setting, one round at a time, trained by the cohort backend.

@@ -184,9 +184,13 @@ class ProcessWatch:
     deployment started, e.g. a SuperNode, with its label), for :class:`PeakSampler`.
     """
 
-    def __init__(self, root: int, groups: Mapping[int, str] | None = None) -> None:
+    def __init__(
+        self, root: int, groups: Mapping[int, str] | None = None, pss_every: float = 1.0
+    ) -> None:
         self.root = root
         self.groups = dict(groups or {})
+        #: Seconds between two readings of every process's PSS (``inf``: none, the cheaper).
+        self.pss_every = pss_every
         self.processes: dict[int, Tracked] = {}
         self.foreign: set[int] = set()
         self.page = os.sysconf("SC_PAGE_SIZE")
@@ -249,11 +253,11 @@ class ProcessWatch:
 
     def group_memory(self) -> dict[str, float]:
         """Memory now of each group with its live processes: resident bytes (``rss-<label>``)
-        and, at most once a second, proportional bytes (``pss-<label>``, Linux ``Pss``: a page
-        shared by k processes counts 1/k to each). A forked ClientApp shares most of its pages
-        with the warm parent, which RSS counts twice and PSS once."""
+        and, at most every ``pss_every`` seconds, proportional bytes (``pss-<label>``, Linux
+        ``Pss``: a page shared by k processes counts 1/k to each). A forked ClientApp shares most
+        of its pages with the warm parent, which RSS counts twice and PSS once."""
         memory: dict[str, float] = {}
-        read_pss = time.monotonic() - self.pss_read >= 1.0
+        read_pss = time.monotonic() - self.pss_read >= self.pss_every
         for pid, process in self.processes.items():
             group = self.group_of(pid)
             if group is None or process.ended:
