@@ -74,6 +74,8 @@ APPS = {"project": "this project's app", "quickstart": "Flower's quickstart"}
 #: Hidden width of this project's MLP (tasks/models.py), which the quickstart's copy trains too;
 #: :func:`check_same_model` holds the copy to the project's model, shape by shape.
 HIDDEN = 200
+#: Kinds whose one process's peak memory the page shows, after the nodes' own.
+MEMORY_KINDS = ("clientapp", "serverapp", "superlink")
 
 #: What a SuperNode logs when a train instruction reaches it (flwr 1.39 to 1.42).
 RECEIVED_TRAIN = "Receiving: train message"
@@ -276,23 +278,14 @@ def run_outcome(deployment: LocalDeployment, log: str, seconds: float) -> RunOut
     return RunOutcome(run_id, str(last.get("status", "unknown")), log, seconds)
 
 
-def measure(
-    app: str,
-    app_dir: Path,
-    workdir: Path,
-    nodes: int,
-    rounds: int,
-    interval: float,
-    timeout: float,
-    executor: str = "warm",
-) -> dict[str, Any]:
-    """One deployment of ``app`` with ``nodes`` SuperNodes: start it, run ``rounds`` rounds
+def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One deployment of ``app`` with ``--nodes`` SuperNodes: start it, run ``--rounds`` rounds
     under the process watch (the window is ``flwr run`` alone), stop it.
 
     This project's app runs as docs/deployment.md deploys it, each SuperNode under
-    ``ba-supernode`` with ``executor``; the quickstart as Flower runs it, bare
+    ``ba-supernode`` with ``--executor``; the quickstart as Flower runs it, bare
     ``flower-supernode`` processes with Flower's subprocess isolation."""
-    project = app == "project"
+    project, nodes, rounds, executor = app == "project", args.nodes, args.rounds, args.executor
     deployment = LocalDeployment(
         app_dir, workdir, file_state=False, executor="warm" if executor == "warm" else "subprocess"
     )
@@ -316,12 +309,12 @@ def measure(
             return watch.sample()
 
         watch.open_window()
-        with PeakSampler(sample, interval=interval) as sampler:
+        with PeakSampler(sample, interval=args.interval) as sampler:
             started = time.monotonic()
             if app == "project":
-                run_dir = deployment.run(run_settings, timeout=timeout)
+                run_dir = deployment.run(run_settings, timeout=args.timeout)
             else:
-                log = flwr_run(deployment, quickstart_settings(rounds), timeout)
+                log = flwr_run(deployment, quickstart_settings(rounds), args.timeout)
             seconds = time.monotonic() - started
         row["run-seconds"] = round(seconds, 2)
         if app == "project":
@@ -483,14 +476,9 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         f"repeats, apps alternating ({meta['order']}); {meta['threads']} torch thread per "
         "process (`OMP_NUM_THREADS`); processes niced by 10.",
         "",
-        "The work, the same for both: digits, Dirichlet(0.5) partitions of this project's app "
-        f"(seed 0), its MLP ({meta['model']}: {meta['parameters']:,} parameters), "
-        f"{WORK['local-epochs']} local epochs, batch {WORK['batch-size']}, SGD with learning "
-        f"rate {WORK['learning-rate']} and momentum {WORK['momentum']} (this project's app with "
-        "`weight-decay = 0` and `lr-decay = 1`, so that its update is the quickstart's "
-        "`torch.optim.SGD(lr, momentum=0.9)`), FedAvg, every node trains every round, no client "
-        "evaluates, the server evaluates the global model on the same test split after every "
-        "round.",
+        f"The work, the same for both: {json.dumps(WORK)}; the MLP {meta['model']} "
+        f"({meta['parameters']:,} parameters); what that means, and the method: "
+        "[deployment](../deployment.md#deployment-figures).",
         "",
     ]
     cells: list[list[object]] = []
@@ -514,25 +502,10 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     add("CPU seconds of one ClientApp process (median)", "cpu-per-clientapp-median", 2)
     add("peak RSS per node (MB): every process of the node, summed", "node-peak-rss-mb", 0)
     add("peak PSS per node (MB): the same, shared pages counted once", "node-peak-pss-mb", 0)
-    for kind in (
-        "supernode",
-        "superexec-node",
-        "supervisor",
-        "warm-executor",
-        "clientapp",
-        "serverapp",
-        "superlink",
-    ):
-        a = project.get("peak-rss-mb", {}).get(kind)
-        b = flower.get("peak-rss-mb", {}).get(kind)
-        cells.append(
-            [
-                f"- peak RSS of one {KINDS[kind]} (MB)",
-                _f(a, 0),
-                _f(b, 0),
-                _f(a / b if a and b else None, 2),
-            ]
-        )
+    for kind in ("supernode", "superexec-node", "supervisor", "warm-executor", *MEMORY_KINDS):
+        a, b = (app.get("peak-rss-mb", {}).get(kind) for app in (project, flower))
+        name = f"- peak RSS of one {KINDS[kind]} (MB)"
+        cells.append([name, _f(a, 0), _f(b, 0), _f(a / b if a and b else None, 2)])
     header = ["per run (median of the repeats)", APPS["project"], APPS["quickstart"], "ratio"]
     lines += [markdown_table(header, cells)]
     lines += [
@@ -552,19 +525,11 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
             error = row["error"].splitlines()[0][:300].replace("|", "/")
             run_cells.append([row["repeat"], APPS[row["app"]], *["-"] * 6, f"failed: {error}"])
             continue
-        run_cells.append(
-            [
-                row["repeat"],
-                APPS[row["app"]],
-                ", ".join(map(str, row["round-seconds"] or ["-"])),
-                row["run-seconds"],
-                _f(per_round(row), 1),
-                row["clientapp-processes"],
-                row["node-peak-rss-mb"],
-                " / ".join(map(str, row["load-average"])),
-                "completed",
-            ]
-        )
+        rounds = ", ".join(map(str, row["round-seconds"] or ["-"]))
+        figures = [row["run-seconds"], _f(per_round(row), 1), row["clientapp-processes"]]
+        load = " / ".join(map(str, row["load-average"]))
+        run_cells.append([row["repeat"], APPS[row["app"]], rounds, *figures])
+        run_cells[-1] += [row["node-peak-rss-mb"], load, "completed"]
     head = "repeat | app | seconds of each round | run seconds | CPU s per round"
     head += " | ClientApp processes | peak RSS per node (MB) | load average min / mean / max"
     head += " | status"
@@ -575,22 +540,13 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         f"Every process sampled from `/proc` every {meta['interval']} s; what each figure counts, "
         "and what it misses: "
         "[deployment](../deployment.md#how-the-deployment-figures-are-measured).",
-    ]
-    lines += [
         "",
         "## What the quickstart copy changes",
         "",
-        "`tests/apps/quickstart` holds Flower's examples/quickstart-pytorch "
-        "(`server_app.py` and `client_app.py` line for line). The benchmark copies it and "
-        "changes `task.py` only, as below; `pyproject.toml` is Flower's, and the run's settings "
-        "go in `--run-config` ("
+        "`tests/apps/quickstart` is Flower's examples/quickstart-pytorch; the copy changes "
+        "`task.py` only, as below, and the run's settings go in `--run-config` ("
         + ", ".join(f"`{k} = {v}`" for k, v in quickstart_settings(meta["rounds"]).items())
-        + "). `Net` becomes this project's MLP; the data are this project's partitions and test "
-        "split, saved by the benchmark with the project's own helpers "
-        "(`load_client_partition`, `load_server_splits`) into one `.npz` file each ClientApp "
-        "reads with NumPy; a client trains on its whole partition (the quickstart's 80/20 split "
-        "served client evaluation, which is off). `train` and `test` are Flower's "
-        "(`torch.optim.SGD(momentum=0.9)`, a DataLoader loop).",
+        + ").",
         "",
         "```diff",
         meta["quickstart-diff"].rstrip("\n"),
@@ -609,24 +565,15 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         settings = {**WORK, "num-clients": args.nodes}
         data_file = scratch / "digits.npz"
         features, classes = write_digits(data_file, settings, args.nodes)
-        hidden = HIDDEN
-        diff = quickstart_copy(scratch / "quickstart", data_file, features, hidden)
+        diff = quickstart_copy(scratch / "quickstart", data_file, features, HIDDEN)
         parameters = check_same_model(scratch / "quickstart", features, classes)
         order = []
         for repeat in range(1, args.repeats + 1):
             apps = ["project", "quickstart"] if repeat % 2 else ["quickstart", "project"]
             order.append(" ".join("A" if app == "project" else "B" for app in apps))
             for app in apps:
-                row = measure(
-                    app,
-                    REPO if app == "project" else scratch / "quickstart",
-                    scratch / f"{app}-{repeat}",
-                    args.nodes,
-                    args.rounds,
-                    args.interval,
-                    args.timeout,
-                    args.executor,
-                )
+                app_dir = REPO if app == "project" else scratch / "quickstart"
+                row = measure(app, app_dir, scratch / f"{app}-{repeat}", args)
                 rows.append({"repeat": repeat, **row})
                 print(json.dumps(rows[-1]), flush=True)
     release = FlowerRelease.installed()
@@ -646,7 +593,7 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         "order": ", ".join(order),
         "threads": args.threads,
         "interval": args.interval,
-        "model": f"{features}-{hidden}-{hidden}-{classes}",
+        "model": f"{features}-{HIDDEN}-{HIDDEN}-{classes}",
         "parameters": parameters,
         "quickstart-diff": diff,
     }
@@ -662,18 +609,10 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between samples")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    parser.add_argument(
-        "--render",
-        action="store_true",
-        help="measure nothing: write the page again from this release's saved rows",
-    )
-    parser.add_argument(
-        "--executor",
-        choices=CLIENTAPP_EXECUTORS,
-        default="warm",
-        help="how this project's SuperNodes run ClientApps (ba-supernode --executor; default "
-        "warm); the quickstart always runs Flower's own subprocess isolation",
-    )
+    rerender = "measure nothing: write the page again from this release's saved rows"
+    parser.add_argument("--render", action="store_true", help=rerender)
+    executor = "how this project's SuperNodes run ClientApps (the quickstart: Flower's own)"
+    parser.add_argument("--executor", choices=CLIENTAPP_EXECUTORS, default="warm", help=executor)
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
