@@ -13,6 +13,7 @@ import difflib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import RunOutcome, clean_log, command, save
+from benchmarks.harness import command, save
 from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
@@ -45,6 +46,7 @@ from beyond_averaging.server.resources import (
     kinds_of,
 )
 from beyond_averaging.server.sweep_report import markdown_table, read_metrics
+from beyond_averaging.server.watch import strip_ansi
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
@@ -254,28 +256,31 @@ def quickstart_settings(rounds: int) -> dict[str, Any]:
     }
 
 
-def flwr_run(deployment: LocalDeployment, settings: Mapping[str, Any], timeout: float) -> str:
-    """``flwr run <app> <connection> --stream`` as :func:`tests.deploy_helpers.run_app` runs
-    it, for an app without this project's run folder; returns the cleaned log."""
+def quickstart_run(deployment: LocalDeployment, rounds: int, timeout: float) -> float:
+    """``flwr run <quickstart> <connection> --stream``; its final test accuracy
+    (:func:`final_accuracy`) once ``flwr ls`` says the run completed."""
     arguments = ["run", str(deployment.staged_app), CONNECTION, "--stream"]
-    arguments += ["--run-config", run_config_argument(settings)]
+    arguments += ["--run-config", run_config_argument(quickstart_settings(rounds))]
     try:
         completed = deployment.flwr(*arguments, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise LaunchError(f"flwr run did not finish within {timeout} s") from None
-    return clean_log(completed.stdout + completed.stderr)
-
-
-def run_outcome(deployment: LocalDeployment, log: str, seconds: float) -> RunOutcome:
-    """The deployment's one run as the SuperLink reports it (``flwr ls``)."""
+    log = strip_ansi(completed.stdout + completed.stderr)
     listing = deployment.flwr("ls", CONNECTION, "--format", "json").stdout
-    try:
-        runs = json.loads(listing[listing.index("{") :]).get("runs", [])
-    except ValueError:
-        runs = []
-    last = runs[-1] if runs else {}
-    run_id = int(last["run-id"]) if "run-id" in last else None
-    return RunOutcome(run_id, str(last.get("status", "unknown")), log, seconds)
+    runs = json.loads(listing[listing.index("{") :]).get("runs", []) if "{" in listing else []
+    status = str(runs[-1].get("status", "unknown")) if runs else "unknown"
+    accuracy = final_accuracy(log)
+    if not status.endswith("completed") or accuracy is None:
+        raise LaunchError(f"the quickstart did not complete (status {status!r}): {log[-3000:]}")
+    return round(accuracy, 4)
+
+
+def final_accuracy(log: str) -> float | None:
+    """The last round's ``accuracy`` in the ``ServerApp-side Evaluate Metrics`` of the ``Final
+    results`` that Flower's ``Strategy.start`` logs (values as Flower writes them: quoted)."""
+    evaluated = log.partition("ServerApp-side Evaluate Metrics:")[2]
+    accuracies = re.findall(r"'accuracy': '?([-+.e0-9]+)", evaluated)
+    return float(accuracies[-1]) if accuracies else None
 
 
 def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -314,7 +319,7 @@ def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) ->
             if app == "project":
                 run_dir = deployment.run(run_settings, timeout=args.timeout)
             else:
-                log = flwr_run(deployment, quickstart_settings(rounds), args.timeout)
+                accuracy = quickstart_run(deployment, rounds, args.timeout)
             seconds = time.monotonic() - started
         row["run-seconds"] = round(seconds, 2)
         if app == "project":
@@ -322,11 +327,7 @@ def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) ->
             row["app-round-seconds"] = [round(float(m["round-seconds"]), 2) for m in metrics[1:]]
             row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
         else:
-            outcome = run_outcome(deployment, log, seconds)
-            if not outcome.completed:
-                raise LaunchError(f"the quickstart did not complete: {outcome.tail(3000)}")
-            evaluated = outcome.final_metrics("ServerApp-side Evaluate Metrics")
-            row["final-accuracy"] = round(evaluated[max(evaluated)]["accuracy"], 4)
+            row["final-accuracy"] = accuracy
         row.update(figures(watch, sampler.peaks, rounds, receipts.seen, load))
         row["status"] = "completed"
     except (LaunchError, OSError, KeyError, ValueError) as error:
@@ -476,7 +477,9 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         f"repeats, apps alternating ({meta['order']}); {meta['threads']} torch thread per "
         "process (`OMP_NUM_THREADS`); processes niced by 10.",
         "",
-        f"The work, the same for both: {json.dumps(WORK)}; the MLP {meta['model']} "
+        "The work, the same for both, as this project's run configuration: "
+        + ", ".join(f"`{key} = {json.dumps(value)}`" for key, value in WORK.items())
+        + f"; the MLP {meta['model']} "
         f"({meta['parameters']:,} parameters); what that means, and the method: "
         "[deployment](../deployment.md#deployment-figures).",
         "",

@@ -14,6 +14,7 @@ from benchmarks.deployment import (
     QUICKSTART,
     QUICKSTART_TASK,
     LogWatch,
+    final_accuracy,
     markdown,
     quickstart_task,
     round_intervals,
@@ -163,3 +164,10 @@ def test_a_log_watch_times_each_marked_line_once_complete(tmp_path: Path) -> Non
     watch.read()
     assert [len(watch.seen[1]), len(watch.seen[2])] == [2, 1]
     assert watch.seen[1][0] <= watch.seen[1][1]
+
+
+def test_the_quickstart_s_final_accuracy_is_its_last_server_side_evaluation() -> None:
+    from tests.test_user_apps import RECORDED_LOG  # a recorded Flower run, colour codes and all
+
+    assert final_accuracy(RECORDED_LOG) == 0.101  # round 2 of 0..2: '1.0100e-01'
+    assert final_accuracy(RECORDED_LOG.replace("ServerApp-side", "Server-side")) is None
