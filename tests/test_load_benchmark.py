@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.load import markdown, superlink_errors
+from benchmarks.deployment import load_markdown as markdown
+from benchmarks.deployment import superlink_errors
 
 RUN = {
     "date": "2026-11-23 15:00 UTC",
