@@ -166,6 +166,7 @@ def quickstart_task(original: str, data_file: Path, features: int, hidden: int) 
     """
     start, end = original.index("class Net(nn.Module):"), original.index("def train(")
     middle = f'''import numpy as np
+from torch.utils.data import StackDataset
 
 # Changed for benchmarks/deployment.py: beyond-averaging's MLP and its digits partitions.
 DATA_FILE = "{data_file}"
@@ -187,25 +188,12 @@ class Net(nn.Module):
         return self.fc3(x)
 
 
-class Digits(Dataset):
-    """Images and labels saved by the benchmark, in the quickstart's batch format."""
-
-    def __init__(self, images, labels):
-        self.images = torch.from_numpy(images)
-        self.labels = torch.from_numpy(labels)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return {{"img": self.images[index], "label": self.labels[index]}}
-
-
 def load_data(partition_id: int, num_partitions: int, batch_size: int):
     """Load partition data (beyond-averaging's digits partition, all of it for training)."""
     with np.load(DATA_FILE) as data:
         assert int(data["num_partitions"]) == num_partitions, "partitions saved for another N"
-        partition = Digits(data[f"features_{{partition_id}}"], data[f"labels_{{partition_id}}"])
+        images, labels = data[f"features_{{partition_id}}"], data[f"labels_{{partition_id}}"]
+    partition = StackDataset(img=torch.from_numpy(images), label=torch.from_numpy(labels))
     trainloader = DataLoader(partition, batch_size=batch_size, shuffle=True)
     testloader = DataLoader(partition, batch_size=batch_size)  # unused: fraction-evaluate 0
     return trainloader, testloader
@@ -214,7 +202,8 @@ def load_data(partition_id: int, num_partitions: int, batch_size: int):
 def load_centralized_dataset():
     """Load test set and return dataloader (beyond-averaging's digits test split)."""
     with np.load(DATA_FILE) as data:
-        dataset = Digits(data["test_features"], data["test_labels"])
+        images, labels = data["test_features"], data["test_labels"]
+    dataset = StackDataset(img=torch.from_numpy(images), label=torch.from_numpy(labels))
     return DataLoader(dataset, batch_size=128)
 
 

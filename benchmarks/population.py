@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from flwr.clientapp import ClientApp
 
-from benchmarks.harness import command
+from benchmarks.harness import command, save
 from benchmarks.spec import REPO
 from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
 from beyond_averaging.server.launch import (
@@ -40,7 +40,6 @@ from beyond_averaging.tasks.synthetic import device_size
 
 #: The measurement of an invocation, in its --runs folder (what --report-only reads).
 ROWS_FILE = "population.json"
-PUBLISHED = REPO / "docs" / "results" / "population.md"
 #: The targets of issue 29 for the largest in-process population, against the smallest.
 RSS_TARGET, SECONDS_TARGET = 1.5, 2.0
 
@@ -226,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = "run folders; with --report-only, several: one report each"
     folder = REPO / "benchmarks" / "results" / "population" / "runs"
     parser.add_argument("--runs", type=Path, nargs="+", default=[folder], help=runs)
-    parser.add_argument("--publish", action="store_true", help=f"write {PUBLISHED}")
+    parser.add_argument("--publish", action="store_true", help="write docs/results/population.md")
     parser.add_argument("--report-only", action="store_true", help=f"read --runs' {ROWS_FILE}")
     args = parser.parse_args(argv)
     if not args.report_only:
@@ -254,15 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rows": [asdict(row) for row in rows],
         }
         (args.runs[0] / ROWS_FILE).write_text(json.dumps(saved, indent=1), encoding="utf-8")
-    reports = [render(json.loads((f / ROWS_FILE).read_text(encoding="utf-8"))) for f in args.runs]
-    print("\n".join(reports))
-    if args.publish:
-        PUBLISHED.write_text(
-            "# Populations: seconds per round and peak memory\n\n"
-            "What each column means: [benchmarks](../benchmarks.md#populations).\n\n"
-            + "\n".join(reports),
-            encoding="utf-8",
-        )
+    saved_runs = [json.loads((f / ROWS_FILE).read_text(encoding="utf-8")) for f in args.runs]
+    page = "# Populations: seconds per round and peak memory\n\n"
+    page += "What each column means: [benchmarks](../benchmarks.md#populations).\n\n"
+    page += "\n".join(map(render, saved_runs))
+    save("population", "population", page, saved_runs, args.publish)
     return 0
 
 
