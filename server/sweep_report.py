@@ -25,7 +25,9 @@ from .sweep_spec import METHOD_AXIS, SEED_AXIS, Column, Run, Spec, label_of, pap
 __all__ = ["curve", "read_metrics"]  # shared with server.runs (ba-run --compare), used here
 FloatArray = npt.NDArray[np.float64]
 
-SHOWS = ("mean ± sd", "range", "max")
+SHOWS = ("mean ± sd", "range", "median", "max")
+#: The shows of metric ``values``: every value of every seed pooled.
+POOLED_SHOWS = ("range", "median")
 #: Written by the runner into each run folder: the machine, runtime, threads, wall and CPU time.
 HOST_FILE = "runner.json"
 
@@ -195,10 +197,10 @@ def cell(spec: Spec, row: Row, rows: Sequence[Row], column: Column) -> str:
             f"{_signed(diffs, column.digits)} vs {base_name} "
             f"(better in {better}/{len(diffs)} seeds)"
         )
-    if column.show == "range":
+    if column.show in POOLED_SHOWS:
         pooled = [column.scale * v for vs in values.values() for v in vs]
-        if not pooled:
-            return "-"
+        if not pooled or column.show == "median":
+            return f"{np.median(pooled):.{column.digits}f}" if pooled else "-"
         low, mean, high = (
             f"{v:.{column.digits}f}" for v in (min(pooled), np.mean(pooled), max(pooled))
         )

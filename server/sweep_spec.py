@@ -42,8 +42,9 @@ def label_of(value: Any) -> str:
 class Column:
     """One table column: a metric of each run (report.METRICS), summarised over seeds.
 
-    ``show`` is ``mean ± sd`` (sample sd, :func:`server.sweep_report.mean_sd`), ``range`` (every
-    value of every seed pooled: mean (min-max)) or ``max`` (the largest, and how many runs had one).
+    ``show`` is ``mean ± sd`` (sample sd, :func:`server.sweep_report.mean_sd`), ``range`` or
+    ``median`` (every value of every seed pooled: mean (min-max), or their median) or ``max``
+    (the largest, and how many runs had one).
     ``vs`` shows the seed-paired difference against the row's ``[baseline]`` method instead;
     ``better = "lower"`` counts the seeds where it is lower (rounds to a target).
     """
@@ -202,7 +203,7 @@ def unknown(what: str, value: str, allowed: Sequence[str]) -> str:
 
 
 def _column(spec: Spec, entry: Any) -> Column:
-    from .sweep_report import METRICS, SHOWS  # the metrics live with the reporter
+    from .sweep_report import METRICS, POOLED_SHOWS, SHOWS  # the reporter's metrics
 
     if not isinstance(entry, dict) or "title" not in entry:
         raise spec.fail(f"column {entry!r}: each [[columns]] entry needs a title")
@@ -219,8 +220,8 @@ def _column(spec: Spec, entry: Any) -> Column:
         raise spec.fail(f"{where}: {unknown('metric', column.metric, list(METRICS))}")
     if column.show not in SHOWS:
         raise spec.fail(f"{where}: {unknown('show', column.show, SHOWS)}")
-    if (column.metric == "values") != (column.show == "range"):
-        raise spec.fail(f"{where}: metric 'values' and show 'range' go together")
+    if (column.metric == "values") != (column.show in POOLED_SHOWS):
+        raise spec.fail(f"{where}: metric 'values' goes with show 'range' or 'median'")
     if column.vs and not spec.baseline:
         raise spec.fail(f"{where} has vs = true: add a [baseline] table (method = its baseline)")
     return column

@@ -347,6 +347,27 @@ value = 55.0
     return small_spec(tmp_path, columns)
 
 
+def test_a_median_column_pools_every_round_of_every_seed(tmp_path: Path) -> None:
+    columns = """
+[[columns]]
+title = "median"
+metric = "values"
+key = "g"
+show = "median"
+"""
+    spec = small_spec(tmp_path, columns)
+    rounds = {"0": [9.0, 1.0, 2.0, 7.0], "1": [9.0, 3.0, 4.0, 5.0], "2": [9.0, 6.0, 8.0, 10.0]}
+    for run in spec.runs():
+        extra = {"g": rounds[run.labels["seed"]]}
+        write_run(run.folder, run.settings, [0.1, 0.2, 0.3, 0.4], extra=extra)
+    data = [d for d in (read_run(run) for run in spec.runs()) if d is not None]
+    # Rounds 1-3 of the three seeds: 1 2 7 3 4 5 6 8 10, whose median is 5 (round 0 left out).
+    assert "| fedavg | 3 | 3 | 5.00 |" in table(spec, data)
+    wrong = columns.replace('metric = "values"', 'metric = "last"')
+    with pytest.raises(SpecError, match="metric 'values' goes with show 'range' or 'median'"):
+        small_spec(tmp_path, wrong)
+
+
 def test_the_table_shows_mean_and_sample_sd_over_seeds_and_seed_paired_differences(
     tmp_path: Path,
 ) -> None:
