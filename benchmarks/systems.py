@@ -30,7 +30,7 @@ from torch import nn
 
 from benchmarks.harness import Stopwatch, command, reset_peak_rss, save, status_bytes
 from benchmarks.spec import REPO
-from beyond_averaging.client.sensitivity import compute_sensitivity, to_upload
+from beyond_averaging.client.sensitivity import compute_sensitivity
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.inprocess import FIRST_NODE_ID
@@ -42,7 +42,7 @@ from beyond_averaging.server.sweep_report import markdown_table, shown
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
 from beyond_averaging.tasks.batching import shuffled_batches
-from beyond_averaging.tasks.datasets import LabeledData, load_dataset
+from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData
 from beyond_averaging.tasks.federation import load_client_partition
 from beyond_averaging.tasks.models import build_model
@@ -373,35 +373,6 @@ def client_table(seconds: Mapping[str, float]) -> str:
     return markdown_table(["strategy", "client s / round", "x FedAvg client"], rows)
 
 
-def sensitivity_upload_table() -> str:
-    """Markdown: bytes of Elastic's ``sensitivity`` record in float32 and float16 beside the
-    model's ``arrays``: the .npy payloads and the ArrayRecord's protobuf message (what gRPC
-    carries)."""
-    from flwr.common.serde import array_record_to_proto
-
-    digits = load_dataset("digits", seed=0)[0].input_shape
-    rows = []
-    for label, shape in ((f"mlp on digits {digits}", digits), ("mlp 784-200-200-10", (784,))):
-        model = build_model("mlp", shape, 10, seed=0)
-        sensitivity = compute_sensitivity(model, [torch.randn(4, *shape)])
-        arrays = ArrayRecord({k: v.detach() for k, v in model.state_dict().items()})
-        sizes = {}
-        for dtype in ("float32", "float16"):
-            record = to_upload(sensitivity, dtype)
-            payload = sum(len(array.data) for array in record.values())
-            sizes[dtype] = (payload, array_record_to_proto(record).ByteSize())
-        count = sum(value.numel() for value in sensitivity.values())
-        rows.append(
-            [label, f"{count:,}", f"{array_record_to_proto(arrays).ByteSize():,}"]
-            + [f"{npy:,} / {protobuf:,}" for npy, protobuf in sizes.values()]
-            + [f"{sizes['float16'][1] / sizes['float32'][1]:.3f}"]
-        )
-    header = "model | parameters | arrays (protobuf B) | sensitivity float32: npy / protobuf B"
-    return markdown_table(
-        f"{header} | sensitivity float16: npy / protobuf B | float16 / float32".split(" | "), rows
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure and print every figure."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.systems", description=__doc__)
@@ -415,7 +386,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-clients", type=int, default=20, help="client figures' federation")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-clients", action="store_true")
-    parser.add_argument("--upload-bytes", action="store_true", help="only Elastic's upload table")
     parser.add_argument("--publish", action="store_true", help="also write docs/results/")
     parser.add_argument("--page", default="systems", help="the page's name: docs/results/PAGE.md")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
@@ -423,9 +393,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     options.rules = [rule.strip() for rule in options.rules.split(",") if rule.strip()]
     if options.memory_probe:
         print(json.dumps(memory_probe(options.memory_probe, options)))
-        return 0
-    if options.upload_bytes:
-        print(sensitivity_upload_table())
         return 0
     parameters = sum(inputs * outputs + outputs for inputs, outputs in pairwise(BIG_LAYERS))
     model_bytes = 4 * parameters  # float32
