@@ -272,13 +272,8 @@ def check_same_model(app_dir: Path, features: int, classes: int) -> int:
 # ---------------------------------------------------------------------------------- measuring
 def quickstart_settings(rounds: int) -> dict[str, Any]:
     """:data:`WORK` in the quickstart's run-config keys (its momentum, 0.9, is in its code)."""
-    return {
-        "num-server-rounds": rounds,
-        "fraction-evaluate": WORK["fraction-evaluate"],
-        "local-epochs": WORK["local-epochs"],
-        "learning-rate": WORK["learning-rate"],
-        "batch-size": WORK["batch-size"],
-    }
+    keys = ("fraction-evaluate", "local-epochs", "learning-rate", "batch-size")
+    return {"num-server-rounds": rounds, **{key: WORK[key] for key in keys}}
 
 
 def quickstart_run(deployment: LocalDeployment, rounds: int, timeout: float) -> float:
@@ -490,14 +485,11 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         f"Measured {meta['date']} with `{meta['command']}` on {meta['machine']}: "
         f"{meta['cpus']} CPU cores shared with other jobs (load average during the runs: "
         f"{meta['load']}; the ratios are taken within each repeat, both apps back to back). "
-        f"One local deployment per app and repeat: a SuperLink (state in memory) and "
-        f"{meta['nodes']} SuperNodes as processes on loopback, insecure, flwr {meta['flwr']} "
-        f"(Fleet API over {meta['transport']}); this project's SuperNodes under `ba-supernode` "
-        f"with the {meta.get('executor', 'subprocess')} executor, the quickstart's as Flower "
-        "runs them (a new ClientApp process per message); "
-        f"{meta['rounds']} rounds, {meta['repeats']} "
-        f"repeats, apps alternating ({meta['order']}); {meta['threads']} torch thread per "
-        "process (`OMP_NUM_THREADS`); processes niced by 10.",
+        f"Per app and repeat a SuperLink (state in memory) and {meta['nodes']} SuperNodes on "
+        f"loopback; this project's under `ba-supernode` with the "
+        f"{meta.get('executor', 'subprocess')} executor, the quickstart's as Flower runs them; "
+        f"{meta['rounds']} rounds, {meta['repeats']} repeats, apps alternating ({meta['order']}); "
+        f"{meta['threads']} torch thread per process (`OMP_NUM_THREADS`), niced by 10.",
         "",
         "The work, the same for both, as this project's run configuration: "
         + ", ".join(f"`{key} = {json.dumps(value)}`" for key, value in WORK.items())
