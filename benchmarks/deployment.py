@@ -79,8 +79,8 @@ WORK: dict[str, Any] = {
     "fraction-evaluate": 0.0,
 }
 APPS = {"project": "this project's app", "quickstart": "Flower's quickstart"}
-#: Hidden width of this project's MLP (tasks/models.py), which the quickstart's copy trains too;
-#: :func:`check_same_model` holds the copy to the project's model, shape by shape.
+#: Hidden width of this project's MLP (tasks/models.py), which the quickstart's copy trains too
+#: (tests/test_deployment_benchmark.py holds the copy to the project's model, shape by shape).
 HIDDEN = 200
 #: Kinds whose one process's peak memory the page shows, after the nodes' own.
 MEMORY_KINDS = ("clientapp", "serverapp", "superlink")
@@ -243,30 +243,6 @@ def write_digits(path: Path, settings: Mapping[str, Any], nodes: int) -> tuple[i
     arrays["test_features"], arrays["test_labels"] = test_set.features, test_set.labels
     np.savez(path, **arrays)  # type: ignore[arg-type]
     return int(np.prod(test_set.input_shape)), test_set.num_classes
-
-
-def parameter_shapes(module: Any) -> list[tuple[int, ...]]:
-    """The shape of each of a model's parameters, in order."""
-    return [tuple(p.shape) for p in module.parameters()]
-
-
-def check_same_model(app_dir: Path, features: int, classes: int) -> int:
-    """Import the copy's ``Net`` and hold it to this project's MLP, shape by shape; returns the
-    parameter count."""
-    sys.path.insert(0, str(app_dir))
-    try:
-        from pytorchexample.task import Net  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(app_dir))
-        sys.modules.pop("pytorchexample.task", None)
-        sys.modules.pop("pytorchexample", None)
-    ours = build_model("mlp", (features,), classes)
-    if parameter_shapes(Net()) != parameter_shapes(ours):
-        raise LaunchError(
-            f"the quickstart copy's Net {parameter_shapes(Net())} is not this project's MLP "
-            f"{parameter_shapes(ours)}"
-        )
-    return sum(p.numel() for p in ours.parameters())
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -583,7 +559,7 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         data_file = scratch / "digits.npz"
         features, classes = write_digits(data_file, settings, args.nodes)
         diff = quickstart_copy(scratch / "quickstart", data_file, features, HIDDEN)
-        parameters = check_same_model(scratch / "quickstart", features, classes)
+        parameters = sum(p.numel() for p in build_model("mlp", (features,), classes).parameters())
         order = []
         for repeat in range(1, args.repeats + 1):
             apps = ["project", "quickstart"] if repeat % 2 else ["quickstart", "project"]

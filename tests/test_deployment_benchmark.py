@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from benchmarks.deployment import (
+    HIDDEN,
     QUICKSTART,
     QUICKSTART_TASK,
     LogWatch,
@@ -47,7 +48,7 @@ def test_the_quickstart_copy_trains_this_project_s_mlp_on_the_saved_partitions(
         test_features=rng.random((5, 1, 8, 8), dtype=np.float32),
         test_labels=np.arange(5, dtype=np.int64),
     )
-    changed = quickstart_task(original, data_file, features=64, hidden=200)
+    changed = quickstart_task(original, data_file, features=64, hidden=HIDDEN)
     # Flower's training and test loops are kept as they are.
     assert changed[changed.index("def train(") :] == original[original.index("def train(") :]
     assert changed[: changed.index("import numpy")] == original[: original.index("class Net")]
