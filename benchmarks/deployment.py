@@ -352,6 +352,10 @@ def figures(
         peak_rss[kinds[pid]] = max(peak_rss[kinds[pid]], process.peak_rss_pages * watch.page)
     nodes = [value for key, value in node_peaks.items() if key.startswith("rss-")]
     proportional = [value for key, value in node_peaks.items() if key.startswith("pss-")]
+
+    def mean_mb(values: Sequence[float]) -> float | None:
+        return round(statistics.fmean(values) / MIB, 1) if values else None
+
     return {
         "round-seconds": None if intervals is None else [round(s, 2) for s in intervals],
         "cpu-seconds": {kind: round(value, 2) for kind, value in seconds.items()},
@@ -363,11 +367,9 @@ def figures(
         ),
         "train-messages-per-node": sorted(len(times) for times in receipts.values()),
         "peak-rss-mb": {kind: round(value / MIB, 1) for kind, value in peak_rss.items() if value},
-        "node-peak-rss-mb": round(statistics.fmean(nodes) / MIB, 1) if nodes else None,
+        "node-peak-rss-mb": mean_mb(nodes),
         "node-peak-rss-mb-max": round(max(nodes) / MIB, 1) if nodes else None,
-        "node-peak-pss-mb": (
-            round(statistics.fmean(proportional) / MIB, 1) if proportional else None
-        ),
+        "node-peak-pss-mb": mean_mb(proportional),
         "load-average": spread(load),
         "samples": watch.samples,
     }
@@ -549,7 +551,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Alternate the two apps for ``args.repeats`` repeats; the rows and the page's facts."""
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ba-deploy-bench-") as scratch_dir:
@@ -570,16 +572,12 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
                 rows.append({"repeat": repeat, **row})
                 print(json.dumps(rows[-1]), flush=True)
     loads = [row["load-average"][1] for row in rows if row["status"] == "completed"]
+    options = ("nodes", "executor", "rounds", "repeats", "threads", "interval")  # as typed
     meta = {
         **page_facts("deployment"),
+        **{option: getattr(args, option) for option in options},
         "load": f"mean {min(loads):.1f} to {max(loads):.1f} per run" if loads else "-",
-        "nodes": args.nodes,
-        "executor": args.executor,
-        "rounds": args.rounds,
-        "repeats": args.repeats,
         "order": ", ".join(order),
-        "threads": args.threads,
-        "interval": args.interval,
         "model": f"{features}-{HIDDEN}-{HIDDEN}-{classes}",
         "parameters": parameters,
         "quickstart-diff": diff,
@@ -609,7 +607,6 @@ def main() -> None:
         parser.error("--rounds must be at least 2: a round's seconds are read between rounds")
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)  # this process too (it loads the data)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"deployment-{FlowerRelease.installed().transport}"
     saved = RESULTS / f"{name}.json"
     if args.render:
@@ -618,7 +615,7 @@ def main() -> None:
         record = json.loads(saved.read_text(encoding="utf-8"))
         rows, meta = record["rows"], record["meta"]
     else:
-        rows, meta = measure_all(args, name)
+        rows, meta = measure_all(args)
     record = {"meta": meta, "rows": rows, "summary": summarize(rows)}
     save("deployment", name, markdown(rows, meta), record, args.publish)
 
@@ -665,13 +662,9 @@ def measure_load(
         row["seconds-to-online"] = round(time.monotonic() - started, 1)
         idle = sum(status_bytes("VmRSS", node.process.pid) for node in deployment.supernodes)
         row["supernode-idle-rss-mb"] = _mb(idle / size)
-        settings = {
-            "num-clients": size,
-            "num-server-rounds": args.rounds,
-            "round-timeout": args.round_timeout,
-            "run-name": f"load-{size}",
-            "output-dir": str(deployment.workdir / "runs"),
-        }
+        settings = {"num-clients": size, "num-server-rounds": args.rounds}
+        settings |= {"round-timeout": args.round_timeout, "run-name": f"load-{size}"}
+        settings["output-dir"] = str(deployment.workdir / "runs")
         assert deployment.superlink is not None
         groups = {node.process.pid: "node" for node in deployment.supernodes}
         watch = ProcessWatch(os.getpid(), groups, pss_every=math.inf)
@@ -714,23 +707,17 @@ def superlink_errors(log: str) -> dict[str, Any]:
 
 def load_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The load benchmark's page."""
-    cache = (
-        "empty at the start (every node's first ClientApp process partitions the data itself)"
-        if meta["cold-cache"]
-        else "filled before the run (the steady state: a node's first message after a fresh "
-        "install also partitions, about 180 MB more in that one process)"
-    )
+    cache = "empty at the start" if meta["cold-cache"] else "filled before the run"
     lines = [
         "# SuperNodes per SuperLink: load on this machine",
         "",
         f"Measured {meta['date']} with `{meta['command']}` on {meta['machine']}: "
         f"{meta['cpus']} CPU cores and {meta['memory-gib']} GiB shared with other jobs (the "
-        "load average column says how busy the cores were during the run; times are upper "
-        "bounds). Default configuration (digits, MLP, 2 local epochs, every node trains every "
-        f"round), flwr {meta['flwr']} (its Fleet API: {meta['transport']}), plain-text on "
-        "loopback, one SuperLink with its state in "
-        f"{meta['superlink-state']}; each SuperNode starts a ClientApp process per message "
-        f"(Flower's default isolation). Partition cache: {cache}.",
+        "load average column says how busy the cores were; times are upper bounds). Default "
+        f"configuration, flwr {meta['flwr']} ({meta['transport']} Fleet API), plain-text on "
+        f"loopback, the SuperLink's state in {meta['superlink-state']}, a ClientApp process per "
+        f"message (Flower's isolation), the partition cache {cache}; what each figure means: "
+        "[deployment](../deployment.md#load-supernodes-per-superlink).",
         "",
     ]
     cells = []

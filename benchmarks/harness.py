@@ -78,10 +78,8 @@ def status_bytes(field: str, pid: int | str = "self", path: str = "") -> int:
 
 
 def reset_peak_rss() -> bool:
-    """Reset this process's peak-RSS mark (``VmHWM``) to its current RSS; False if not allowed.
-
-    ``ru_maxrss`` cannot be reset and carries a parent's peak across fork and exec.
-    """
+    """Reset this process's peak-RSS mark (``VmHWM``) to its current RSS (``ru_maxrss`` cannot
+    be reset, and carries a parent's peak across fork and exec); False if not allowed."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:

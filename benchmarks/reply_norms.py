@@ -10,16 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.interactive import Federation, federation
 from beyond_averaging.server.recorder import RunRecorder
 from beyond_averaging.strategies.influence import max_over_median, record_norms, update_norms
-
-
-def _ratio(values: npt.NDArray[np.float64]) -> float | None:
-    return max_over_median(values)  # the ratio the strategies log and filter on
 
 
 def spread(fed: Federation, server_round: int) -> dict[str, float | None]:
@@ -30,14 +25,15 @@ def spread(fed: Federation, server_round: int) -> dict[str, float | None]:
     updates = update_norms(sent, replied)
     counts = [float(c.metric_records["metrics"]["num-examples"]) for c in contents]  # type: ignore[arg-type]
     floating = [{k: v for k, v in sent.items() if np.issubdtype(v.dtype, np.floating)}]
-    figures = {"update": _ratio(updates), "weight-share": max(counts) / sum(counts)}
+    # max / median: the ratio the strategies log and filter on
+    figures = {"update": max_over_median(updates), "weight-share": max(counts) / sum(counts)}
     # What an all-zero model would score: ||0 - w|| / median honest update norm.
     figures["zero-model"] = float(record_norms(floating)[0] / np.median(updates))
     for name in ("sensitivity", "gradient"):
         records = [c.array_records[name] for c in contents if name in c.array_records]
         if records:
             norms = record_norms([{k: a.numpy() for k, a in r.items()} for r in records])
-            figures[name] = _ratio(norms)
+            figures[name] = max_over_median(norms)
     return figures
 
 

@@ -336,9 +336,8 @@ def time_clients(options: argparse.Namespace) -> tuple[dict[str, float], dict[st
             batches = (data.features[positions] for positions in plan)
             compute_sensitivity(model, batches, decay=config.sensitivity_decay)
         pass_seconds.append(clock.wall)
-    setting: dict[str, Any] = {"dataset": config.dataset, "model": config.model}
-    setting["partition"] = config.partition
-    setting |= {"local-epochs": config.local_epochs, "batch-size": config.batch_size}
+    shown_keys = ("dataset", "model", "partition", "local-epochs", "batch-size")
+    setting: dict[str, Any] = {key: config.to_run_config()[key] for key in shown_keys}
     setting |= {"partition-0-examples": len(partition)}
     setting["sensitivity-pass-seconds"] = statistics.median(pass_seconds)
     return {rule: statistics.median(times) for rule, times in seconds.items()}, setting
