@@ -11,6 +11,8 @@ Each SuperNode runs under ``ba-supernode`` (:mod:`server.supervise`: started aga
 with its ClientApps forked from a warm process (:mod:`server.warm_executor`) unless
 ``--executor subprocess``; SuperNode ``i`` holds partition ``i`` of ``N`` (``--node-config
 'partition-id=i num-partitions=N'``, the keys this app and Flower's quickstart read).
+``--resources`` prints, when it stops, what each node cost: CPU seconds and peak memory of every
+process it started (:mod:`server.resources`).
 
 :class:`LocalDeployment` is the same launcher as a Python object: the deployment tests and the
 deployment and load benchmarks start their federations with it (every process in its own
@@ -667,6 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.executor == "warm" and (problem := release.warm_executor_problem()) is not None:
         parser.error(problem)
+    if args.resources and not Path("/proc/self/stat").is_file():
+        parser.error("--resources reads every process's figures from /proc: Linux only")
     workdir = args.workdir.resolve()
     certificates = loopback_certificates(workdir / "certs") if args.tls else None
     deployment = LocalDeployment(

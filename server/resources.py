@@ -148,7 +148,11 @@ def kinds_of(processes: Mapping[int, Tracked], root: int | None = None) -> dict[
 
 
 def cpu_seconds_by(
-    processes: Mapping[int, Tracked], groups: Mapping[int, str], ticks_per_second: float
+    processes: Mapping[int, Tracked],
+    groups: Mapping[int, str],
+    ticks_per_second: float,
+    *,
+    subtrees: bool = False,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """CPU seconds of each group of processes within the window, and the part of it that only
     the parents' reaped-children times show.
@@ -156,8 +160,10 @@ def cpu_seconds_by(
     Each process counts its own ticks at its last reading. A process reaped within the window
     may have run after its last reading (at most one interval); its parent's
     ``cutime + cstime`` holds its exact total, so the parent's reaped ticks minus the last
-    readings of the children seen to end are added to those children's group (to ``unseen``
-    when no ended child of that parent was seen: every child lived less than an interval).
+    readings of the children seen to end are added to those children's group. When no ended
+    child of that parent was seen (every child lived less than an interval) they go to the
+    parent's own group if the groups are ``subtrees`` (a child is in its parent's group, as a
+    node's processes are), else to ``unseen``.
     """
     seconds: dict[str, float] = {}
     recovered: dict[str, float] = {}
@@ -169,7 +175,8 @@ def cpu_seconds_by(
         missed = parent.reaped_ticks - seen
         if missed <= 0:
             continue  # a child's last reading came after its parent's: nothing was missed
-        group = Counter(groups[c] for c in children).most_common(1)[0][0] if children else "unseen"
+        group = groups[pid] if subtrees else "unseen"
+        group = Counter(groups[c] for c in children).most_common(1)[0][0] if children else group
         seconds[group] = seconds.get(group, 0.0) + missed / ticks_per_second
         recovered[group] = recovered.get(group, 0.0) + missed / ticks_per_second
     return seconds, recovered
@@ -327,7 +334,8 @@ class ResourceWatch:
         self.sampler.__exit__(None, None, None)
         watch, peaks = self.watch, self.sampler.peaks
         groups = {pid: watch.group_of(pid) or "other" for pid in watch.processes}
-        seconds, _ = cpu_seconds_by(watch.processes, groups, float(os.sysconf("SC_CLK_TCK")))
+        ticks = float(os.sysconf("SC_CLK_TCK"))
+        seconds, _ = cpu_seconds_by(watch.processes, groups, ticks, subtrees=True)
         return {
             label: {
                 "processes": sum(group == label for group in groups.values()),

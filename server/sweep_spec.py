@@ -40,7 +40,8 @@ def label_of(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Column:
-    """One table column: a metric of each run (report.METRICS), summarised over seeds.
+    """One table column: a metric of each run (:data:`server.sweep_report.METRICS`), summarised
+    over seeds.
 
     ``show`` is ``mean ± sd`` (sample sd, :func:`server.sweep_report.mean_sd`), ``range`` or
     ``median`` (every value of every seed pooled: mean (min-max), or their median) or ``max``

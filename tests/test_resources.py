@@ -186,6 +186,19 @@ def test_reaped_time_of_children_never_seen_is_counted_as_unseen() -> None:
     assert recovered["unseen"] == pytest.approx(2.40)
 
 
+def test_a_node_s_children_never_seen_count_to_the_node_when_groups_are_subtrees() -> None:
+    # A node's warm executor (42) reaped ClientApps that lived less than a sample: 300 ticks.
+    table = warm_node_table()
+    table[42] = tracked(stat(42, "ba-warm-exec", 40, 3, children=100), at_start=True)
+    table[42].last = stat(42, "ba-warm-exec", 40, 3, children=400)
+    groups = {pid: "node 0" if pid >= 40 else "other" for pid in table}
+    seconds, recovered = cpu_seconds_by(table, groups, 100.0, subtrees=True)
+    assert recovered == {"node 0": pytest.approx(3.00)}
+    # Own ticks: 1 + 2 + 0 (read twice, at the start) + 9 + 5 of 40..44, and the 300 reaped.
+    assert seconds["node 0"] == pytest.approx((1 + 2 + 9 + 5 + 300) / 100)
+    assert by_kind(table)[1] == {"unseen": pytest.approx(3.00)}  # kinds: no child's kind known
+
+
 def test_a_child_that_ends_between_two_samples_is_counted_from_its_parent() -> None:
     if not Path("/proc/self/stat").is_file():
         pytest.skip("no /proc on this system")
@@ -240,7 +253,7 @@ def test_ba_deploy_resources_reports_each_node_s_cpu_seconds_and_peak_memory(
             process.stdin.write(b"go\n")
             process.stdin.flush()
             burnt[label] = float(process.stdout.readline())
-        time.sleep(1.5)  # a few samples after the work
+        time.sleep(2.5)  # samples after the work, a PSS reading (once a second) among them
         report_resources(resources, tmp_path / "resources.json")
     finally:
         for process in processes:
