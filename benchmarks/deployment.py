@@ -1,22 +1,14 @@
-"""A deployed round of this project's app beside Flower's quickstart app, on the same work.
+"""Measurements of real local deployments (:class:`server.deploy.LocalDeployment`, every process
+sampled from ``/proc`` by :mod:`server.resources`); docs/deployment.md gives the method, the
+headlines and the commands.
 
-For each app, one local deployment (a SuperLink and N SuperNodes as processes on loopback,
-insecure, state in memory: :class:`tests.deploy_helpers.LocalDeployment`) runs R rounds of
-FedAvg on digits with the same MLP, local epochs, batch size, learning rate and momentum; every
-node trains every round and no client evaluates. The apps alternate (A B, then B A, ...) so
-that both share the machine's noise, and the ratios are taken within each repeat.
-
-- App A: this project's app, as ``flwr run`` ships it (the repository's FAB).
-- App B: Flower's quickstart (``tests/apps/quickstart``, Flower's examples/quickstart-pytorch),
-  copied at run time with a ``task.py`` that trains the same MLP on the same digits partitions
-  (:func:`quickstart_copy`; the page prints the diff). Its ``server_app.py`` and
-  ``client_app.py`` are Flower's, unchanged: Flower's FedAvg, a DataLoader loop.
-
-Measured from outside, the same way for both apps, by sampling ``/proc`` every ``--interval``
-seconds (:class:`ProcessWatch`): every process below this one (SuperLink, the SuperExec that
-starts the ServerApp, the ServerApp, each SuperNode, the SuperExec that starts its ClientApps,
-every ClientApp, ``flwr run``); see the page's "Method" for what that misses. docs/deployment.md
-("Deployment figures") gives the headline and the command.
+- ``python -m benchmarks.deployment``: a deployed round of this project's app beside Flower's
+  quickstart on the same work, one deployment per app and repeat, apps alternating. The
+  quickstart is ``tests/apps/quickstart`` with a ``task.py`` that trains this project's MLP on
+  its partitions (:func:`quickstart_copy`). ("Deployment figures")
+- ``python -m benchmarks.load``: how many SuperNodes one SuperLink holds on this machine, for the
+  default model: for each size N, a SuperLink and N SuperNodes run a few rounds. ("Load:
+  SuperNodes per SuperLink")
 """
 
 from __future__ import annotations
@@ -25,7 +17,9 @@ import argparse
 import difflib
 import itertools
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -33,9 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -43,22 +35,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import (
-    MIB,
-    PeakSampler,
-    RunOutcome,
-    clean_log,
-    command,
-    hardware,
-    save,
-)
-from benchmarks.report import markdown_table, read_metrics
+from benchmarks.harness import command, peak_rss_sampler, save, status_bytes
 from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.deploy import CONNECTION, LocalDeployment
 from beyond_averaging.server.flower_release import CLIENTAPP_EXECUTORS, FlowerRelease
 from beyond_averaging.server.launch import LaunchError, run_config_argument
+from beyond_averaging.server.provenance import hardware_line
+from beyond_averaging.server.resources import (
+    KINDS,
+    MIB,
+    PeakSampler,
+    ProcessWatch,
+    cpu_seconds_by,
+    kinds_of,
+)
+from beyond_averaging.server.sweep_report import markdown_table, read_metrics
+from beyond_averaging.server.watch import strip_ansi
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
@@ -85,159 +79,44 @@ WORK: dict[str, Any] = {
     "fraction-evaluate": 0.0,
 }
 APPS = {"project": "this project's app", "quickstart": "Flower's quickstart"}
-#: Hidden width of this project's MLP (tasks/models.py), which the quickstart's copy trains too;
-#: :func:`check_same_model` holds the copy to the project's model, shape by shape.
+#: Hidden width of this project's MLP (tasks/models.py), which the quickstart's copy trains too
+#: (tests/test_deployment_benchmark.py holds the copy to the project's model, shape by shape).
 HIDDEN = 200
-
-# ------------------------------------------------------------------------------ process table
-#: ``comm`` of each Flower process (Linux keeps the first 15 characters of the script's name).
-COMM_KINDS = {
-    "ba-supernode": "supervisor",
-    "ba-warm-exec": "warm-executor",
-    "ba-clientapp": "clientapp",
-    "flower-superlin": "superlink",
-    "flwr-serverapp": "serverapp",
-    "flower-supernod": "supernode",
-    "flower-superexe": "superexec",
-    "flwr-clientapp": "clientapp",
-    "flwr": "flwr-run",
-}
-#: Every kind of process, in the page's order, with its name there.
-KINDS = {
-    "superlink": "SuperLink",
-    "superexec-server": "SuperExec (starts the ServerApp)",
-    "serverapp": "ServerApp",
-    "supernode": "SuperNode",
-    "superexec-node": "SuperExec (starts ClientApps)",
-    "supervisor": "`ba-supernode` (restarts the SuperNode and the warm executor)",
-    "warm-executor": "warm executor (forks ClientApps)",
-    "clientapp": "ClientApp",
-    "flwr-run": "`flwr run` (the user's CLI)",
-    "benchmark": "this benchmark (its sampling of /proc)",
-    "other": "other processes below the benchmark",
-    "unseen": "processes that ended between two samples",
-}
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    """The fields of one ``/proc/<pid>/stat`` line that the benchmark reads.
-
-    Times are in clock ticks (``SC_CLK_TCK``), ``rss_pages`` in pages.
-    """
-
-    pid: int
-    comm: str
-    state: str
-    ppid: int
-    cpu_ticks: int  # utime + stime: the process's own CPU, all its threads
-    children_ticks: int  # cutime + cstime: of the children it has reaped (waited for)
-    start_ticks: int  # starttime: since boot
-    rss_pages: int
-
-
-def parse_stat(line: str) -> ProcStat:
-    """One ``/proc/<pid>/stat`` line (proc(5)). ``comm`` may hold spaces and parentheses, so the
-    fields are counted from the last ``)``."""
-    head, _, rest = line.rpartition(")")
-    pid, _, comm = head.partition(" (")
-    fields = rest.split()  # fields[0] is field 3 (state) of proc(5)
-    return ProcStat(
-        pid=int(pid),
-        comm=comm,
-        state=fields[0],
-        ppid=int(fields[1]),
-        cpu_ticks=int(fields[11]) + int(fields[12]),
-        children_ticks=int(fields[13]) + int(fields[14]),
-        start_ticks=int(fields[19]),
-        rss_pages=int(fields[21]),
-    )
-
-
-def read_stat(pid: int) -> ProcStat | None:
-    """The stat of a process, or None once it has been reaped."""
-    try:
-        return parse_stat((Path("/proc") / str(pid) / "stat").read_text(encoding="utf-8"))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-@dataclass
-class Tracked:
-    """One process below the benchmark, as sampled.
-
-    ``first`` is its reading when the window opened (``at_start``) or when it was first seen;
-    ``last`` its latest (a zombie still reads: its final times); ``ended`` once it was reaped.
-    """
-
-    first: ProcStat
-    last: ProcStat
-    at_start: bool
-    peak_rss_pages: int = 0
-    ended: bool = False
-
-    @property
-    def own_ticks(self) -> int:
-        """CPU ticks of the process itself within the window."""
-        return self.last.cpu_ticks - (self.first.cpu_ticks if self.at_start else 0)
-
-    @property
-    def reaped_ticks(self) -> int:
-        """CPU ticks of the children it reaped within the window (the kernel's exact sum)."""
-        return self.last.children_ticks - (self.first.children_ticks if self.at_start else 0)
-
-
-def kinds_of(processes: Mapping[int, Tracked], root: int | None = None) -> dict[int, str]:
-    """The kind of every process: by its ``comm``, a SuperExec by whom it serves (its parent);
-    ``root`` is the benchmark's own process."""
-    kinds: dict[int, str] = {root: "benchmark"} if root is not None and root in processes else {}
-
-    def kind(pid: int) -> str:
-        if pid not in kinds:
-            found = COMM_KINDS.get(processes[pid].last.comm, "other")
-            if found == "superexec":
-                parent = processes[pid].last.ppid
-                above = kind(parent) if parent in processes else "other"
-                found = "superexec-server" if above == "superlink" else "superexec-node"
-            kinds[pid] = found
-        return kinds[pid]
-
-    for pid in processes:
-        kind(pid)
-    return kinds
-
-
-def cpu_seconds_by_kind(
-    processes: Mapping[int, Tracked], ticks_per_second: float, root: int | None = None
-) -> tuple[dict[str, float], dict[str, float]]:
-    """CPU seconds of each kind of process within the window, and the part of it that only the
-    parents' reaped-children times show.
-
-    Each process counts its own ticks at its last reading. A process reaped within the window
-    may have run after its last reading (at most one interval); its parent's
-    ``cutime + cstime`` holds its exact total, so the parent's reaped ticks minus the last
-    readings of the children seen to end are added to those children's kind (to ``unseen``
-    when no ended child of that parent was seen: every child lived less than an interval).
-    """
-    kinds = kinds_of(processes, root)
-    seconds = dict.fromkeys(KINDS, 0.0)
-    recovered = dict.fromkeys(KINDS, 0.0)
-    for pid, process in processes.items():
-        seconds[kinds[pid]] += process.own_ticks / ticks_per_second
-    for pid, parent in processes.items():
-        children = [c for c, p in processes.items() if p.last.ppid == pid and p.ended]
-        seen = sum(processes[c].own_ticks + processes[c].reaped_ticks for c in children)
-        missed = parent.reaped_ticks - seen
-        if missed <= 0:
-            continue  # a child's last reading came after its parent's: nothing was missed
-        kind = Counter(kinds[c] for c in children).most_common(1)[0][0] if children else "unseen"
-        seconds[kind] += missed / ticks_per_second
-        recovered[kind] += missed / ticks_per_second
-    return seconds, recovered
-
+#: Kinds whose one process's peak memory the page shows, after the nodes' own.
+MEMORY_KINDS = ("clientapp", "serverapp", "superlink")
 
 #: What a SuperNode logs when a train instruction reaches it (flwr 1.39 to 1.42).
 RECEIVED_TRAIN = "Receiving: train message"
+#: The parts of a node's memory in the load benchmark: the SuperNode process, the ClientApp
+#: processes it starts (one per message) and the helpers between them (Flower's SuperExec).
+NODE_PARTS = ("supernode", "clientapp", "superexec")
+
+
+def start_nodes(deployment: LocalDeployment, nodes: int, supervised: bool, each: float) -> None:
+    """Start ``deployment`` with ``nodes`` SuperNodes (under ``ba-supernode`` if ``supervised``)
+    and wait until all are online, ``each`` seconds a node at most (two minutes at least)."""
+    deployment.start()
+    for partition in range(nodes):
+        deployment.start_supernode(partition, nodes, supervised=supervised)
+    deployment.wait_for_nodes(nodes, timeout=max(120.0, each * nodes))
+
+
+def spread(values: Sequence[float]) -> list[float]:
+    """Smallest, mean and largest of ``values`` (load averages), to 0.1."""
+    return [round(v, 1) for v in (min(values), statistics.fmean(values), max(values))]
+
+
+def page_facts(module: str) -> dict[str, Any]:
+    """When, how and where a page was measured, and the Flower release (its Fleet transport)."""
+    release = FlowerRelease.installed()
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command(module),
+        "flwr": release.version,
+        "transport": "gRPC" if release.transport == "grpc" else "HTTP",
+        "machine": hardware_line(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def round_intervals(receipts: Mapping[int, Sequence[float]], rounds: int) -> list[float] | None:
@@ -276,120 +155,6 @@ class LogWatch:
             self.seen[key] += [now for line in lines if marker in line]
 
 
-class ProcessWatch:
-    """This process (``root``) and every process below it, sampled from ``/proc``.
-
-    :meth:`sample` reads the stat of each known process (parents before children: a child
-    reaped during the sample is then in its parent's reaped times, or read by itself), finds new
-    ones by their parent, and returns the resident bytes of each SuperNode with everything
-    below it (``node-<pid>``), for :class:`benchmarks.harness.PeakSampler`.
-    """
-
-    def __init__(self, root: int) -> None:
-        self.root = root
-        self.processes: dict[int, Tracked] = {}
-        self.foreign: set[int] = set()
-        #: The SuperNodes' logs, read at every sample for the train instructions they receive.
-        self.receipts: LogWatch | None = None
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        #: The process the deployment started for each SuperNode (see :meth:`node_of`).
-        self.node_roots: set[int] = set()
-        self.pss_read = 0.0
-        self.load: list[float] = []
-        self.samples = 0
-
-    def open_window(self) -> None:
-        """Count from now: the processes alive now count their times from this reading."""
-        self.processes, self.foreign, self.load, self.samples = {}, set(), [], 0
-        self.sample()
-        for process in self.processes.values():
-            process.at_start = True
-
-    def _depth(self, pid: int) -> int:
-        depth = 0
-        while pid in self.processes and pid != self.root and depth < 64:
-            pid, depth = self.processes[pid].last.ppid, depth + 1
-        return depth
-
-    def sample(self) -> dict[str, float]:
-        """One reading of every process (and of the logs); the SuperNodes' memory now."""
-        self.samples += 1
-        for pid in sorted(self.processes, key=self._depth):
-            process = self.processes[pid]
-            if process.ended:
-                continue
-            stat = read_stat(pid)
-            if stat is None or stat.start_ticks != process.first.start_ticks:
-                process.ended = True  # reaped (a new process under an old pid is another)
-                continue
-            if stat.comm != process.last.comm:  # it exec'd: its parent's pages are gone
-                process.peak_rss_pages = 0
-            process.last = stat
-            process.peak_rss_pages = max(process.peak_rss_pages, stat.rss_pages)
-        listed = {int(name) for name in os.listdir("/proc") if name.isdigit()}
-        self.foreign &= listed  # a pid that went away may come back as one of ours
-        fresh = sorted(listed - self.foreign - self.processes.keys())
-        found = True
-        while found:  # a child may be listed before its parent
-            found = False
-            for pid in fresh:
-                if pid in self.processes:
-                    continue
-                stat = read_stat(pid)
-                if stat is not None and (pid == self.root or stat.ppid in self.processes):
-                    self.processes[pid] = Tracked(stat, stat, False, stat.rss_pages)
-                    found = True
-        # Not below the benchmark: read once, not again while the pid stays taken. A process
-        # forked by ours is ours from its birth (its parent is known before it is listed).
-        self.foreign |= {pid for pid in fresh if pid not in self.processes}
-        self.load.append(os.getloadavg()[0])
-        if self.receipts is not None:
-            self.receipts.read()
-        return self.node_memory()
-
-    def node_of(self, pid: int) -> int | None:
-        """The node a process runs under: the process the deployment started for that
-        SuperNode (a bare SuperNode, or ``ba-supernode`` with the SuperNode and the warm
-        executor below it), or None."""
-        while pid in self.processes and pid != self.root:
-            if pid in self.node_roots:
-                return pid
-            pid = self.processes[pid].last.ppid
-        return None
-
-    def node_memory(self) -> dict[str, float]:
-        """Memory now of each node with its live processes: resident bytes (``rss-<pid>``)
-        and, at most once a second, proportional bytes (``pss-<pid>``, Linux ``Pss``: a page
-        shared by k processes counts 1/k to each). A forked ClientApp shares most of its
-        pages with the warm parent, which RSS counts twice and PSS once."""
-        memory: dict[str, float] = {}
-        read_pss = time.monotonic() - self.pss_read >= 1.0
-        for pid, process in self.processes.items():
-            node = self.node_of(pid)
-            if node is None or process.ended:
-                continue
-            memory[f"rss-{node}"] = (
-                memory.get(f"rss-{node}", 0.0) + process.last.rss_pages * self.page
-            )
-            if read_pss:
-                memory[f"pss-{node}"] = memory.get(f"pss-{node}", 0.0) + pss_bytes(pid)
-        if read_pss:
-            self.pss_read = time.monotonic()
-        return memory
-
-
-def pss_bytes(pid: int) -> float:
-    """A process's proportional set size (``/proc/<pid>/smaps_rollup``), 0 once it ended."""
-    try:
-        rollup = (Path("/proc") / str(pid) / "smaps_rollup").read_text(encoding="utf-8")
-    except OSError:
-        return 0.0
-    for line in rollup.splitlines():
-        if line.startswith("Pss:"):
-            return float(line.split()[1]) * 1024
-    return 0.0
-
-
 # --------------------------------------------------------------------------- the quickstart copy
 def quickstart_task(original: str, data_file: Path, features: int, hidden: int) -> str:
     """Flower's quickstart ``task.py`` with this benchmark's model and data.
@@ -401,6 +166,7 @@ def quickstart_task(original: str, data_file: Path, features: int, hidden: int) 
     """
     start, end = original.index("class Net(nn.Module):"), original.index("def train(")
     middle = f'''import numpy as np
+from torch.utils.data import StackDataset
 
 # Changed for benchmarks/deployment.py: beyond-averaging's MLP and its digits partitions.
 DATA_FILE = "{data_file}"
@@ -422,25 +188,12 @@ class Net(nn.Module):
         return self.fc3(x)
 
 
-class Digits(Dataset):
-    """Images and labels saved by the benchmark, in the quickstart's batch format."""
-
-    def __init__(self, images, labels):
-        self.images = torch.from_numpy(images)
-        self.labels = torch.from_numpy(labels)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return {{"img": self.images[index], "label": self.labels[index]}}
-
-
 def load_data(partition_id: int, num_partitions: int, batch_size: int):
     """Load partition data (beyond-averaging's digits partition, all of it for training)."""
     with np.load(DATA_FILE) as data:
         assert int(data["num_partitions"]) == num_partitions, "partitions saved for another N"
-        partition = Digits(data[f"features_{{partition_id}}"], data[f"labels_{{partition_id}}"])
+        images, labels = data[f"features_{{partition_id}}"], data[f"labels_{{partition_id}}"]
+    partition = StackDataset(img=torch.from_numpy(images), label=torch.from_numpy(labels))
     trainloader = DataLoader(partition, batch_size=batch_size, shuffle=True)
     testloader = DataLoader(partition, batch_size=batch_size)  # unused: fraction-evaluate 0
     return trainloader, testloader
@@ -449,7 +202,8 @@ def load_data(partition_id: int, num_partitions: int, batch_size: int):
 def load_centralized_dataset():
     """Load test set and return dataloader (beyond-averaging's digits test split)."""
     with np.load(DATA_FILE) as data:
-        dataset = Digits(data["test_features"], data["test_labels"])
+        images, labels = data["test_features"], data["test_labels"]
+    dataset = StackDataset(img=torch.from_numpy(images), label=torch.from_numpy(labels))
     return DataLoader(dataset, batch_size=128)
 
 
@@ -491,106 +245,74 @@ def write_digits(path: Path, settings: Mapping[str, Any], nodes: int) -> tuple[i
     return int(np.prod(test_set.input_shape)), test_set.num_classes
 
 
-def parameter_shapes(module: Any) -> list[tuple[int, ...]]:
-    """The shape of each of a model's parameters, in order."""
-    return [tuple(p.shape) for p in module.parameters()]
-
-
-def check_same_model(app_dir: Path, features: int, classes: int) -> int:
-    """Import the copy's ``Net`` and hold it to this project's MLP, shape by shape; returns the
-    parameter count."""
-    sys.path.insert(0, str(app_dir))
-    try:
-        from pytorchexample.task import Net  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(app_dir))
-        sys.modules.pop("pytorchexample.task", None)
-        sys.modules.pop("pytorchexample", None)
-    ours = build_model("mlp", (features,), classes)
-    if parameter_shapes(Net()) != parameter_shapes(ours):
-        raise LaunchError(
-            f"the quickstart copy's Net {parameter_shapes(Net())} is not this project's MLP "
-            f"{parameter_shapes(ours)}"
-        )
-    return sum(p.numel() for p in ours.parameters())
-
-
 # ---------------------------------------------------------------------------------- measuring
 def quickstart_settings(rounds: int) -> dict[str, Any]:
     """:data:`WORK` in the quickstart's run-config keys (its momentum, 0.9, is in its code)."""
-    return {
-        "num-server-rounds": rounds,
-        "fraction-evaluate": WORK["fraction-evaluate"],
-        "local-epochs": WORK["local-epochs"],
-        "learning-rate": WORK["learning-rate"],
-        "batch-size": WORK["batch-size"],
-    }
+    keys = ("fraction-evaluate", "local-epochs", "learning-rate", "batch-size")
+    return {"num-server-rounds": rounds, **{key: WORK[key] for key in keys}}
 
 
-def flwr_run(deployment: LocalDeployment, settings: Mapping[str, Any], timeout: float) -> str:
-    """``flwr run <app> <connection> --stream`` as :func:`tests.deploy_helpers.run_app` runs
-    it, for an app without this project's run folder; returns the cleaned log."""
+def quickstart_run(deployment: LocalDeployment, rounds: int, timeout: float) -> float:
+    """``flwr run <quickstart> <connection> --stream``; its final test accuracy
+    (:func:`final_accuracy`) once ``flwr ls`` says the run completed."""
     arguments = ["run", str(deployment.staged_app), CONNECTION, "--stream"]
-    arguments += ["--run-config", run_config_argument(settings)]
+    arguments += ["--run-config", run_config_argument(quickstart_settings(rounds))]
     try:
         completed = deployment.flwr(*arguments, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise LaunchError(f"flwr run did not finish within {timeout} s") from None
-    return clean_log(completed.stdout + completed.stderr)
-
-
-def run_outcome(deployment: LocalDeployment, log: str, seconds: float) -> RunOutcome:
-    """The deployment's one run as the SuperLink reports it (``flwr ls``)."""
+    log = strip_ansi(completed.stdout + completed.stderr)
     listing = deployment.flwr("ls", CONNECTION, "--format", "json").stdout
-    try:
-        runs = json.loads(listing[listing.index("{") :]).get("runs", [])
-    except ValueError:
-        runs = []
-    last = runs[-1] if runs else {}
-    run_id = int(last["run-id"]) if "run-id" in last else None
-    return RunOutcome(run_id, str(last.get("status", "unknown")), log, seconds)
+    runs = json.loads(listing[listing.index("{") :]).get("runs", []) if "{" in listing else []
+    status = str(runs[-1].get("status", "unknown")) if runs else "unknown"
+    accuracy = final_accuracy(log)
+    if not status.endswith("completed") or accuracy is None:
+        raise LaunchError(f"the quickstart did not complete (status {status!r}): {log[-3000:]}")
+    return round(accuracy, 4)
 
 
-def measure(
-    app: str,
-    app_dir: Path,
-    workdir: Path,
-    nodes: int,
-    rounds: int,
-    interval: float,
-    timeout: float,
-    executor: str = "warm",
-) -> dict[str, Any]:
-    """One deployment of ``app`` with ``nodes`` SuperNodes: start it, run ``rounds`` rounds
+def final_accuracy(log: str) -> float | None:
+    """The last round's ``accuracy`` in the ``ServerApp-side Evaluate Metrics`` of the ``Final
+    results`` that Flower's ``Strategy.start`` logs (values as Flower writes them: quoted)."""
+    evaluated = log.partition("ServerApp-side Evaluate Metrics:")[2]
+    accuracies = re.findall(r"'accuracy': '?([-+.e0-9]+)", evaluated)
+    return float(accuracies[-1]) if accuracies else None
+
+
+def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One deployment of ``app`` with ``--nodes`` SuperNodes: start it, run ``--rounds`` rounds
     under the process watch (the window is ``flwr run`` alone), stop it.
 
     This project's app runs as docs/deployment.md deploys it, each SuperNode under
-    ``ba-supernode`` with ``executor``; the quickstart as Flower runs it, bare
+    ``ba-supernode`` with ``--executor``; the quickstart as Flower runs it, bare
     ``flower-supernode`` processes with Flower's subprocess isolation."""
-    project = app == "project"
+    project, nodes, rounds, executor = app == "project", args.nodes, args.rounds, args.executor
     deployment = LocalDeployment(
         app_dir, workdir, file_state=False, executor="warm" if executor == "warm" else "subprocess"
     )
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
     row["executor"] = executor if project else "flower-subprocess"
-    watch = ProcessWatch(os.getpid())
+    watch, load = ProcessWatch(os.getpid()), []
     try:
-        deployment.start()
-        for partition in range(nodes):
-            deployment.start_supernode(partition, nodes, supervised=project)
-        deployment.wait_for_nodes(nodes, timeout=max(120.0, 10.0 * nodes))
-        watch.node_roots = {node.process.pid for node in deployment.supernodes}
+        start_nodes(deployment, nodes, supervised=project, each=10.0)
+        watch.groups = {node.process.pid: str(node.process.pid) for node in deployment.supernodes}
         run_settings = {**WORK, "num-server-rounds": rounds, "num-clients": nodes}
         run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
         logs = {node.process.pid: node.log_path for node in deployment.supernodes}
-        watch.receipts = LogWatch(logs, RECEIVED_TRAIN)
+        receipts = LogWatch(logs, RECEIVED_TRAIN)
+
+        def sample() -> dict[str, float]:  # the processes, the logs and the load, each sample
+            receipts.read()
+            load.append(os.getloadavg()[0])
+            return watch.sample()
+
         watch.open_window()
-        with PeakSampler(watch.sample, interval=interval) as sampler:
+        with PeakSampler(sample, interval=args.interval) as sampler:
             started = time.monotonic()
             if app == "project":
-                run_dir = deployment.run(run_settings, timeout=timeout)
+                run_dir = deployment.run(run_settings, timeout=args.timeout)
             else:
-                log = flwr_run(deployment, quickstart_settings(rounds), timeout)
+                accuracy = quickstart_run(deployment, rounds, args.timeout)
             seconds = time.monotonic() - started
         row["run-seconds"] = round(seconds, 2)
         if app == "project":
@@ -598,12 +320,8 @@ def measure(
             row["app-round-seconds"] = [round(float(m["round-seconds"]), 2) for m in metrics[1:]]
             row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
         else:
-            outcome = run_outcome(deployment, log, seconds)
-            if not outcome.completed:
-                raise LaunchError(f"the quickstart did not complete: {outcome.tail(3000)}")
-            evaluated = outcome.final_metrics("ServerApp-side Evaluate Metrics")
-            row["final-accuracy"] = round(evaluated[max(evaluated)]["accuracy"], 4)
-        row.update(figures(watch, sampler.peaks, rounds))
+            row["final-accuracy"] = accuracy
+        row.update(figures(watch, sampler.peaks, rounds, receipts.seen, load))
         row["status"] = "completed"
     except (LaunchError, OSError, KeyError, ValueError) as error:
         row["status"] = "failed"
@@ -613,20 +331,31 @@ def measure(
     return row
 
 
-def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -> dict[str, Any]:
-    """The figures of one run from its process watch and the SuperNodes' peak memory."""
+def figures(
+    watch: ProcessWatch,
+    node_peaks: Mapping[str, float],
+    rounds: int,
+    receipts: Mapping[int, Sequence[float]],
+    load: Sequence[float],
+) -> dict[str, Any]:
+    """The figures of one run from its process watch, the SuperNodes' peak memory, the times
+    each node received a train instruction and the load averages sampled."""
     ticks = float(os.sysconf("SC_CLK_TCK"))
     processes = watch.processes
-    seconds, recovered = cpu_seconds_by_kind(processes, ticks, watch.root)
     kinds = kinds_of(processes, watch.root)
+    seconds, recovered = cpu_seconds_by(processes, kinds, ticks)
+    seconds = {kind: seconds.get(kind, 0.0) for kind in KINDS}
     clientapps = [pid for pid, kind in kinds.items() if kind == "clientapp"]
-    receipts = {} if watch.receipts is None else watch.receipts.seen
     intervals = round_intervals(receipts, rounds)
     peak_rss = dict.fromkeys(KINDS, 0.0)
     for pid, process in processes.items():
         peak_rss[kinds[pid]] = max(peak_rss[kinds[pid]], process.peak_rss_pages * watch.page)
     nodes = [value for key, value in node_peaks.items() if key.startswith("rss-")]
     proportional = [value for key, value in node_peaks.items() if key.startswith("pss-")]
+
+    def mean_mb(values: Sequence[float]) -> float | None:
+        return round(statistics.fmean(values) / MIB, 1) if values else None
+
     return {
         "round-seconds": None if intervals is None else [round(s, 2) for s in intervals],
         "cpu-seconds": {kind: round(value, 2) for kind, value in seconds.items()},
@@ -638,15 +367,10 @@ def figures(watch: ProcessWatch, node_peaks: Mapping[str, float], rounds: int) -
         ),
         "train-messages-per-node": sorted(len(times) for times in receipts.values()),
         "peak-rss-mb": {kind: round(value / MIB, 1) for kind, value in peak_rss.items() if value},
-        "node-peak-rss-mb": round(statistics.fmean(nodes) / MIB, 1) if nodes else None,
+        "node-peak-rss-mb": mean_mb(nodes),
         "node-peak-rss-mb-max": round(max(nodes) / MIB, 1) if nodes else None,
-        "node-peak-pss-mb": (
-            round(statistics.fmean(proportional) / MIB, 1) if proportional else None
-        ),
-        "load-average": [
-            round(value, 1)
-            for value in (min(watch.load), statistics.fmean(watch.load), max(watch.load))
-        ],
+        "node-peak-pss-mb": mean_mb(proportional),
+        "load-average": spread(load),
         "samples": watch.samples,
     }
 
@@ -739,23 +463,17 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         f"Measured {meta['date']} with `{meta['command']}` on {meta['machine']}: "
         f"{meta['cpus']} CPU cores shared with other jobs (load average during the runs: "
         f"{meta['load']}; the ratios are taken within each repeat, both apps back to back). "
-        f"One local deployment per app and repeat: a SuperLink (state in memory) and "
-        f"{meta['nodes']} SuperNodes as processes on loopback, insecure, flwr {meta['flwr']} "
-        f"(Fleet API over {meta['transport']}); this project's SuperNodes under `ba-supernode` "
-        f"with the {meta.get('executor', 'subprocess')} executor, the quickstart's as Flower "
-        "runs them (a new ClientApp process per message); "
-        f"{meta['rounds']} rounds, {meta['repeats']} "
-        f"repeats, apps alternating ({meta['order']}); {meta['threads']} torch thread per "
-        "process (`OMP_NUM_THREADS`); processes niced by 10.",
+        f"Per app and repeat a SuperLink (state in memory) and {meta['nodes']} SuperNodes on "
+        f"loopback; this project's under `ba-supernode` with the "
+        f"{meta.get('executor', 'subprocess')} executor, the quickstart's as Flower runs them; "
+        f"{meta['rounds']} rounds, {meta['repeats']} repeats, apps alternating ({meta['order']}); "
+        f"{meta['threads']} torch thread per process (`OMP_NUM_THREADS`), niced by 10.",
         "",
-        "The work, the same for both: digits, Dirichlet(0.5) partitions of this project's app "
-        f"(seed 0), its MLP ({meta['model']}: {meta['parameters']:,} parameters), "
-        f"{WORK['local-epochs']} local epochs, batch {WORK['batch-size']}, SGD with learning "
-        f"rate {WORK['learning-rate']} and momentum {WORK['momentum']} (this project's app with "
-        "`weight-decay = 0` and `lr-decay = 1`, so that its update is the quickstart's "
-        "`torch.optim.SGD(lr, momentum=0.9)`), FedAvg, every node trains every round, no client "
-        "evaluates, the server evaluates the global model on the same test split after every "
-        "round.",
+        "The work, the same for both, as this project's run configuration: "
+        + ", ".join(f"`{key} = {json.dumps(value)}`" for key, value in WORK.items())
+        + f"; the MLP {meta['model']} "
+        f"({meta['parameters']:,} parameters); what that means, and the method: "
+        "[deployment](../deployment.md#deployment-figures).",
         "",
     ]
     cells: list[list[object]] = []
@@ -779,25 +497,10 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     add("CPU seconds of one ClientApp process (median)", "cpu-per-clientapp-median", 2)
     add("peak RSS per node (MB): every process of the node, summed", "node-peak-rss-mb", 0)
     add("peak PSS per node (MB): the same, shared pages counted once", "node-peak-pss-mb", 0)
-    for kind in (
-        "supernode",
-        "superexec-node",
-        "supervisor",
-        "warm-executor",
-        "clientapp",
-        "serverapp",
-        "superlink",
-    ):
-        a = project.get("peak-rss-mb", {}).get(kind)
-        b = flower.get("peak-rss-mb", {}).get(kind)
-        cells.append(
-            [
-                f"- peak RSS of one {KINDS[kind]} (MB)",
-                _f(a, 0),
-                _f(b, 0),
-                _f(a / b if a and b else None, 2),
-            ]
-        )
+    for kind in ("supernode", "superexec-node", "supervisor", "warm-executor", *MEMORY_KINDS):
+        a, b = (app.get("peak-rss-mb", {}).get(kind) for app in (project, flower))
+        name = f"- peak RSS of one {KINDS[kind]} (MB)"
+        cells.append([name, _f(a, 0), _f(b, 0), _f(a / b if a and b else None, 2)])
     header = ["per run (median of the repeats)", APPS["project"], APPS["quickstart"], "ratio"]
     lines += [markdown_table(header, cells)]
     lines += [
@@ -817,39 +520,28 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
             error = row["error"].splitlines()[0][:300].replace("|", "/")
             run_cells.append([row["repeat"], APPS[row["app"]], *["-"] * 6, f"failed: {error}"])
             continue
-        run_cells.append(
-            [
-                row["repeat"],
-                APPS[row["app"]],
-                ", ".join(map(str, row["round-seconds"] or ["-"])),
-                row["run-seconds"],
-                _f(per_round(row), 1),
-                row["clientapp-processes"],
-                row["node-peak-rss-mb"],
-                " / ".join(map(str, row["load-average"])),
-                "completed",
-            ]
-        )
+        rounds = ", ".join(map(str, row["round-seconds"] or ["-"]))
+        figures = [row["run-seconds"], _f(per_round(row), 1), row["clientapp-processes"]]
+        load = " / ".join(map(str, row["load-average"]))
+        run_cells.append([row["repeat"], APPS[row["app"]], rounds, *figures])
+        run_cells[-1] += [row["node-peak-rss-mb"], load, "completed"]
     head = "repeat | app | seconds of each round | run seconds | CPU s per round"
     head += " | ClientApp processes | peak RSS per node (MB) | load average min / mean / max"
     head += " | status"
     lines += [markdown_table(head.split(" | "), run_cells)]
-    lines += METHOD.format(interval=meta["interval"]).splitlines()
     lines += [
+        "## Method",
+        "",
+        f"Every process sampled from `/proc` every {meta['interval']} s; what each figure counts, "
+        "and what it misses: "
+        "[deployment](../deployment.md#how-the-deployment-figures-are-measured).",
         "",
         "## What the quickstart copy changes",
         "",
-        "`tests/apps/quickstart` holds Flower's examples/quickstart-pytorch "
-        "(`server_app.py` and `client_app.py` line for line). The benchmark copies it and "
-        "changes `task.py` only, as below; `pyproject.toml` is Flower's, and the run's settings "
-        "go in `--run-config` ("
+        "`tests/apps/quickstart` is Flower's examples/quickstart-pytorch; the copy changes "
+        "`task.py` only, as below, and the run's settings go in `--run-config` ("
         + ", ".join(f"`{k} = {v}`" for k, v in quickstart_settings(meta["rounds"]).items())
-        + "). `Net` becomes this project's MLP; the data are this project's partitions and test "
-        "split, saved by the benchmark with the project's own helpers "
-        "(`load_client_partition`, `load_server_splits`) into one `.npz` file each ClientApp "
-        "reads with NumPy; a client trains on its whole partition (the quickstart's 80/20 split "
-        "served client evaluation, which is off). `train` and `test` are Flower's "
-        "(`torch.optim.SGD(momentum=0.9)`, a DataLoader loop).",
+        + ").",
         "",
         "```diff",
         meta["quickstart-diff"].rstrip("\n"),
@@ -859,52 +551,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-METHOD = """## Method
-
-- **Seconds per round**: the same for both apps, from the SuperNodes' logs, read at every
-  sample: a round starts when the first SuperNode logs that it received that round's train
-  instruction (`Receiving: train message`, timed to the sample), and lasts until the next
-  round starts (so R rounds give R - 1 figures: local training, uploads, aggregation, the
-  server's evaluation, the next round's instructions and the polling between). This project's
-  own `round-seconds` (metrics.jsonl) are in the JSON beside the page for comparison.
-- **ClientApp processes**: a SuperNode starts one per instruction, and one more whenever a
-  started one missed its heartbeat (Flower then invalidates its token: "Runtime task-token
-  authentication failed" in the SuperNode's log); on a loaded machine a ClientApp still
-  importing torch can miss it. ClientApp CPU per train instruction includes such restarts.
-- **CPU per round**: every process below the benchmark (SuperLink, the SuperExec that starts
-  the ServerApp, the ServerApp, each SuperNode, the SuperExec that starts its ClientApps, every
-  ClientApp, `flwr run`, and the benchmark itself), sampled every {interval} s from
-  `/proc/<pid>/stat` (utime + stime, all threads), from the moment `flwr run` starts until it
-  ends, divided by the rounds; a process that was alive when the window opened counts from
-  its reading then. A process is assigned its kind by its executable's name (`comm`), a
-  SuperExec by its parent. Short-lived ClientApp processes are read until they are reaped: one
-  that has exited stays a zombie, whose stat holds its final times, until its SuperExec
-  starts the next one. **Blind spot**, and its fix: a process reaped between two samples may
-  have run after its last reading (at most one interval). Its parent's reaped-children times
-  (cutime + cstime, exact) minus the last readings of the children seen to end are added to
-  those children's kind ("cpu-from-reaped-times" in the JSON says how much that was). Not
-  counted: CPU of processes outside the benchmark's tree (the kernel's own work for the
-  network and the disk, other jobs), and the deployment's CPU before and after the run (its
-  idle polling: about a SuperNode's figure per round, which both apps share).
-- **Startup is in the figure**: CPU per round is the whole run's CPU over its rounds, so the
-  ServerApp's start and `flwr run` (building and uploading the FAB) are spread over the
-  rounds.
-- **Memory**: the resident set (`/proc/<pid>/stat` rss) at each sample. Per node: the largest
-  sum over a node's processes at one sample (this project's: `ba-supernode`, the SuperNode,
-  the warm executor and the ClientApp(s) forked from it; the quickstart's: the SuperNode, its
-  SuperExec and ClientApp(s)), the mean over the nodes; per kind: the largest single process
-  of that kind. A forked ClientApp shares the pages of its warm parent, which the summed RSS
-  counts twice; the proportional set size (`Pss` of `/proc/<pid>/smaps_rollup`, read once a
-  second: a page shared by k processes counts 1/k to each) counts them once.
-- **Executors**: this project's app runs as docs/deployment.md deploys it, every SuperNode
-  under `ba-supernode` with the executor named in the page's command (`--executor`, warm by
-  default: ClientApps forked from one pre-imported process); the quickstart runs as Flower
-  runs it, bare `flower-supernode` processes with Flower's subprocess isolation (a new
-  `flwr-clientapp` Python per message).
-"""
-
-
-def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Alternate the two apps for ``args.repeats`` repeats; the rows and the page's facts."""
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ba-deploy-bench-") as scratch_dir:
@@ -913,44 +560,25 @@ def measure_all(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any
         settings = {**WORK, "num-clients": args.nodes}
         data_file = scratch / "digits.npz"
         features, classes = write_digits(data_file, settings, args.nodes)
-        hidden = HIDDEN
-        diff = quickstart_copy(scratch / "quickstart", data_file, features, hidden)
-        parameters = check_same_model(scratch / "quickstart", features, classes)
+        diff = quickstart_copy(scratch / "quickstart", data_file, features, HIDDEN)
+        parameters = sum(p.numel() for p in build_model("mlp", (features,), classes).parameters())
         order = []
         for repeat in range(1, args.repeats + 1):
             apps = ["project", "quickstart"] if repeat % 2 else ["quickstart", "project"]
             order.append(" ".join("A" if app == "project" else "B" for app in apps))
             for app in apps:
-                row = measure(
-                    app,
-                    REPO if app == "project" else scratch / "quickstart",
-                    scratch / f"{app}-{repeat}",
-                    args.nodes,
-                    args.rounds,
-                    args.interval,
-                    args.timeout,
-                    args.executor,
-                )
+                app_dir = REPO if app == "project" else scratch / "quickstart"
+                row = measure(app, app_dir, scratch / f"{app}-{repeat}", args)
                 rows.append({"repeat": repeat, **row})
                 print(json.dumps(rows[-1]), flush=True)
-    release = FlowerRelease.installed()
     loads = [row["load-average"][1] for row in rows if row["status"] == "completed"]
+    options = ("nodes", "executor", "rounds", "repeats", "threads", "interval")  # as typed
     meta = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": command("deployment"),
-        "flwr": release.version,
-        "transport": "gRPC" if release.transport == "grpc" else "HTTP",
-        "machine": hardware(),
-        "cpus": os.cpu_count(),
+        **page_facts("deployment"),
+        **{option: getattr(args, option) for option in options},
         "load": f"mean {min(loads):.1f} to {max(loads):.1f} per run" if loads else "-",
-        "nodes": args.nodes,
-        "executor": args.executor,
-        "rounds": args.rounds,
-        "repeats": args.repeats,
         "order": ", ".join(order),
-        "threads": args.threads,
-        "interval": args.interval,
-        "model": f"{features}-{hidden}-{hidden}-{classes}",
+        "model": f"{features}-{HIDDEN}-{HIDDEN}-{classes}",
         "parameters": parameters,
         "quickstart-diff": diff,
     }
@@ -966,18 +594,10 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between samples")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    parser.add_argument(
-        "--render",
-        action="store_true",
-        help="measure nothing: write the page again from this release's saved rows",
-    )
-    parser.add_argument(
-        "--executor",
-        choices=CLIENTAPP_EXECUTORS,
-        default="warm",
-        help="how this project's SuperNodes run ClientApps (ba-supernode --executor; default "
-        "warm); the quickstart always runs Flower's own subprocess isolation",
-    )
+    rerender = "measure nothing: write the page again from this release's saved rows"
+    parser.add_argument("--render", action="store_true", help=rerender)
+    executor = "how this project's SuperNodes run ClientApps (the quickstart: Flower's own)"
+    parser.add_argument("--executor", choices=CLIENTAPP_EXECUTORS, default="warm", help=executor)
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
@@ -987,7 +607,6 @@ def main() -> None:
         parser.error("--rounds must be at least 2: a round's seconds are read between rounds")
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)  # this process too (it loads the data)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"deployment-{FlowerRelease.installed().transport}"
     saved = RESULTS / f"{name}.json"
     if args.render:
@@ -996,9 +615,199 @@ def main() -> None:
         record = json.loads(saved.read_text(encoding="utf-8"))
         rows, meta = record["rows"], record["meta"]
     else:
-        rows, meta = measure_all(args, name)
+        rows, meta = measure_all(args)
     record = {"meta": meta, "rows": rows, "summary": summarize(rows)}
     save("deployment", name, markdown(rows, meta), record, args.publish)
+
+
+# ------------------------------------------------------------------ SuperNodes per SuperLink
+def node_parts(watch: ProcessWatch, load: list[float]) -> dict[str, float]:
+    """The summed RSS of every node's processes (``watch.groups``: the SuperNodes), by part and
+    in all, and the ClientApp processes running; appends the 1-minute load average to ``load``
+    (the cores are shared with others)."""
+    watch.sample()
+    kinds = kinds_of(watch.processes)
+    part = dict.fromkeys(NODE_PARTS, 0.0)
+    clientapps = 0
+    for pid, process in list(watch.processes.items()):
+        if process.ended or watch.group_of(pid) is None:
+            continue
+        kind = kinds[pid] if kinds[pid] in ("supernode", "clientapp") else "superexec"
+        part[kind] += process.last.rss_pages * watch.page
+        clientapps += kind == "clientapp" and process.last.state != "Z"  # not yet reaped
+    load.append(os.getloadavg()[0])
+    return {**part, "total": sum(part.values()), "clientapps": clientapps}
+
+
+def _mb(size: float) -> float:
+    return round(size / MIB, 1)
+
+
+def measure_load(
+    size: int, args: argparse.Namespace, workdir: Path, file_state: bool
+) -> dict[str, Any]:
+    """One federation of ``size`` SuperNodes: start, run ``rounds`` rounds, stop."""
+    row: dict[str, Any] = {"supernodes": size, "rounds": args.rounds}
+    row["superlink-state"] = "file" if file_state else "memory"
+    # In-memory SuperLink state by default: with its SQLite file, 7 of 10 replies failed here
+    # with "database is locked" on a loaded machine; see docs/deployment.md (Load).
+    deployment = LocalDeployment(REPO, workdir, file_state=file_state)
+    load: list[float] = []
+    started = time.monotonic()
+    try:
+        # Bare flower-supernode processes with Flower's subprocess isolation, as the published
+        # pages measured (no ba-supernode supervisor); the deployment figures measure the warm
+        # executor.
+        start_nodes(deployment, size, supervised=False, each=5.0)
+        row["seconds-to-online"] = round(time.monotonic() - started, 1)
+        idle = sum(status_bytes("VmRSS", node.process.pid) for node in deployment.supernodes)
+        row["supernode-idle-rss-mb"] = _mb(idle / size)
+        settings = {"num-clients": size, "num-server-rounds": args.rounds}
+        settings |= {"round-timeout": args.round_timeout, "run-name": f"load-{size}"}
+        settings["output-dir"] = str(deployment.workdir / "runs")
+        assert deployment.superlink is not None
+        groups = {node.process.pid: "node" for node in deployment.supernodes}
+        watch = ProcessWatch(os.getpid(), groups, pss_every=math.inf)
+        sampler = PeakSampler(lambda: node_parts(watch, load), interval=1.0)
+        with sampler as nodes, peak_rss_sampler(deployment.serverapp_pids) as server:
+            run_started = time.monotonic()
+            try:
+                run_dir = deployment.run(settings, timeout=args.timeout)
+            finally:
+                row["run-seconds"] = round(time.monotonic() - run_started, 1)
+                row["superlink-peak-rss-mb"] = _mb(status_bytes("VmHWM", deployment.superlink.pid))
+        metrics = read_metrics(run_dir)
+        row["round-seconds"] = [round(float(m["round-seconds"]), 1) for m in metrics[1:]]
+        row["replies-valid"] = [m.get("replies-valid") for m in metrics[1:]]
+        row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
+        row["serverapp-peak-rss-mb"] = _mb(server.peaks["rss"])
+        row["node-peak-rss-mb-per-node"] = _mb(nodes.peaks["total"] / size)
+        for part in NODE_PARTS:
+            row[f"{part}-peak-rss-mb-per-node"] = _mb(nodes.peaks[part] / size)
+        row["clientapp-processes-at-once"] = int(nodes.peaks["clientapps"])
+        row["status"] = "completed"
+    except (LaunchError, OSError, AssertionError) as error:
+        row["status"] = "failed"
+        row["error"] = f"{type(error).__name__}: {error}"[:2000]
+    finally:
+        if load:  # also for a failed run: how busy the cores were when it failed
+            row["load-average"] = spread(load)
+        deployment.close()
+        if deployment.superlink_log.is_file():
+            row.update(superlink_errors(deployment.superlink_log.read_text(errors="replace")))
+    return row
+
+
+def superlink_errors(log: str) -> dict[str, Any]:
+    """How often the SuperLink logged "database is locked", and on which calls."""
+    locked = [line for line in log.splitlines() if "database is locked" in line]
+    calls = sorted(set(re.findall(r"\[(/[\w./-]+)\]\[UnexpectedError", "\n".join(locked))))
+    return {"superlink-database-locked": len(locked), "superlink-locked-calls": calls}
+
+
+def load_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The load benchmark's page."""
+    cache = "empty at the start" if meta["cold-cache"] else "filled before the run"
+    lines = [
+        "# SuperNodes per SuperLink: load on this machine",
+        "",
+        f"Measured {meta['date']} with `{meta['command']}` on {meta['machine']}: "
+        f"{meta['cpus']} CPU cores and {meta['memory-gib']} GiB shared with other jobs (the "
+        "load average column says how busy the cores were; times are upper bounds). Default "
+        f"configuration, flwr {meta['flwr']} ({meta['transport']} Fleet API), plain-text on "
+        f"loopback, the SuperLink's state in {meta['superlink-state']}, a ClientApp process per "
+        f"message (Flower's isolation), the partition cache {cache}; what each figure means: "
+        "[deployment](../deployment.md#load-supernodes-per-superlink).",
+        "",
+    ]
+    cells = []
+    for row in rows:
+        locked = ""
+        if row.get("superlink-database-locked"):
+            locked = (
+                f'; the SuperLink logged "database is locked" {row["superlink-database-locked"]}'
+                f" times, on {', '.join(row['superlink-locked-calls']) or 'internal writes'}"
+            )
+        if row["status"] == "skipped":
+            cells.append([row["supernodes"], *["-"] * 7, f"skipped: {row['why']}"])
+        elif row["status"] == "failed":
+            first_line = row["error"].splitlines()[0][:300].replace("|", "/")
+            online = row.get("seconds-to-online", "-")
+            load = " / ".join(map(str, row.get("load-average", ["-"])))
+            failure = f"failed: {first_line}{locked}"
+            cells.append([row["supernodes"], online, "-", load, *["-"] * 4, failure])
+        else:
+            parts = ("node", "supernode", "superexec", "clientapp")
+            per_node = [row[f"{part}-peak-rss-mb-per-node"] for part in parts]
+            cells.append(
+                [
+                    *(row["supernodes"], row["seconds-to-online"]),
+                    ", ".join(map(str, row["round-seconds"])),
+                    " / ".join(map(str, row["load-average"])),
+                    *(row["serverapp-peak-rss-mb"], row["superlink-peak-rss-mb"]),
+                    "{} = {} + {} + {}".format(*per_node),
+                    *(row["replies-valid"], f"completed{locked}"),
+                ]
+            )
+    header = "SuperNodes | online after (s) | round seconds | load average min / mean / max"
+    header += " | ServerApp peak RSS (MB) | SuperLink peak RSS (MB) | per node peak RSS (MB): all"
+    header += " = SuperNode + SuperExec + ClientApp | valid replies | status"
+    lines.append(markdown_table(header.split(" | "), cells))
+    lines += [
+        "Per node: the peak over the run of the summed RSS of every SuperNode with its "
+        "processes, divided by the number of nodes; the parts are the peaks of each part's sum "
+        "(they need not peak at the same moment, so they may add up to more than the whole).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def load_main() -> None:
+    """``python -m benchmarks.load``: measure each size in turn; print and save the rows."""
+    parser = argparse.ArgumentParser(description="SuperNodes per SuperLink on this machine")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[5, 10, 20, 30, 50])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    # Long, to measure slow rounds rather than drop their replies; shorter where replies are
+    # lost for good (the SQLite state's lock).
+    parser.add_argument("--round-timeout", type=float, default=1800.0)
+    parser.add_argument("--reserve-gib", type=float, default=4.0, help="memory left to others")
+    parser.add_argument("--state", choices=("memory", "file"), default="memory")
+    parser.add_argument("--cold-cache", action="store_true", help="empty partition cache at start")
+    parser.add_argument("--publish", action="store_true")
+    args = parser.parse_args()
+    release = FlowerRelease.installed()
+    name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
+    name += "-cold" if args.cold_cache else ""
+    name += "" if release.transport == "grpc" else f"-{release.transport}"
+    rows: list[dict[str, Any]] = []
+    per_node = 0.0  # memory per node of the largest size measured
+    with tempfile.TemporaryDirectory(prefix="ba-load-") as scratch:
+        # A cache of this benchmark's own, inherited by every process it starts.
+        os.environ[CACHE_ENV] = str(Path(scratch) / "partitions")
+        for size in sorted(args.sizes):
+            spare = status_bytes("MemAvailable", path="/proc/meminfo") - args.reserve_gib * 2**30
+            if per_node and size * per_node > spare:
+                why = f"needs about {size * per_node / 2**30:.1f} GiB at {per_node / MIB:.0f} MB"
+                why += f" per node, {max(spare, 0) / 2**30:.1f} GiB spare"
+                rows.append({"supernodes": size, "status": "skipped", "why": why})
+            else:
+                if not args.cold_cache:  # the steady state: partitioned by an earlier message
+                    task = client_task(parse_run_config({}))
+                    load_client_partition(DataSpec.from_task(task, size), 0)
+                file_state = args.state == "file"
+                workdir = Path(scratch) / f"n{size}"
+                rows.append(measure_load(size, args, workdir, file_state))
+            print(rows[-1], flush=True)
+            if rows[-1]["status"] == "completed":
+                per_node = rows[-1]["node-peak-rss-mb-per-node"] * MIB
+    meta = {
+        **page_facts("load"),
+        "memory-gib": round(status_bytes("MemTotal", path="/proc/meminfo") / 2**30, 1),
+        "superlink-state": "an SQLite file" if args.state == "file" else "memory",
+        "cold-cache": args.cold_cache,
+    }
+    save("load", name, load_markdown(rows, meta), {"meta": meta, "rows": rows}, args.publish)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -21,16 +22,7 @@ from typing import Any
 import torch
 from flwr.clientapp import ClientApp
 
-from benchmarks.harness import (
-    MIB,
-    PeakSampler,
-    command,
-    descendants,
-    hardware,
-    process_table,
-    tree_cpu,
-)
-from benchmarks.report import markdown_table, read_metrics, shown
+from benchmarks.harness import command, save
 from benchmarks.spec import REPO
 from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
 from beyond_averaging.server.launch import (
@@ -39,13 +31,15 @@ from beyond_averaging.server.launch import (
     run_config_argument,
     stop_process_tree,
 )
+from beyond_averaging.server.provenance import hardware_line
 from beyond_averaging.server.recorder import FINISHED_STATUSES
+from beyond_averaging.server.resources import MIB, PeakSampler, ProcessWatch
+from beyond_averaging.server.sweep_report import markdown_table, read_metrics, shown
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.tasks.synthetic import device_size
 
 #: The measurement of an invocation, in its --runs folder (what --report-only reads).
 ROWS_FILE = "population.json"
-PUBLISHED = REPO / "docs" / "results" / "population.md"
 #: The targets of issue 29 for the largest in-process population, against the smallest.
 RSS_TARGET, SECONDS_TARGET = 1.5, 2.0
 
@@ -98,10 +92,16 @@ def measure(
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, *words], cwd=REPO, env=env, stdout=log, stderr=log)
 
+    watch = ProcessWatch(process.pid, pss_every=math.inf)  # the run and every process below it
+    ticks = os.sysconf("SC_CLK_TCK")
+
     def tree_rss() -> dict[str, float]:
-        children, rss, _ = process_table()
-        pids = [process.pid, *descendants(process.pid, children)]
-        return {"tree": float(sum(rss.get(pid, 0) for pid in pids))}
+        watch.sample()
+        live = [p.last.rss_pages for p in list(watch.processes.values()) if not p.ended]
+        return {"tree": float(sum(live) * watch.page)}
+
+    def tree_cpu() -> float:  # CPU seconds so far of the run's processes, at their last reading
+        return sum(p.last.cpu_ticks for p in list(watch.processes.values())) / ticks
 
     status, code, usage = "completed", None, None
     metrics = runs / name / "metrics.jsonl"
@@ -110,7 +110,7 @@ def measure(
         while code is None and time.perf_counter() < started + limit + 120:  # ba-run stops at limit
             lines = metrics.read_bytes().count(b"\n") if metrics.is_file() else 0
             if lines and lines - 1 not in cpu_at_round:
-                cpu_at_round[lines - 1] = tree_cpu(process.pid)
+                cpu_at_round[lines - 1] = tree_cpu()
             pid, wait_status, usage = os.wait4(process.pid, os.WNOHANG)  # its own rusage
             if pid:
                 code = os.waitstatus_to_exitcode(wait_status)
@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = "run folders; with --report-only, several: one report each"
     folder = REPO / "benchmarks" / "results" / "population" / "runs"
     parser.add_argument("--runs", type=Path, nargs="+", default=[folder], help=runs)
-    parser.add_argument("--publish", action="store_true", help=f"write {PUBLISHED}")
+    parser.add_argument("--publish", action="store_true", help="write docs/results/population.md")
     parser.add_argument("--report-only", action="store_true", help=f"read --runs' {ROWS_FILE}")
     args = parser.parse_args(argv)
     if not args.report_only:
@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)  # the hardware line then names the runs' threads
         saved = {
             "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
-            "hardware": hardware(),
+            "hardware": hardware_line(),
             "load": [load_before[0], os.getloadavg()[0]],
             "command": command("population", argv),
             "sampled": args.sampled,
@@ -253,15 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rows": [asdict(row) for row in rows],
         }
         (args.runs[0] / ROWS_FILE).write_text(json.dumps(saved, indent=1), encoding="utf-8")
-    reports = [render(json.loads((f / ROWS_FILE).read_text(encoding="utf-8"))) for f in args.runs]
-    print("\n".join(reports))
-    if args.publish:
-        PUBLISHED.write_text(
-            "# Populations: seconds per round and peak memory\n\n"
-            "What each column means: [benchmarks](../benchmarks.md#populations).\n\n"
-            + "\n".join(reports),
-            encoding="utf-8",
-        )
+    saved_runs = [json.loads((f / ROWS_FILE).read_text(encoding="utf-8")) for f in args.runs]
+    page = "# Populations: seconds per round and peak memory\n\n"
+    page += "What each column means: [benchmarks](../benchmarks.md#populations).\n\n"
+    page += "\n".join(map(render, saved_runs))
+    save("population", "population", page, saved_runs, args.publish)
     return 0
 
 

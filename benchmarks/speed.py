@@ -19,8 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.harness import Stopwatch, command, hardware, save
-from benchmarks.report import markdown_table, read_metrics, shown
+from benchmarks.harness import Stopwatch, command, save
 from benchmarks.spec import REPO, load_spec
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
@@ -31,6 +30,8 @@ from beyond_averaging.server.launch import (
     read_summary,
     run_config_argument,
 )
+from beyond_averaging.server.provenance import hardware_line
+from beyond_averaging.server.sweep_report import markdown_table, read_metrics, shown
 from beyond_averaging.tasks.evaluation import resolve_device
 from beyond_averaging.tasks.federation import load_client_partition
 from beyond_averaging.tasks.models import build_model
@@ -195,7 +196,7 @@ def report(rows: Sequence[Row], ba_run: dict[str, Any] | None, device: str) -> s
     load = os.getloadavg()
     text = [
         "# Speed: seconds per round by runtime and client backend\n",
-        f"Hardware: {hardware()}; device `{device}`; load average when written "
+        f"Hardware: {hardware_line()}; device `{device}`; load average when written "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.\n",
         f"Command: `{command('speed')}`\n",
         'Written by `benchmarks/speed.py`; docs/runtimes.md ("What each costs") defines every '

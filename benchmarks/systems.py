@@ -1,23 +1,28 @@
 """Systems figures of every aggregation rule in one run: server seconds of ``aggregate_train``
 against Flower's FedAvg on the same replies, peak server memory (a fresh process per rule),
 upload bytes, and the ClientApp's seconds per round. docs/benchmarks.md ("Systems figures")
-defines every column and gives the commands.
+defines every column and gives the commands. ``--cohort-memory``: the peak memory of one round
+of the vectorized cohort backend instead (docs/runtimes.md, "Memory").
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,27 +33,23 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
-from benchmarks.harness import (
-    MIB,
-    Stopwatch,
-    command,
-    federation,
-    hardware,
-    reset_peak_rss,
-    save,
-    status_bytes,
-)
-from benchmarks.report import markdown_table, shown
+from benchmarks.harness import Stopwatch, command, reset_peak_rss, save, status_bytes
 from benchmarks.spec import REPO
-from beyond_averaging.client.sensitivity import compute_sensitivity, to_upload
+from benchmarks.speed import SETTINGS
+from beyond_averaging.client import vectorized
+from beyond_averaging.client.sensitivity import compute_sensitivity
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.inprocess import FIRST_NODE_ID
+from beyond_averaging.server.interactive import federation
+from beyond_averaging.server.provenance import hardware_line
+from beyond_averaging.server.resources import MIB, PeakSampler
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.server.sweep_report import markdown_table, shown
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
 from beyond_averaging.tasks.batching import shuffled_batches
-from beyond_averaging.tasks.datasets import LabeledData, load_dataset
+from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData
 from beyond_averaging.tasks.federation import load_client_partition
 from beyond_averaging.tasks.models import build_model
@@ -71,6 +72,7 @@ SERVER_HEADER = (
 #: glibc maps every buffer of at least this size on its own and unmaps it when freed, so the
 #: resident set follows the live buffers (the default threshold grows and hides later ones).
 MMAP_THRESHOLD_BYTES = 128 * 1024
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 #: Each rule as run-config overrides: the server figures and the client figures share them.
 RULES: dict[str, dict[str, Any]] = {
     "fedavg": {"strategy": "fedavg"},
@@ -292,7 +294,7 @@ def memory_probe(rule: str, options: argparse.Namespace) -> dict[str, int]:
 
 def measure_memory(options: argparse.Namespace, figures: list[ServerFigure]) -> None:
     """Run :func:`memory_probe` for each rule in a fresh interpreter; attach its figures."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
+    env = {**os.environ, MMAP_ENV: str(MMAP_THRESHOLD_BYTES)}
     for figure in figures:
         command = [sys.executable, "-m", "benchmarks.systems", "--memory-probe", figure.rule]
         command += [f"--clients={options.clients}", f"--fedlaw-epochs={options.fedlaw_epochs}"]
@@ -334,9 +336,8 @@ def time_clients(options: argparse.Namespace) -> tuple[dict[str, float], dict[st
             batches = (data.features[positions] for positions in plan)
             compute_sensitivity(model, batches, decay=config.sensitivity_decay)
         pass_seconds.append(clock.wall)
-    setting: dict[str, Any] = {"dataset": config.dataset, "model": config.model}
-    setting["partition"] = config.partition
-    setting |= {"local-epochs": config.local_epochs, "batch-size": config.batch_size}
+    shown_keys = ("dataset", "model", "partition", "local-epochs", "batch-size")
+    setting: dict[str, Any] = {key: config.to_run_config()[key] for key in shown_keys}
     setting |= {"partition-0-examples": len(partition)}
     setting["sensitivity-pass-seconds"] = statistics.median(pass_seconds)
     return {rule: statistics.median(times) for rule, times in seconds.items()}, setting
@@ -379,33 +380,161 @@ def client_table(seconds: Mapping[str, float]) -> str:
     return markdown_table(["strategy", "client s / round", "x FedAvg client"], rows)
 
 
-def sensitivity_upload_table() -> str:
-    """Markdown: bytes of Elastic's ``sensitivity`` record in float32 and float16 beside the
-    model's ``arrays``: the .npy payloads and the ArrayRecord's protobuf message (what gRPC
-    carries)."""
-    from flwr.common.serde import array_record_to_proto
+# ------------------------------------------------------------ the vectorized cohort's memory
+#: FedLAW's Table 3 setting, one round at a time, trained by the cohort backend.
+COHORT_SETTING = {**SETTINGS["table3"], "device": "cpu", "client-backend": "vectorized"}
+COHORT_STRATEGIES = ("fedavg", "elastic", "fedgma")  # no extra record, a sensitivity, a gradient
 
-    digits = load_dataset("digits", seed=0)[0].input_shape
-    rows = []
-    for label, shape in ((f"mlp on digits {digits}", digits), ("mlp 784-200-200-10", (784,))):
-        model = build_model("mlp", shape, 10, seed=0)
-        sensitivity = compute_sensitivity(model, [torch.randn(4, *shape)])
-        arrays = ArrayRecord({k: v.detach() for k, v in model.state_dict().items()})
-        sizes = {}
-        for dtype in ("float32", "float16"):
-            record = to_upload(sensitivity, dtype)
-            payload = sum(len(array.data) for array in record.values())
-            sizes[dtype] = (payload, array_record_to_proto(record).ByteSize())
-        count = sum(value.numel() for value in sensitivity.values())
-        rows.append(
-            [label, f"{count:,}", f"{array_record_to_proto(arrays).ByteSize():,}"]
-            + [f"{npy:,} / {protobuf:,}" for npy, protobuf in sizes.values()]
-            + [f"{sizes['float16'][1] / sizes['float32'][1]:.3f}"]
+
+@dataclass(frozen=True)
+class Allocation:
+    """One event of torch's CPU allocator: ``size`` bytes taken (> 0) or given back (< 0).
+
+    ``total`` is the allocator's running count of live bytes right after the event; ``operator``
+    names the innermost profiled operators that ran it, outer to inner, up to three ("" outside
+    any).
+    """
+
+    size: int
+    total: int
+    address: int
+    operator: str
+
+
+def torch_allocations(fn: Callable[[], object]) -> list[Allocation]:
+    """Run ``fn`` under :mod:`torch.profiler` with ``profile_memory``; its CPU allocator events.
+
+    Read from the profiler's Chrome trace (its public output): ``[memory]`` instant events carry
+    the size, address and running total of live bytes; each is attributed to the innermost
+    operator span of its thread that contains it. Blocks allocated before ``fn`` and freed inside
+    it are not counted as freed, so the totals are an upper bound of what ``fn`` adds.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as profiler:
+        fn()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text(encoding="utf-8"))["traceEvents"]
+    spans: dict[Any, list[tuple[float, float, str]]] = {}
+    memory: list[dict[str, Any]] = []
+    for event in events:
+        if event.get("name") == "[memory]" and event["args"].get("Device Type") == 0:
+            memory.append(event)
+        elif event.get("ph") == "X" and event.get("cat") == "cpu_op":
+            start = float(event["ts"])
+            spans.setdefault(event["tid"], []).append((start, start + event["dur"], event["name"]))
+    for thread_spans in spans.values():
+        thread_spans.sort(key=lambda span: (span[0], -span[1]))  # outer span first
+    open_spans: dict[Any, list[tuple[float, float, str]]] = {tid: [] for tid in spans}
+    next_span = dict.fromkeys(spans, 0)
+    allocations = []
+    for event in sorted(memory, key=lambda event: float(event["ts"])):
+        at, tid = float(event["ts"]), event["tid"]
+        stack, thread_spans = open_spans.get(tid, []), spans.get(tid, [])
+        while next_span.get(tid, 0) < len(thread_spans) and thread_spans[next_span[tid]][0] <= at:
+            span = thread_spans[next_span[tid]]
+            while stack and stack[-1][1] < span[0]:  # spans nest: ended ones leave first
+                stack.pop()
+            stack.append(span)
+            next_span[tid] += 1
+        while stack and stack[-1][1] < at:
+            stack.pop()
+        args = event["args"]
+        allocations.append(
+            Allocation(
+                int(args["Bytes"]),
+                int(args["Total Allocated"]),
+                int(args["Addr"]),
+                " > ".join(span[2] for span in stack[-3:]),
+            )
         )
-    header = "model | parameters | arrays (protobuf B) | sensitivity float32: npy / protobuf B"
-    return markdown_table(
-        f"{header} | sensitivity float16: npy / protobuf B | float16 / float32".split(" | "), rows
+    return allocations
+
+
+def peak_above_start(allocations: Sequence[Allocation]) -> int:
+    """Most live bytes above the count before the first event (0 when nothing was allocated)."""
+    if not allocations:
+        return 0
+    start = allocations[0].total - allocations[0].size
+    return max(0, max(event.total for event in allocations) - start)
+
+
+def alive_at_peak(allocations: Sequence[Allocation]) -> Counter[str]:
+    """Bytes of the blocks alive at the peak, by the operator that allocated them."""
+    if not allocations:
+        return Counter()
+    peak = max(range(len(allocations)), key=lambda index: allocations[index].total)
+    alive: dict[int, Allocation] = {}
+    for event in allocations[: peak + 1]:
+        if event.size > 0:
+            alive[event.address] = event
+        else:
+            alive.pop(event.address, None)
+    by_operator: Counter[str] = Counter()
+    for event in alive.values():
+        by_operator[event.operator or "(outside any operator)"] += event.size
+    return by_operator
+
+
+def cohort_memory(args: argparse.Namespace) -> None:
+    """Print the peaks of rounds 2 and 3 of a vectorized round in cohort-parameter copies:
+    round 2's resident peak (also by phase) and round 3's allocator peak above a baseline taken
+    after round 1 (docs/runtimes.md, "Memory")."""
+    torch.set_num_threads(args.threads)
+    per_pass = {"vectorized-clients-per-pass": args.clients_per_pass}
+    fed = federation({**COHORT_SETTING, "strategy": args.strategy, **per_pass})
+    parameters = sum(p.numel() for p in fed.model.parameters())
+
+    def instructions(server_round: int) -> list[Message]:
+        # In node order: the strategy samples the cohort in a new order every round, and the
+        # backend's cohort-data cache is keyed on that order (so a real round re-concatenates the
+        # data, 12 cohort copies here); the target is the training state beyond the data.
+        return sorted(fed.instructions(server_round), key=lambda m: m.metadata.dst_node_id)
+
+    fed.grid.send_and_receive(instructions(1))  # data, caches, torch's one-off allocations
+    messages = instructions(2)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    baseline = status_bytes("VmRSS")
+    phases: dict[str, float] = {}
+    train_stacked = vectorized.train_stacked
+    with PeakSampler(lambda: {"rss": status_bytes("VmRSS")}, 0.001) as sampler:
+
+        def marked_train_stacked(*args: Any, **kwargs: Any) -> Any:
+            number = sum(phase.startswith("local training") for phase in phases) + 1
+            phases[f"before local training (pass {number})"] = sampler.mark()["rss"]
+            result = train_stacked(*args, **kwargs)
+            phases[f"local training (pass {number})"] = sampler.mark()["rss"]
+            return result
+
+        vectorized.train_stacked = marked_train_stacked
+        with Stopwatch() as clock:
+            replies = list(fed.grid.send_and_receive(messages))
+        phases["after the last local training (replies built and held)"] = sampler.mark()["rss"]
+    vectorized.train_stacked = train_stacked
+    copy = len(messages) * parameters * 4
+    print(
+        f"strategy {args.strategy}: {len(messages)} clients x {parameters} parameters = "
+        f"{copy / MIB:.1f} MiB per cohort copy (float32); replies held: {len(replies)}\n"
+        f"passes of {args.clients_per_pass or len(messages)} clients; round 2 took "
+        f"{clock.wall:.1f} s wall, {clock.cpu:.1f} s process CPU ({args.threads} torch thread(s))"
     )
+    for phase, peak in {"round 2": sampler.peaks["rss"], **phases}.items():
+        above = peak - baseline
+        print(
+            f"  {phase}: peak {above / MIB:.1f} MiB above the baseline = {above / copy:.2f} copies"
+        )
+    del replies
+    messages = instructions(3)
+    allocations = torch_allocations(lambda: fed.grid.send_and_receive(messages))
+    peak = peak_above_start(allocations)
+    print(
+        f"torch's allocator, round 3: peak {peak / MIB:.1f} MiB above the start = "
+        f"{peak / copy:.2f} copies; alive at the peak, by allocating operator:"
+    )
+    for operator, size in alive_at_peak(allocations).most_common():
+        if size >= copy // 1000:
+            print(f"  {size / copy:5.2f} copies  {operator}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -421,17 +550,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-clients", type=int, default=20, help="client figures' federation")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-clients", action="store_true")
-    parser.add_argument("--upload-bytes", action="store_true", help="only Elastic's upload table")
     parser.add_argument("--publish", action="store_true", help="also write docs/results/")
     parser.add_argument("--page", default="systems", help="the page's name: docs/results/PAGE.md")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
+    cohort = "only the vectorized cohort's peak memory of one round (Table 3 setting)"
+    parser.add_argument("--cohort-memory", action="store_true", help=cohort)
+    parser.add_argument("--strategy", choices=COHORT_STRATEGIES, default="fedavg", help="its rule")
+    parser.add_argument("--threads", type=int, default=1, help="its torch threads")
+    per_pass = "its run option vectorized-clients-per-pass"
+    parser.add_argument("--clients-per-pass", type=int, default=0, help=per_pass)
     options = parser.parse_args(argv)
+    if options.cohort_memory and MMAP_ENV not in os.environ:
+        os.environ[MMAP_ENV] = "65536"  # again, every large allocation its own mapping
+        os.execv(sys.executable, [sys.executable, "-m", "benchmarks.systems", *sys.argv[1:]])
+    if options.cohort_memory:
+        cohort_memory(options)
+        return 0
     options.rules = [rule.strip() for rule in options.rules.split(",") if rule.strip()]
     if options.memory_probe:
         print(json.dumps(memory_probe(options.memory_probe, options)))
-        return 0
-    if options.upload_bytes:
-        print(sensitivity_upload_table())
         return 0
     parameters = sum(inputs * outputs + outputs for inputs, outputs in pairwise(BIG_LAYERS))
     model_bytes = 4 * parameters  # float32
@@ -444,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # machine (spin-waits count).
     text = (
         f"Command: `{command('systems', argv)}`\n\n"
-        + f"Machine: {hardware()}. Server figures: {options.clients} clients of an MLP "
+        + f"Machine: {hardware_line()}. Server figures: {options.clients} clients of an MLP "
         f"{'-'.join(map(str, BIG_LAYERS))} ({parameters:,} parameters, {model_bytes / MIB:.1f} "
         f"MiB float32), median of {options.repeats} (FedLAW: 1 run, {options.fedlaw_epochs} "
         f"server epochs). Wall time of this benchmark: {clock.wall:.0f} s.\n\n"
@@ -460,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{setting['sensitivity-pass-seconds']:.3f} s.\n\n" + client_table(clients)
         )
     raw: dict[str, Any] = {"server": [asdict(f) for f in server], "client-setting": setting}
-    raw |= {"client-seconds": clients, "parameters": parameters, "hardware": hardware()}
+    raw |= {"client-seconds": clients, "parameters": parameters, "hardware": hardware_line()}
     save("systems", options.page, text, raw, options.publish)
     return 0
 

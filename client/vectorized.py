@@ -25,9 +25,9 @@ What makes it the same arithmetic as the ClientApp's sequential loop
   Elastic's ``sensitivity`` is :mod:`client.sensitivity`'s math over the first epoch's batches on
   the received model, with the moving average kept in each node's ``Context.state``.
 
-Memory (``benchmarks/vectorized_memory.py`` accounts for it): besides the cohort's data, a pass
-holds its clients' stacked parameters, SGD's momentum buffer (when momentum is on) and one step's
-gradients, each freed once its layer is updated, plus one step's batch and activations. The
+Memory (``benchmarks/systems.py --cohort-memory`` accounts for it): besides the cohort's data, a
+pass holds its clients' stacked parameters, SGD's momentum buffer (when momentum is on) and one
+step's gradients, each freed once its layer is updated, plus one step's batch and activations. The
 replies are copied out layer by layer, each stacked layer freed once copied. The run option
 ``vectorized-clients-per-pass`` trains the cohort in passes of fewer clients, so only one pass's
 training state is alive.

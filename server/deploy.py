@@ -11,6 +11,8 @@ Each SuperNode runs under ``ba-supernode`` (:mod:`server.supervise`: started aga
 with its ClientApps forked from a warm process (:mod:`server.warm_executor`) unless
 ``--executor subprocess``; SuperNode ``i`` holds partition ``i`` of ``N`` (``--node-config
 'partition-id=i num-partitions=N'``, the keys this app and Flower's quickstart read).
+``--resources`` prints, when it stops, what each node cost: CPU seconds and peak memory of every
+process it started (:mod:`server.resources`).
 
 :class:`LocalDeployment` is the same launcher as a Python object: the deployment tests and the
 deployment and load benchmarks start their federations with it (every process in its own
@@ -51,6 +53,7 @@ from .launch import (
     stage_app,
     stop_process_tree,
 )
+from .resources import ResourceWatch, resource_lines
 
 #: The connection ``ba-deploy`` writes into its ``FLWR_HOME/config.toml`` for ``flwr run``.
 CONNECTION = "ba-deploy"
@@ -638,6 +641,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="--executor warm: a module the warm processes import up front (repeatable)",
     )
     local.add_argument(
+        "--resources",
+        action="store_true",
+        help="sample every process from /proc (Linux) and, on stopping, print each node's CPU "
+        "seconds and peak memory (RSS, PSS), also into WORKDIR/resources.json",
+    )
+    local.add_argument(
         "--workdir",
         type=Path,
         default=Path(".ba-deploy"),
@@ -660,6 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.executor == "warm" and (problem := release.warm_executor_problem()) is not None:
         parser.error(problem)
+    if args.resources and not Path("/proc/self/stat").is_file():
+        parser.error("--resources reads every process's figures from /proc: Linux only")
     workdir = args.workdir.resolve()
     certificates = loopback_certificates(workdir / "certs") if args.tls else None
     deployment = LocalDeployment(
@@ -672,6 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
+    resources: ResourceWatch | None = None
     try:
         deployment.start()
         for index in range(args.nodes):
@@ -679,6 +691,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         deployment.wait_for_nodes(args.nodes)
         for line in connection_lines(deployment, args.nodes):
             print(line, flush=True)
+        if args.resources:
+            resources = watch_resources(deployment)
         while not stop.wait(1.0):
             if deployment.superlink is not None and deployment.superlink.poll() is not None:
                 print(
@@ -691,9 +705,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ba-deploy: {error}", file=sys.stderr)
         return 1
     finally:
+        if resources is not None:
+            report_resources(resources, workdir / "resources.json")
         deployment.close()
         print("ba-deploy: stopped", flush=True)
     return 0
+
+
+#: Seconds between two readings of ``ba-deploy local --resources``.
+RESOURCES_INTERVAL = 0.5
+
+
+def watch_resources(deployment: LocalDeployment) -> ResourceWatch:
+    """Sample every process of ``deployment`` from now on: the SuperLink with what it starts,
+    and each SuperNode (``node <partition>``) with what it starts."""
+    assert deployment.superlink is not None
+    groups = {deployment.superlink.pid: "SuperLink"}
+    groups |= {node.process.pid: f"node {node.partition_id}" for node in deployment.supernodes}
+    return ResourceWatch(groups, RESOURCES_INTERVAL)
+
+
+def report_resources(resources: ResourceWatch, path: Path) -> None:
+    """Stop ``resources``; print each group's figures and write them to ``path`` (JSON)."""
+    seconds = time.monotonic() - resources.started
+    usage = resources.stop()
+    for line in resource_lines(usage, seconds):
+        print(line, flush=True)
+    record = {"seconds": round(seconds, 1), "groups": usage}
+    path.write_text(json.dumps(record, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,20 @@ def gpu_description() -> list[str]:
         return []
 
 
+def hardware_line() -> str:
+    """The machine in one line, as a sweep's page and the benchmarks print it: CPU model, cores
+    this process may use, GPU, torch and its threads, Python."""
+    import torch
+
+    cpu = cpu_description()
+    gpus = gpu_description()
+    return (
+        f"{cpu['model']}, {cpu['usable-cores'] or cpu['cores']} cores visible, "
+        f"{gpus[0] if gpus else 'no GPU'}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}"
+    )
+
+
 def command_line() -> str:
     """The command that started the run: ``ba-run``'s (:data:`COMMAND_LINE_ENV`), else this
     process's own."""

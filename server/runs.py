@@ -553,10 +553,31 @@ def compare_command(
     else:
         print(comparison_table(runs, target), end="")
     path = plot or comparison_plot_path(folders[0].parent, [run.name for run in runs])
+    stream = sys.stderr if output_format == "json" else sys.stdout
     try:
         plot_comparison(runs, path, target)
+        print(f"ba-run: figure: {path}", file=stream)
+        for line in diagnostics_figures(folders, path):
+            print(f"ba-run: {line}", file=stream)
     except RunsError as error:
         print(f"ba-run: error: no figure: {error}", file=sys.stderr)
         return 1
-    print(f"ba-run: figure: {path}", file=sys.stderr if output_format == "json" else sys.stdout)
     return 0
+
+
+def diagnostics_figures(folders: Sequence[Path], comparison: Path) -> list[str]:
+    """Runs made with ``diagnostics = true``: their client-diagnostics figures beside the
+    comparison's (``<its stem>-coherence.png``, ``-distances.png``, ``-mi.png``) and each run's
+    critical point; what was drawn, a line each (none when no run has diagnostics)."""
+    from .diagnostics_figures import COHERENCE_KEY, critical_point, plot_diagnostics, series
+
+    runs = {Path(folder).name: read_metrics(folder) for folder in folders}
+    drawn = {name: metrics for name, metrics in runs.items() if series(metrics, COHERENCE_KEY)[0]}
+    if not drawn:
+        return []
+    paths = plot_diagnostics(drawn, comparison.parent, comparison.stem)
+    lines = [f"diagnostics figure: {path}" for path in paths]
+    for name, metrics in drawn.items():
+        point = critical_point(*series(metrics, COHERENCE_KEY))
+        lines.append(f"{name}: critical point {'none' if point is None else f'at round {point}'}")
+    return lines

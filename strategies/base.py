@@ -36,8 +36,7 @@ import secrets
 import time
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 from logging import INFO, WARNING
 from typing import Any, ClassVar
 
@@ -74,7 +73,6 @@ from .influence import (
     direction_outliers,
     max_over_median,
     norm_outliers,
-    record_norms,
     update_norms,
 )
 from .metrics import (
@@ -95,8 +93,12 @@ from .validation import (
     common_key_set,
     default_reply_byte_limit,
 )
-from .wire import ReplyRejected as ReplyRejected  # re-exported: rules raise it too
-from .wire import decode_record, npy_view
+
+# ClientReply, received_norms and ReplyRejected re-exported: the rules use them from here too.
+from .wire import ClientReply as ClientReply
+from .wire import ReplyObserver, decode_record, record_arrays
+from .wire import ReplyRejected as ReplyRejected
+from .wire import received_norms as received_norms
 
 #: Default of ``update_norm_factor``: above every max/median ratio of honest replies measured on
 #: digits, Dirichlet(0.1) and (0.5) (docs/reliability.md, ``benchmarks/reply_norms.py``).
@@ -117,51 +119,6 @@ BOUNDS_STATE_KEY = "reply-bounds"
 
 class MissingRecordError(RuntimeError):
     """No reply of a round carried a record that the strategy cannot work without."""
-
-
-@dataclass(frozen=True)
-class ClientReply:
-    """A reply that passed the contract, unpacked to numpy."""
-
-    node_id: int
-    arrays: NDArrayDict
-    #: The reply's weight: its metric ``weighted_by_key`` (by default ``num-examples``); under
-    #: ``max_client_weight`` < 1, its capped share of the round's weights instead.
-    num_examples: float
-    metrics: dict[str, float]
-    records: dict[str, NDArrayDict] = field(default_factory=dict)
-    #: s_k in (0, 1]: the rule aggregates w + s_k (theta_k - w) in place of theta_k (update
-    #: clipping, :func:`strategies.influence.clip_scales`); 1 leaves the model as sent.
-    update_scale: float = 1.0
-    #: Per required record, the factor its tensors are scaled by (clipped as updates are).
-    record_scales: dict[str, float] = field(default_factory=dict)
-    #: ||record|| as received, for the records whose value checks computed it (the influence
-    #: bounds read it instead of reading the record again).
-    record_norms: dict[str, float] = field(default_factory=dict)
-
-
-#: ``fn(server_round, global_arrays, valid_replies, weights) -> metrics``: called after each
-#: aggregation with the round's valid replies and their normalised data-size weights; the metrics it
-#: returns are merged into the round's metrics (e.g. strategies.diagnostics.ClientDiagnostics).
-ReplyObserver = Callable[
-    [int, NDArrayDict, Sequence[ClientReply], np.ndarray[Any, np.dtype[np.float64]]],
-    Mapping[str, float | int | list[float]],
-]
-
-
-def received_norms(
-    name: str, replies: Sequence[ClientReply]
-) -> np.ndarray[Any, np.dtype[np.float64]]:
-    """||record ``name``|| per reply: kept from its value checks, else read from the record."""
-    if all(name in reply.record_norms for reply in replies):
-        return np.array([reply.record_norms[name] for reply in replies], dtype=np.float64)
-    return record_norms([reply.records[name] for reply in replies])
-
-
-def _to_numpy(record: ArrayRecord) -> NDArrayDict:
-    # Read-only views of the received bytes: a copy per tensor (Array.numpy) would hold one more
-    # model-sized buffer per client and record during aggregation (benchmarks/systems.py).
-    return {key: npy_view(array.data) for key, array in record.items()}
 
 
 class ContractStrategy(NamedArgumentErrors, Strategy):
@@ -529,7 +486,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         check_wrapper(self)
         if self.fraction_train == 0.0:
             return []
-        self.global_arrays = _to_numpy(arrays)
+        self.global_arrays = record_arrays(arrays)
         self.reply_byte_limit = self.max_reply_bytes or default_reply_byte_limit(
             self.global_arrays, len(self.required_records)
         )

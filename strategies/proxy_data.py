@@ -22,6 +22,7 @@ warn when its proxy set overlaps the test set the results are reported on.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -170,3 +171,91 @@ def count_shared_samples(proxy: npt.NDArray[Any], test: npt.NDArray[Any]) -> int
     """How many proxy samples have an input identical to some test sample (by hash)."""
     test_hashes = set(sample_hashes(test))
     return sum(digest in test_hashes for digest in sample_hashes(proxy))
+
+
+# ----------------------------------------------------------------------------- FedLAW's batches
+ProxyBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+def validate_proxy_set(
+    features: npt.NDArray[Any],
+    labels: npt.NDArray[Any],
+    num_classes: int,
+    batch_size: int,
+    *,
+    source: str = "the proxy set",
+) -> None:
+    """Reject a proxy set that is empty, lacks a class, or cannot fill one batch.
+
+    "Smaller than a batch" means fewer samples than ``batch_size`` (``fedlaw-batch-size``): a
+    configured batch size the proxy set cannot fill would silently become a smaller one.
+    Messages name the constructor argument, then the run option of this project's ServerApp.
+
+    Parameters
+    ----------
+    features, labels : np.ndarray
+        The proxy samples, shape ``(N, *input_shape)`` and ``(N,)``.
+    num_classes : int
+        Classes of the model's output; every one must occur (the paper's proxy set is
+        class-balanced, like the global objective it stands for).
+    batch_size : int
+        Proxy batch size of the weight learning.
+    source : str
+        Where the set came from, for the message (e.g. ``"proxy-dir = /data/proxy"``).
+
+    Raises
+    ------
+    ProxySetError
+        With the offending values, the constructor arguments and run options that fix it.
+    """
+    size = int(labels.shape[0])
+    if size == 0:
+        raise ProxySetError(
+            f"FedLAW's proxy set ({source}) is empty: it learns the aggregation weights on it. "
+            "Pass a non-empty proxy_set= (run options: proxy-per-class >= 1, the paper uses 10, "
+            "or a proxy-dir whose IDX files hold samples)."
+        )
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise ProxySetError(
+            f"FedLAW's proxy set ({source}) has labels in [{int(labels.min())}, "
+            f"{int(labels.max())}] but the model has {num_classes} classes: use labels "
+            f"0..{num_classes - 1}."
+        )
+    missing = np.flatnonzero(np.bincount(labels, minlength=num_classes) == 0)
+    if missing.size:
+        raise ProxySetError(
+            f"FedLAW's proxy set ({source}, {size} samples) has no sample of class(es) "
+            f"{missing.tolist()} of the {num_classes} classes: the proxy set stands for the "
+            "global objective and must cover every class. Add samples of those classes to "
+            "proxy_set= (run options: proxy-per-class >= 1, or the proxy-dir files)."
+        )
+    if size < batch_size:
+        per_class = math.ceil(batch_size / num_classes)
+        raise ProxySetError(
+            f"FedLAW's proxy set ({source}) holds {size} samples, fewer than one batch "
+            f"(batch_size = {batch_size}, run option fedlaw-batch-size): set batch_size <= "
+            f"{size}, or enlarge proxy_set= (run options: proxy-per-class >= {per_class}, or "
+            "more samples in proxy-dir)."
+        )
+    if not np.all(np.isfinite(features)):
+        raise ProxySetError(f"FedLAW's proxy set ({source}) holds NaN or Inf inputs.")
+
+
+def make_proxy_batches(
+    proxy_set: LabeledData, batch_size: int, *, seed: int, device: torch.device
+) -> list[ProxyBatch]:
+    """Split the proxy set, shuffled once by ``seed``, into ceil(N / batch_size) batches.
+
+    The batches differ in size by at most one sample (``np.array_split``), so there is no small
+    remainder batch: a one-sample batch would make the step noisy and break BatchNorm. Every
+    batch holds at most ``batch_size`` samples and, for N >= batch_size, more than half of it.
+    """
+    order = np.random.default_rng(seed).permutation(len(proxy_set))
+    count = math.ceil(len(proxy_set) / batch_size)
+    return [
+        (
+            torch.from_numpy(np.ascontiguousarray(proxy_set.features[part])).to(device),
+            torch.from_numpy(np.ascontiguousarray(proxy_set.labels[part])).to(device),
+        )
+        for part in np.array_split(order, count)
+    ]

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,7 +38,7 @@ from numpy.lib import format as npy_format
 from beyond_averaging.tasks.protocol import ARRAYS_RECORD
 
 from .aggregate import NDArrayDict, is_floating
-from .influence import read_only_tensor, squared_norm
+from .influence import read_only_tensor, record_norms, squared_norm
 
 #: Largest magnitude accepted in any reply tensor and in a committed global model. No trained
 #: parameter, sensitivity or gradient comes near it; far below float32's overflow (3.4e38), so a
@@ -298,3 +300,50 @@ def decode_record(
             squares = None
         decoded[key] = value
     return DecodedRecord(decoded, None if squares is None else math.sqrt(squares))
+
+
+# ----------------------------------------------------------------------------- unpacked replies
+@dataclass(frozen=True)
+class ClientReply:
+    """A reply that passed the contract, unpacked to numpy."""
+
+    node_id: int
+    arrays: NDArrayDict
+    #: The reply's weight: its metric ``weighted_by_key`` (by default ``num-examples``); under
+    #: ``max_client_weight`` < 1, its capped share of the round's weights instead.
+    num_examples: float
+    metrics: dict[str, float]
+    records: dict[str, NDArrayDict] = field(default_factory=dict)
+    #: s_k in (0, 1]: the rule aggregates w + s_k (theta_k - w) in place of theta_k (update
+    #: clipping, :func:`strategies.influence.clip_scales`); 1 leaves the model as sent.
+    update_scale: float = 1.0
+    #: Per required record, the factor its tensors are scaled by (clipped as updates are).
+    record_scales: dict[str, float] = field(default_factory=dict)
+    #: ||record|| as received, for the records whose value checks computed it (the influence
+    #: bounds read it instead of reading the record again).
+    record_norms: dict[str, float] = field(default_factory=dict)
+
+
+#: ``fn(server_round, global_arrays, valid_replies, weights) -> metrics``: called after each
+#: aggregation with the round's valid replies and their normalised data-size weights; the metrics it
+#: returns are merged into the round's metrics (e.g. strategies.diagnostics.ClientDiagnostics).
+ReplyObserver = Callable[
+    [int, NDArrayDict, Sequence[ClientReply], np.ndarray[Any, np.dtype[np.float64]]],
+    Mapping[str, float | int | list[float]],
+]
+
+
+def received_norms(
+    name: str, replies: Sequence[ClientReply]
+) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """||record ``name``|| per reply: kept from its value checks, else read from the record."""
+    if all(name in reply.record_norms for reply in replies):
+        return np.array([reply.record_norms[name] for reply in replies], dtype=np.float64)
+    return record_norms([reply.records[name] for reply in replies])
+
+
+def record_arrays(record: ArrayRecord) -> NDArrayDict:
+    """The record's tensors as read-only numpy views of its bytes."""
+    # Read-only views of the received bytes: a copy per tensor (Array.numpy) would hold one more
+    # model-sized buffer per client and record during aggregation (benchmarks/systems.py).
+    return {key: npy_view(array.data) for key, array in record.items()}

@@ -22,6 +22,7 @@ everything below it (Ray's daemons included); nothing is stopped by name.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -36,9 +37,56 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import RunOutcome, clean_log
 from beyond_averaging.server.flower_release import FlowerRelease
 from beyond_averaging.server.launch import LAUNCH_MARKER, free_port, stop_process_tree
+from beyond_averaging.server.watch import strip_ansi
+
+_LOG_PREFIX = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) *: *\t?", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What one ``flwr run`` did, read from its streamed log and ``flwr ls``."""
+
+    run_id: int | None
+    status: str
+    log: str
+    seconds: float
+
+    @property
+    def completed(self) -> bool:
+        return self.status.endswith("completed")
+
+    def strategy(self) -> str | None:
+        """The strategy class Flower's ``Strategy.start`` announced."""
+        match = re.search(r"Starting (\w+) strategy", self.log)
+        return match.group(1) if match else None
+
+    def final_metrics(self, heading: str) -> dict[int, dict[str, float]]:
+        """A per-round metrics table of the ``Final results`` that ``Strategy.start`` logs.
+
+        ``heading`` is one of Flower's ``Aggregated ClientApp-side Train Metrics``,
+        ``Aggregated ClientApp-side Evaluate Metrics`` or ``ServerApp-side Evaluate Metrics``.
+        """
+        _, found, rest = self.log.partition(f"{heading}:\n")
+        if not found:
+            return {}
+        text = rest.split("\n\n", 1)[0]
+        text = "".join(line.strip() for line in text.splitlines() if line.strip())
+        table = ast.literal_eval(text[: text.rindex("}") + 1])
+        return {int(r): {k: float(v) for k, v in m.items()} for r, m in table.items()}
+
+    def tail(self, characters: int = 6000) -> str:
+        return (
+            f"status {self.status!r}, run {self.run_id}, {self.seconds:.0f} s:\n"
+            + (self.log[-characters:])
+        )
+
+
+def clean_log(text: str) -> str:
+    """A Flower log without colour codes and ``INFO :`` prefixes; each line as it was logged."""
+    return _LOG_PREFIX.sub("", strip_ansi(text)).replace("\r", "")
+
 
 #: The name of the federation / SuperLink connection the apps are run against.
 TARGET = "ba-matrix"

@@ -22,7 +22,8 @@ from typing import Any, cast, get_args
 
 import numpy as np
 
-from benchmarks.harness import Stopwatch, hardware
+from benchmarks.harness import Stopwatch
+from beyond_averaging.server.provenance import hardware_line
 from beyond_averaging.tasks.datasets import DATASET_NAMES, DatasetName, load_dataset
 from beyond_averaging.tasks.partition import PartitionScheme, partition_indices
 
@@ -145,7 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import datasets  # noqa: F401  (imported before timing, as a warm process has them)
     import flwr_datasets.partitioner  # noqa: F401
 
-    print(f"{hardware()}; load average {os.getloadavg()[0]:.1f} at {time.asctime(time.gmtime())}")
+    print(
+        f"{hardware_line()}; load average {os.getloadavg()[0]:.1f} at {time.asctime(time.gmtime())}"
+    )
     print(
         f"{args.dataset}: {labels.size} labels, {args.clients} partitions, alpha {args.alpha}, "
         f"{args.classes_per_client} classes per client, seed {args.seed}, best "

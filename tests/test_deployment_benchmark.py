@@ -1,11 +1,9 @@
-"""The deployment benchmark's bookkeeping: /proc stat lines, CPU per kind of process (reaped
-children included), rounds from ClientApp starts, the quickstart copy and the published page."""
+"""The deployment benchmark's bookkeeping: rounds from the SuperNodes' logs, the quickstart copy
+and the published page (its /proc accounting is the product's: tests/test_resources.py)."""
 
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,187 +11,17 @@ import numpy as np
 import pytest
 
 from benchmarks.deployment import (
+    HIDDEN,
     QUICKSTART,
     QUICKSTART_TASK,
     LogWatch,
-    ProcessWatch,
-    ProcStat,
-    Tracked,
-    cpu_seconds_by_kind,
-    kinds_of,
+    final_accuracy,
     markdown,
-    parse_stat,
     quickstart_task,
     round_intervals,
     summarize,
 )
 from beyond_averaging.tasks.models import build_model
-
-# A stat line as proc(5) lays it out, with a comm that holds a space and a parenthesis.
-# pid 4242, comm "flwr (x", state S, ppid 17, utime 250, stime 30, cutime 1200, cstime 45,
-# starttime 98765, rss 3000 pages.
-LINE = (
-    "4242 (flwr (x) S 17 4242 4242 0 -1 4194560 1000 0 0 0 250 30 1200 45 20 0 3 0 98765 "
-    "123456789 3000 18446744073709551615 1 1 0 0 0 0 0 16781312 16386 0 0 0 17 1 0 0 0 0 0"
-)
-
-
-def test_a_stat_line_is_read_from_the_last_parenthesis() -> None:
-    assert parse_stat(LINE) == ProcStat(
-        pid=4242,
-        comm="flwr (x",
-        state="S",
-        ppid=17,
-        cpu_ticks=280,
-        children_ticks=1245,
-        start_ticks=98765,
-        rss_pages=3000,
-    )
-
-
-def test_this_process_s_own_stat_line_reads_back() -> None:
-    path = Path("/proc/self/stat")
-    if not path.is_file():
-        pytest.skip("no /proc on this system")
-    stat = parse_stat(path.read_text())
-    assert stat.state in "RS"
-    assert stat.rss_pages > 0
-
-
-def stat(pid: int, comm: str, ppid: int, cpu: int, children: int = 0, start: int = 0) -> ProcStat:
-    return ProcStat(pid, comm, "S", ppid, cpu, children, start, 100)
-
-
-def tracked(
-    first: ProcStat, last: ProcStat | None = None, at_start: bool = False, ended: bool = False
-) -> Tracked:
-    return Tracked(first, last or first, at_start, first.rss_pages, ended)
-
-
-def deployment_table() -> dict[int, Tracked]:
-    """A benchmark (1) with a SuperLink (10) -> SuperExec (11) -> ServerApp (12) and a
-    SuperNode (20) -> SuperExec (21) -> ClientApps 22 (reaped, read 30 ticks before its end),
-    23 (reaped, read at its end) and 24 (a zombie, not reaped)."""
-    return {
-        1: tracked(stat(1, "python", 0, 100), stat(1, "python", 0, 130), at_start=True),
-        10: tracked(stat(10, "flower-superlin", 1, 500), stat(10, "flower-superlin", 1, 900), True),
-        11: tracked(stat(11, "flower-superexe", 10, 50), stat(11, "flower-superexe", 10, 60), True),
-        12: tracked(stat(12, "flwr-serverapp", 11, 10), stat(12, "flwr-serverapp", 11, 700)),
-        20: tracked(stat(20, "flower-supernod", 1, 80), stat(20, "flower-supernod", 1, 120), True),
-        # The SuperExec reaped 22 (300 ticks in all) and 23 (250) in the window: 550 more.
-        21: tracked(
-            stat(21, "flower-superexe", 20, 40, children=5000),
-            stat(21, "flower-superexe", 20, 55, children=5550),
-            at_start=True,
-        ),
-        22: tracked(
-            stat(22, "flwr-clientapp", 21, 5), stat(22, "flwr-clientapp", 21, 270), ended=True
-        ),
-        23: tracked(
-            stat(23, "flwr-clientapp", 21, 3), stat(23, "flwr-clientapp", 21, 250), ended=True
-        ),
-        24: tracked(stat(24, "flwr-clientapp", 21, 9), stat(24, "flwr-clientapp", 21, 260)),
-        30: tracked(stat(30, "flwr", 1, 70)),
-    }
-
-
-def test_each_process_has_its_kind_and_a_superexec_the_kind_of_whom_it_serves() -> None:
-    kinds = kinds_of(deployment_table(), root=1)
-    assert kinds == {
-        1: "benchmark",
-        10: "superlink",
-        11: "superexec-server",
-        12: "serverapp",
-        20: "supernode",
-        21: "superexec-node",
-        22: "clientapp",
-        23: "clientapp",
-        24: "clientapp",
-        30: "flwr-run",
-    }
-
-
-def warm_node_table() -> dict[int, Tracked]:
-    """A benchmark (1) with ``ba-supernode`` (40) running a SuperNode (41) and the warm executor
-    (42), which forked ClientApp 43 (still named as its parent when first read) and 44."""
-    return {
-        1: tracked(stat(1, "python", 0, 0)),
-        40: tracked(stat(40, "ba-supernode", 1, 1)),
-        41: tracked(stat(41, "flower-supernod", 40, 2)),
-        42: tracked(stat(42, "ba-warm-exec", 40, 3)),
-        43: tracked(stat(43, "ba-warm-exec", 42, 4), stat(43, "ba-clientapp", 42, 9)),
-        44: tracked(stat(44, "ba-clientapp", 42, 5)),
-    }
-
-
-def test_a_warm_node_s_supervisor_executor_and_forked_clientapps_have_their_kinds() -> None:
-    kinds = kinds_of(warm_node_table(), root=1)
-    assert kinds == {
-        1: "benchmark",
-        40: "supervisor",
-        41: "supernode",
-        42: "warm-executor",
-        43: "clientapp",
-        44: "clientapp",
-    }
-
-
-def test_a_node_s_memory_sums_every_process_below_the_process_started_for_it() -> None:
-    watch = ProcessWatch(1)
-    watch.processes = warm_node_table()
-    watch.node_roots = {40}
-    watch.pss_read = float("inf")  # no PSS reading (the pids are made up)
-    memory = watch.node_memory()
-    # ba-supernode, the SuperNode, the warm executor and both ClientApps: 5 x 100 pages.
-    assert memory == {"rss-40": 5 * 100 * watch.page}
-    assert watch.node_of(44) == 40
-    assert watch.node_of(1) is None
-
-
-def test_cpu_per_kind_counts_the_window_and_what_reaped_children_ran_after_their_last_reading() -> (
-    None
-):
-    seconds, recovered = cpu_seconds_by_kind(deployment_table(), ticks_per_second=100.0, root=1)
-    # Alive at the start: last minus first; born in the window: all of it.
-    assert seconds["benchmark"] == pytest.approx(0.30)
-    assert seconds["superlink"] == pytest.approx(4.00)
-    assert seconds["superexec-server"] == pytest.approx(0.10)
-    assert seconds["serverapp"] == pytest.approx(7.00)
-    assert seconds["supernode"] == pytest.approx(0.40)
-    assert seconds["superexec-node"] == pytest.approx(0.15)
-    assert seconds["flwr-run"] == pytest.approx(0.70)
-    # ClientApps: 270 + 250 + 260 read, and 550 - (270 + 250) = 30 only the reaped times show.
-    assert seconds["clientapp"] == pytest.approx(8.10)
-    assert recovered["clientapp"] == pytest.approx(0.30)
-    assert sum(recovered.values()) == pytest.approx(0.30)
-    assert seconds["unseen"] == 0.0
-
-
-def test_reaped_time_of_children_never_seen_is_counted_as_unseen() -> None:
-    table = {
-        1: tracked(stat(1, "python", 0, 0, children=100), stat(1, "python", 0, 0, children=340)),
-    }
-    table[1].at_start = True
-    seconds, recovered = cpu_seconds_by_kind(table, ticks_per_second=100.0, root=1)
-    assert seconds["unseen"] == pytest.approx(2.40)
-    assert recovered["unseen"] == pytest.approx(2.40)
-
-
-def test_a_child_that_ends_between_two_samples_is_counted_from_its_parent() -> None:
-    if not Path("/proc/self/stat").is_file():
-        pytest.skip("no /proc on this system")
-    watch = ProcessWatch(int(parse_stat(Path("/proc/self/stat").read_text()).pid))
-    watch.open_window()
-    burn = (
-        "import time\nend = time.process_time() + 0.3\n"
-        "while time.process_time() < end: pass\nprint(time.process_time())"
-    )
-    child = subprocess.run([sys.executable, "-c", burn], capture_output=True, text=True, check=True)
-    watch.sample()  # the child was started and reaped between two samples
-    seconds, recovered = cpu_seconds_by_kind(watch.processes, 100.0, watch.root)
-    own = float(child.stdout)  # what the child measured of itself, after its start-up
-    assert own - 0.02 <= seconds["unseen"] <= own + 2.0
-    assert recovered["unseen"] == seconds["unseen"]
 
 
 def test_a_round_runs_from_its_first_train_instruction_to_the_next_round_s() -> None:
@@ -220,7 +48,7 @@ def test_the_quickstart_copy_trains_this_project_s_mlp_on_the_saved_partitions(
         test_features=rng.random((5, 1, 8, 8), dtype=np.float32),
         test_labels=np.arange(5, dtype=np.int64),
     )
-    changed = quickstart_task(original, data_file, features=64, hidden=200)
+    changed = quickstart_task(original, data_file, features=64, hidden=HIDDEN)
     # Flower's training and test loops are kept as they are.
     assert changed[changed.index("def train(") :] == original[original.index("def train(") :]
     assert changed[: changed.index("import numpy")] == original[: original.index("class Net")]
@@ -337,3 +165,10 @@ def test_a_log_watch_times_each_marked_line_once_complete(tmp_path: Path) -> Non
     watch.read()
     assert [len(watch.seen[1]), len(watch.seen[2])] == [2, 1]
     assert watch.seen[1][0] <= watch.seen[1][1]
+
+
+def test_the_quickstart_s_final_accuracy_is_its_last_server_side_evaluation() -> None:
+    from tests.test_user_apps import RECORDED_LOG  # a recorded Flower run, colour codes and all
+
+    assert final_accuracy(RECORDED_LOG) == 0.101  # round 2 of 0..2: '1.0100e-01'
+    assert final_accuracy(RECORDED_LOG.replace("ServerApp-side", "Server-side")) is None

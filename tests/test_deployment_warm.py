@@ -15,6 +15,7 @@ Killing the warm parent mid-run is in tests/test_deployment_recovery.py, beside 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -146,8 +147,18 @@ def test_ba_deploy_local_runs_an_app_over_tls_and_stops_everything_on_ctrl_c(
     tmp_path: Path,
 ) -> None:
     app = stage_app(REPO, tmp_path / "app")
+    workdir = tmp_path / "d"
     process = subprocess.Popen(
-        [str(BA_DEPLOY), "local", "--nodes", "2", "--tls", "--workdir", str(tmp_path / "d")],
+        [
+            str(BA_DEPLOY),
+            "local",
+            "--nodes",
+            "2",
+            "--tls",
+            "--resources",
+            "--workdir",
+            str(workdir),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -186,6 +197,16 @@ def test_ba_deploy_local_runs_an_app_over_tls_and_stops_everything_on_ctrl_c(
         assert summary["status"] == "completed", ran.stdout + ran.stderr
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=120) == 0
+        report = process.stdout.read()
+        # --resources: what each node cost while up; each trained a round in forked ClientApps.
+        usage = json.loads((workdir / "resources.json").read_text(encoding="utf-8"))["groups"]
+        assert list(usage) == ["SuperLink", "node 0", "node 1"]
+        for label in ("node 0", "node 1"):
+            assert f"  {label}" in report
+            assert usage[label]["processes"] >= 4  # ba-supernode, SuperNode, executor, ClientApp
+            assert usage[label]["cpu-seconds"] > 0
+            assert usage[label]["peak-pss-mib"] <= usage[label]["peak-rss-mib"]
+        assert usage["SuperLink"]["processes"] >= 3  # SuperLink, SuperExec, ServerApp
     finally:
         if process.poll() is None:  # a failed assertion: stop it as a user would, then for good
             process.send_signal(signal.SIGINT)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
 from beyond_averaging.client.sensitivity import (
@@ -17,6 +18,7 @@ from beyond_averaging.client.sensitivity import (
     sensitivity_record,
     to_upload,
 )
+from beyond_averaging.tasks.models import build_model
 from tests.conftest import instruction_message
 
 
@@ -166,3 +168,32 @@ def test_sensitivity_record_keeps_the_average_in_context_state_across_rounds() -
         assert stored.dtype == "float32"  # the running average is not rounded to float16
         np.testing.assert_allclose(stored.numpy(), expected.numpy(), rtol=1e-5, atol=1e-7)
     assert set(first) == set(expected_one)
+
+
+def test_the_upload_table_in_the_elastic_docs_is_what_the_records_serialize_to() -> None:
+    """docs/elastic.md ("Upload"): the bytes of the model's ``arrays`` and of the ``sensitivity``
+    record in float32 and float16, as .npy payloads and as the ArrayRecord's protobuf message
+    (what the Fleet API carries), recomputed here for each row's model."""
+    from flwr.common.serde import array_record_to_proto
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "elastic.md").read_text("utf-8")
+    rows = [line for line in page.splitlines() if line.startswith("| mlp ")]
+    assert len(rows) == 2
+    torch.manual_seed(0)
+    for row, shape in zip(rows, ((1, 8, 8), (784,)), strict=True):
+        model = build_model("mlp", shape, 10, seed=0)
+        sensitivity = compute_sensitivity(model, [torch.randn(4, *shape)])
+        arrays = ArrayRecord({k: v.detach() for k, v in model.state_dict().items()})
+        sizes = {}
+        for dtype in ("float32", "float16"):
+            record = to_upload(sensitivity, dtype)
+            payload = sum(len(array.data) for array in record.values())
+            sizes[dtype] = (payload, array_record_to_proto(record).ByteSize())
+        count = sum(value.numel() for value in sensitivity.values())
+        cells = [
+            f"{count:,}",
+            f"{array_record_to_proto(arrays).ByteSize():,}",
+            *(f"{npy:,} / {protobuf:,}" for npy, protobuf in sizes.values()),
+            f"{sizes['float16'][1] / sizes['float32'][1]:.3f}",
+        ]
+        assert row.split(" | ")[1:] == [*cells[:-1], cells[-1] + " |"]

@@ -19,10 +19,9 @@ from beyond_averaging.strategies.fedlaw import (
     _client_tensors,
     aggregate_fedlaw,
     learn_aggregation_weights,
-    make_proxy_batches,
-    validate_proxy_set,
     weighted_sum,
 )
+from beyond_averaging.strategies.proxy_data import make_proxy_batches, validate_proxy_set
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.models import build_model
 from tests.conftest import train_reply

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.harness import descendants
-from benchmarks.load import markdown, superlink_errors
+from benchmarks.deployment import load_markdown as markdown
+from benchmarks.deployment import superlink_errors
 
 RUN = {
     "date": "2026-11-23 15:00 UTC",
@@ -19,13 +19,6 @@ META = {
     "flwr": "1.42.0",
     "transport": "HTTP",
 }
-
-
-def test_descendants_are_every_process_below_not_beside() -> None:
-    # 1 -> 2 -> {3, 4}; 4 -> 5; 6 is a sibling of 1 under 0.
-    children = {0: [1, 6], 1: [2], 2: [3, 4], 4: [5]}
-    assert sorted(descendants(1, children)) == [2, 3, 4, 5]
-    assert descendants(3, children) == []
 
 
 def test_superlink_lock_errors_are_counted_with_the_calls_that_hit_them() -> None:

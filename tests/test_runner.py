@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-import benchmarks.runner as runner
-from benchmarks.report import read_run, table
-from benchmarks.runner import claim, run_spec, state
 from benchmarks.spec import REPO, Spec, SpecError, load_spec
+from beyond_averaging.server import sweep
 from beyond_averaging.server.checkpoint import CHECKPOINT_FILE
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.launch import parse_overrides
+from beyond_averaging.server.sweep import claim, run_spec, state
+from beyond_averaging.server.sweep_report import read_run, table
 
 SPECS = sorted((REPO / "benchmarks" / "specs").glob("*.toml"))
 
@@ -83,10 +83,12 @@ class FakeLaunch:
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
+        self.app_dirs: list[Path] = []
 
     def __call__(self, runtime: str, app_dir: Path, overrides: list[str], **_: Any) -> Path:
         settings = parse_overrides(overrides)
         self.calls.append(settings)
+        self.app_dirs.append(app_dir)
         folder = Path(settings["output-dir"]) / settings["run-name"]
         rounds = int(settings["num-server-rounds"])
         clean = {k: v for k, v in settings.items() if k != "resume-from"}
@@ -96,7 +98,7 @@ class FakeLaunch:
 @pytest.fixture
 def fake_launch(monkeypatch: pytest.MonkeyPatch) -> FakeLaunch:
     fake = FakeLaunch()
-    monkeypatch.setattr(runner, "launch_runtime", fake)
+    monkeypatch.setattr(sweep, "launch_runtime", fake)
     return fake
 
 
@@ -274,6 +276,23 @@ def test_completed_runs_with_other_settings_stop_the_sweep_before_any_run(
     assert fake_launch.calls == []
 
 
+def test_ba_sweep_puts_a_spec_without_folders_under_the_app_and_names_itself_on_the_page(
+    tmp_path: Path, fake_launch: FakeLaunch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app = tmp_path / "my-app"
+    spec = write_spec(tmp_path, "[settings]\nnum-server-rounds = 2\n[methods.fedavg]\n", "cmp.toml")
+    assert sweep.main([str(spec), "--app", str(app)]) == 0
+    assert fake_launch.app_dirs == [app]  # every run runs the app named
+    run = app / "sweeps" / "cmp" / "runs" / "fedavg-seed0"
+    assert json.loads((run / "summary.json").read_text(encoding="utf-8"))["status"] == "completed"
+    page = (app / "sweeps" / "cmp" / "cmp.md").read_text(encoding="utf-8")
+    assert f"Command: `ba-sweep {spec} --app {app}`" in page
+    assert "| fedavg | 1 | 2 | 20.00 |" in page  # the fake run's final accuracy, 0.1 x 2 rounds
+    capsys.readouterr()
+    assert sweep.main([str(spec), "--app", str(app), "--dry-run"]) == 0
+    assert capsys.readouterr().out == "fedavg-seed0: finished\n"
+
+
 def test_a_run_another_process_holds_is_left_to_it(tmp_path: Path, fake_launch: FakeLaunch) -> None:
     spec = small_spec(tmp_path)
     held = spec.runs()[0]
@@ -326,6 +345,27 @@ method = "fedavg"
 value = 55.0
 """
     return small_spec(tmp_path, columns)
+
+
+def test_a_median_column_pools_every_round_of_every_seed(tmp_path: Path) -> None:
+    columns = """
+[[columns]]
+title = "median"
+metric = "values"
+key = "g"
+show = "median"
+"""
+    spec = small_spec(tmp_path, columns)
+    rounds = {"0": [9.0, 1.0, 2.0, 7.0], "1": [9.0, 3.0, 4.0, 5.0], "2": [9.0, 6.0, 8.0, 10.0]}
+    for run in spec.runs():
+        extra = {"g": rounds[run.labels["seed"]]}
+        write_run(run.folder, run.settings, [0.1, 0.2, 0.3, 0.4], extra=extra)
+    data = [d for d in (read_run(run) for run in spec.runs()) if d is not None]
+    # Rounds 1-3 of the three seeds: 1 2 7 3 4 5 6 8 10, whose median is 5 (round 0 left out).
+    assert "| fedavg | 3 | 3 | 5.00 |" in table(spec, data)
+    wrong = columns.replace('metric = "values"', 'metric = "last"')
+    with pytest.raises(SpecError, match="metric 'values' goes with show 'range' or 'median'"):
+        small_spec(tmp_path, wrong)
 
 
 def test_the_table_shows_mean_and_sample_sd_over_seeds_and_seed_paired_differences(
@@ -389,10 +429,19 @@ def flower_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_documented_user_spec_runs_and_reports(tmp_path: Path, flower_env: None) -> None:
     spec_path = REPO / "benchmarks" / "specs" / "elastic-vs-fedavg.toml"
-    arguments = [str(spec_path), "--seeds", "0", "--runs", str(tmp_path / "runs")]
+    arguments = [
+        str(spec_path),
+        "--app",
+        str(REPO),
+        "--seeds",
+        "0",
+        "--runs",
+        str(tmp_path / "runs"),
+    ]
     arguments += ["--set", 'dataset="digits"', "num-server-rounds=2"]
-    assert runner.main(arguments) == 0
+    assert sweep.main(arguments) == 0
     page = (tmp_path / "elastic-vs-fedavg.md").read_text(encoding="utf-8")
+    assert "Command: `ba-sweep benchmarks/specs/elastic-vs-fedavg.toml --app " in page
     assert "| method | seeds | rounds | final acc. (%) |\n" in page  # no "last 10" of 2 rounds
     assert "| fedavg | 1 | 2 |" in page
     assert "| elastic | 1 | 2 |" in page
@@ -473,7 +522,7 @@ num-clients = 3
     run_spec(spec)
     data = [d for d in (read_run(run) for run in spec.runs()) if d is not None]
     assert [d.rounds[-1]["diag-clients"] for d in data] == [3, 3]
-    written = runner.report(spec, tmp_path / "page.md", "command")
+    written = sweep.report(spec, tmp_path / "page.md", "command")
     assert [p.name for p in written] == [
         "page.md",
         "page.png",

@@ -198,3 +198,43 @@ def test_a_run_without_matplotlib_completes_with_a_note_and_no_plot(
     assert not (tmp_path / "plain" / "curves.png").exists()
     assert "no curves.png for run 'plain'" in caplog.text
     assert "beyond-averaging[bench]" in caplog.text
+
+
+def test_compare_of_runs_with_diagnostics_draws_their_figures_and_names_each_critical_point(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run's critical point is the first round whose coherence is <= 0 right after one > 0."""
+    coherences = {"shrink": [-0.01, 0.2, 0.1, -0.05, 0.03], "avg": [0.3, 0.2, 0.1, 0.05, 0.01]}
+    for name, coherence in coherences.items():
+        recorder = RunRecorder(tmp_path, name, {"strategy": "fedavg", "dataset": "digits"})
+        recorder.log_round({"round": 0, "test-accuracy": 0.1, "test-loss": 2.3})
+        for index, value in enumerate(coherence, 1):
+            diagnostics = {"diag-coherence": value, "diag-cosine-mean": 2 * value}
+            diagnostics |= {"diag-euclidean-mean": 1.0 / index, "diag-mi-mean": 0.5 * index}
+            recorder.log_round({"round": index, "test-accuracy": 0.5, **diagnostics})
+        recorder.close()
+    plain = RunRecorder(tmp_path, "plain", {"strategy": "fedavg", "dataset": "digits"})
+    plain.log_round({"round": 0, "test-accuracy": 0.1})
+    plain.log_round({"round": 1, "test-accuracy": 0.4})
+    plain.close()
+    figure = tmp_path / "figures" / "vs.png"
+    runs = [str(tmp_path / name) for name in ("shrink", "avg", "plain")]
+    assert ba_run(["--compare", *runs, "--plot", str(figure)]) == 0
+    out = capsys.readouterr().out
+    assert "ba-run: shrink: critical point at round 4\n" in out  # 0.1 then -0.05
+    assert "ba-run: avg: critical point none\n" in out  # positive throughout
+    assert "plain: critical point" not in out  # made without diagnostics: no line, no curve
+    for part in ("coherence", "distances", "mi"):
+        drawn = tmp_path / "figures" / f"vs-{part}.png"
+        assert f"ba-run: diagnostics figure: {drawn}\n" in out
+        assert drawn.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_compare_of_runs_without_diagnostics_draws_no_diagnostics_figure(
+    runs_dir: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    figure = tmp_path / "vs.png"
+    runs = [str(runs_dir / "fedavg"), str(runs_dir / "elastic")]
+    assert ba_run(["--compare", *runs, "--plot", str(figure)]) == 0
+    assert "diagnostics" not in capsys.readouterr().out
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["vs.png"]

@@ -1,23 +1,17 @@
 """Client-diagnostics figures of runs made with ``diagnostics = true``, from ``metrics.jsonl``:
 coherence (with the critical point), pairwise distances, and mutual information.
 
-A spec draws them with ``[plot] diagnostics = true``; docs/benchmarks.md ("Client diagnostics")
-gives the command for any runs.
+``ba-run --compare`` draws them for runs that have them, and a sweep with ``[plot] diagnostics =
+true``; docs/benchmarks.md ("Client diagnostics") shows them. matplotlib is imported only here.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from matplotlib.ticker import MaxNLocator
-
-from benchmarks.report import curve, read_metrics
-from beyond_averaging.server.runs import DPI, pyplot, save_figure
-
-plt = pyplot("the diagnostics figures")  # files only (Agg): no display on servers and in tests
+from .runs import curve, pyplot, save_figure
 
 Metrics = list[dict[str, Any]]
 
@@ -31,7 +25,6 @@ DISTANCE_KEYS = {
 INFORMATION_KEYS = {"parameters": "diag-mi-mean", "updates": "diag-update-mi-mean"}
 #: Shared figure look: one size for the diagnostics PNGs (resolution: server.runs.DPI).
 FIGURE_SIZE = (7.0, 4.2)
-__all__ = ["DPI", "save_figure"]  # shared with server.runs, used here and by benchmarks.report
 
 
 def series(metrics: Metrics, key: str) -> tuple[list[int], list[float]]:
@@ -56,6 +49,8 @@ def with_metric(runs: Mapping[str, Metrics], key: str) -> dict[str, Metrics]:
 
 def round_axis(axes: Any) -> None:
     """Rounds on the x axis: whole numbers only (a 2-round run drew 0.25, 0.5, ...)."""
+    from matplotlib.ticker import MaxNLocator
+
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
@@ -65,6 +60,7 @@ def plot_coherence(runs: Mapping[str, Metrics], path: Path) -> Path:
     The cohort value weighs each pair by lambda_i lambda_j / m, so it is about (1 - sum lambda^2)/m
     times smaller than the mean cosine: two panels keep both readable.
     """
+    plt = pyplot("the diagnostics figures")
     figure, (top, bottom) = plt.subplots(
         2, 1, figsize=(FIGURE_SIZE[0], FIGURE_SIZE[1] * 1.5), sharex=True
     )
@@ -97,6 +93,7 @@ def plot_coherence(runs: Mapping[str, Metrics], path: Path) -> Path:
 
 def plot_distances(runs: Mapping[str, Metrics], path: Path) -> Path:
     """Mean pairwise Euclidean, Manhattan and Chebyshev distance between client models."""
+    plt = pyplot("the diagnostics figures")
     figure, panels = plt.subplots(1, len(DISTANCE_KEYS), figsize=(FIGURE_SIZE[0] * 1.6, 3.6))
     for axes, (name, key) in zip(panels, DISTANCE_KEYS.items(), strict=True):
         for label, metrics in with_metric(runs, key).items():
@@ -111,6 +108,7 @@ def plot_distances(runs: Mapping[str, Metrics], path: Path) -> Path:
 
 def plot_mutual_information(runs: Mapping[str, Metrics], path: Path) -> Path:
     """Mean pairwise Gaussian mutual information of client parameters (solid) and updates."""
+    plt = pyplot("the diagnostics figures")
     figure, axes = plt.subplots(figsize=FIGURE_SIZE)
     for label, metrics in with_metric(runs, INFORMATION_KEYS["parameters"]).items():
         parameters, updates = (series(metrics, key) for key in INFORMATION_KEYS.values())
@@ -142,23 +140,3 @@ def plot_diagnostics(runs: Mapping[str, Metrics], output_dir: Path, stem: str) -
         plot_distances(runs, output_dir / f"{stem}-distances.png"),
         plot_mutual_information(runs, output_dir / f"{stem}-mi.png"),
     ]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Draw the diagnostics figures of one or more runs."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.plots", description=__doc__)
-    parser.add_argument("runs", nargs="+", type=Path, help="run folders (runs/<name>)")
-    parser.add_argument("--output-dir", type=Path, default=Path("docs/results"))
-    parser.add_argument("--stem", default="diagnostics", help="file name prefix")
-    args = parser.parse_args(argv)
-    runs = {run.name: read_metrics(run) for run in args.runs}
-    for path in plot_diagnostics(runs, args.output_dir, args.stem):
-        print(f"wrote {path}")
-    for label, metrics in runs.items():
-        point = critical_point(*series(metrics, COHERENCE_KEY))
-        print(f"{label}: critical point {'none' if point is None else f'at round {point}'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
