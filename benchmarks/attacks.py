@@ -239,6 +239,28 @@ def _to_clip_bound(view: RoundView, position: int) -> Update:
     return {key: scale * value for key, value in own.items()}
 
 
+#: The blended backdoor's cosine with the benign mean: the lowest of the range the red team found
+#: to keep a positive root-set trust while carrying most of the backdoor (0.4-0.9).
+BLENDED_COSINE = 0.4
+
+
+def _blended_backdoor(view: RoundView, position: int) -> Update:
+    """The attacker's own poisoned update blended into the benign mean, the best response to
+    root-set trust: cosine :data:`BLENDED_COSINE` with the benign mean (the best estimate of the
+    server's root update the attackers have), the rest along the part of its own update
+    orthogonal to that mean (where the backdoor lives), at just under the clip bound. An update
+    already closer to the mean is only boosted."""
+    own, mean = view.updates[position], _mean(view.benign)
+    unit = {key: value / max(_norm(mean), 1e-30) for key, value in mean.items()}
+    along = _dot(own, unit)
+    if along >= BLENDED_COSINE * _norm(own):
+        return _to_clip_bound(view, position)
+    side = {key: own[key] - along * unit[key] for key in own}
+    side = {key: value / max(_norm(side), 1e-30) for key, value in side.items()}
+    mix = math.sqrt(1.0 - BLENDED_COSINE**2)
+    return {key: clip_bound(view) * (BLENDED_COSINE * unit[key] + mix * side[key]) for key in own}
+
+
 def claim_bound(claims: Sequence[float]) -> float:
     """Just under the default claim bound: the whole number of examples below 0.99 x 10 x the
     median claim of the benign replies."""
@@ -283,6 +305,8 @@ ATTACKS: dict[str, Attack] = {
     # the best response to trigger unlearning, whose patch search favours small patches: a
     # trigger spread over the whole image (Chen et al. 2017's blended injection)
     "backdoor-blended-trigger": Attack(model=_to_clip_bound, backdoor=True, trigger="blend"),
+    # the best response to root-set trust: the backdoor blended into the benign direction
+    "backdoor-blended-update": Attack(model=_blended_backdoor, backdoor=True),
 }
 
 
