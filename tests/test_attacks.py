@@ -221,3 +221,41 @@ def test_the_norm_aware_forms_sit_at_their_cosine_and_just_under_the_clip_bound(
     assert got == pytest.approx(cosine, abs=1e-9)
     # the rest pushes against the benign signs: most coordinates vote against the mean's
     assert np.mean(np.sign(sent) == -np.sign(mean)) > 0.5
+
+
+def test_the_blended_backdoor_keeps_cosine_0_4_with_the_benign_mean_and_the_rest_its_own() -> None:
+    # Three benign unit updates, mean m; the attacker's own update o is orthogonal to m
+    # apart from a small part along it, so the blend is 0.4 m/|m| + sqrt(0.84) o_perp/|o_perp|.
+    rng = np.random.default_rng(7)
+    benign = []
+    for _ in range(3):
+        vector = rng.normal(size=40) + 0.5
+        benign.append({"w": vector / np.linalg.norm(vector)})
+    mean = np.mean([u["w"] for u in benign], axis=0)
+    unit = mean / np.linalg.norm(mean)
+    noise = rng.normal(size=40)
+    own_perp = noise - (noise @ unit) * unit
+    own = 0.1 * unit + own_perp
+    model = ATTACKS["backdoor-blended-update"].model
+    assert model is not None
+    sent = model(RoundView([*benign, {"w": own}], [3], rng), 3)["w"]
+    expected = 0.99 * 2.0 * (0.4 * unit + np.sqrt(1 - 0.16) * own_perp / np.linalg.norm(own_perp))
+    np.testing.assert_allclose(sent, expected, atol=1e-12)
+    # An own update already at a cosine above 0.4 is only boosted to just under the clip bound.
+    close = unit + 0.1 * own_perp
+    sent_close = model(RoundView([*benign, {"w": close}], [3], rng), 3)["w"]
+    np.testing.assert_allclose(sent_close, 0.99 * 2.0 * close / np.linalg.norm(close), atol=1e-12)
+
+
+def test_the_blended_trigger_mixes_one_fixed_image_into_every_input_at_0_2() -> None:
+    from benchmarks.attacks import with_trigger
+
+    features = torch.rand(5, 1, 8, 8)
+    features[0, 0, 0, 0], features[1, 0, 0, 1] = 0.0, 1.0  # the range the pattern spans
+    blended = with_trigger(features, "blend")
+    pattern = (blended - 0.8 * features) / 0.2
+    torch.testing.assert_close(pattern, pattern[:1].expand_as(pattern))  # one image for all
+    assert float(pattern.min()) >= 0.0
+    assert float(pattern.max()) <= 1.0
+    assert float(pattern.std()) > 0.2  # a random image, not a flat shift
+    torch.testing.assert_close(with_trigger(features, "blend"), blended)  # fixed across calls
