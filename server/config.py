@@ -200,26 +200,19 @@ class RunConfig(BaseModel):
                 f"min-train-replies = {self.min_train_replies} exceeds num-clients = "
                 f"{self.num_clients}: allowed is 1..num-clients"
             )
-        if (
-            self.robust_aggregation == "fltrust"
-            and self.proxy_per_class == 0
-            and not self.proxy_dir
-        ):
-            raise ValueError(
-                "robust-aggregation = 'fltrust' scores updates against the server's own update on "
-                "its proxy set, and proxy-per-class = 0 with no proxy-dir leaves it none: set "
-                "proxy-per-class >= 1 (10 gives FLTrust's 100-sample root set on 10 classes)"
-            )
-        if (
-            self.backdoor_defence == "trigger-unlearning"
-            and self.proxy_per_class == 0
-            and not self.proxy_dir
-        ):
-            raise ValueError(
-                "backdoor-defence = 'trigger-unlearning' inverts and unlearns trigger patches on "
-                "the server's proxy set, and proxy-per-class = 0 with no proxy-dir leaves it "
-                "none: set proxy-per-class >= 1 (10 gives a 100-sample root set on 10 classes)"
-            )
+        # The defences that train on the server's proxy set (root set), and what each does there.
+        root_set_users = {
+            "robust-aggregation = 'fltrust' scores updates against the server's own update on "
+            "its proxy set": self.robust_aggregation == "fltrust",
+            "backdoor-defence = 'trigger-unlearning' inverts and unlearns trigger patches on the "
+            "server's proxy set": self.backdoor_defence == "trigger-unlearning",
+        }
+        for use, on in root_set_users.items():
+            if on and self.proxy_per_class == 0 and not self.proxy_dir:
+                raise ValueError(
+                    f"{use}, and proxy-per-class = 0 with no proxy-dir leaves it none: set "
+                    "proxy-per-class >= 1 (10 gives a 100-sample root set on 10 classes)"
+                )
         if self.strategy == "fedlaw" and self.proxy_per_class == 0 and not self.proxy_dir:
             raise ValueError(
                 "strategy = 'fedlaw' with proxy-per-class = 0 and no proxy-dir leaves FedLAW "

@@ -277,7 +277,7 @@ class DefendedStrategy(ContractStrategy):
                 f"trigger_unlearning = {trigger_unlearning!r}: pass a TriggerUnlearning(...) "
                 "(strategies.trigger_unlearning) or None"
             )
-        project = cast(ProjectOptions, options)  # without the five keys popped above
+        project = cast(ProjectOptions, options)  # without the keys popped above
         super().__init__(*args, **project)
         self.pre_aggregation: PreAggregation = pre_aggregation
         self.bucket_size = bucket_size
@@ -346,21 +346,8 @@ class DefendedStrategy(ContractStrategy):
             return {key: np.array(value) for key, value in global_arrays.items()}
         if self.pre_aggregation != "none":
             kept = self.pre_aggregated(server_round, global_arrays, kept)
-        new_arrays = self.defended_model(
-            server_round, self.aggregate_rule(server_round, global_arrays, kept)
-        )
-        if self.trigger_unlearning is not None and self.root_set is not None:
-            started = time.perf_counter()
-            new_arrays, figures = unlearn_triggers(
-                self.root_set.model,
-                new_arrays,
-                self.root_set.features,
-                self.root_set.labels,
-                self.trigger_unlearning,
-            )
-            self._defence_metrics |= figures
-            self._defence_metrics["unlearning-seconds"] = time.perf_counter() - started
-        return new_arrays
+        new_arrays = self.aggregate_rule(server_round, global_arrays, kept)
+        return self.defended_model(server_round, new_arrays)
 
     @abstractmethod
     def aggregate_rule(
@@ -430,7 +417,8 @@ class DefendedStrategy(ContractStrategy):
         """The rule's new model plus Gaussian noise, drawn from the run's seed and the round:
         under ``flame`` FLAME's, of standard deviation ``flame_noise_lambda`` x the median update
         norm; and ``server_noise_std`` on top (weak differential privacy, Sun et al. 2019, with
-        ``update_clip_factor`` as the norm bound), independent noises adding in variance."""
+        ``update_clip_factor`` as the norm bound), independent noises adding in variance; then,
+        with ``trigger_unlearning``, the patches that work on it unlearned on the root set."""
         std = self.server_noise_std
         if self.server_noise_std > 0.0:
             self._defence_metrics["server-noise-std"] = self.server_noise_std
@@ -438,9 +426,21 @@ class DefendedStrategy(ContractStrategy):
             flame_std = self.flame_noise_lambda * self._median_update
             self._defence_metrics["flame-noise-std"] = flame_std
             std = math.hypot(std, flame_std)
-        if std == 0.0:
+        if std > 0.0:
+            arrays = flame_noise(arrays, std, (self.seed, server_round))
+        if self.trigger_unlearning is None or self.root_set is None:
             return arrays
-        return flame_noise(arrays, std, (self.seed, server_round))
+        started = time.perf_counter()
+        arrays, figures = unlearn_triggers(
+            self.root_set.model,
+            arrays,
+            self.root_set.features,
+            self.root_set.labels,
+            self.trigger_unlearning,
+        )
+        self._defence_metrics |= figures
+        self._defence_metrics["unlearning-seconds"] = time.perf_counter() - started
+        return arrays
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
         """The defences' figures of the last aggregation (``fltrust-*``, ``flame-*``)."""
