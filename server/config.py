@@ -173,6 +173,9 @@ class RunConfig(BaseModel):
     unlearning_steps: int = Field(100, ge=1, le=100_000, description="patch search steps/class")
     unlearning_lr: float = Field(0.02, gt=0.0, description="the unlearning's SGD step")
     unlearning_epochs: int = Field(3, ge=1, le=1_000, description="unlearning passes")
+    unlearning_patched_share: float = Field(
+        0.2, gt=0.0, le=1.0, description="the stamped inputs' share of each unlearning step's loss"
+    )
     server_noise_std: float = Field(
         0.0, ge=0.0, allow_inf_nan=False, description="Gaussian noise on each new model (weak DP)"
     )

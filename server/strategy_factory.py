@@ -63,6 +63,7 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
                 steps=config.unlearning_steps,
                 lr=config.unlearning_lr,
                 epochs=config.unlearning_epochs,
+                patched_share=config.unlearning_patched_share,
             )
             if config.backdoor_defence == "trigger-unlearning"
             else None

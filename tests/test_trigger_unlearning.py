@@ -22,8 +22,10 @@ from beyond_averaging.strategies import (
     TriggerUnlearning,
 )
 from beyond_averaging.strategies.trigger_unlearning import (
+    InvertedTrigger,
     anomaly_index,
     invert_trigger,
+    unlearn,
     unlearn_triggers,
 )
 from beyond_averaging.tasks.federation import load_server_splits
@@ -119,8 +121,9 @@ def test_unlearning_removes_the_planted_backdoor_and_keeps_clean_accuracy(
         state_of(backdoored),
         root,
         root_labels,
-        # A backdoor trained in for 300 steps takes more passes than one round's re-injection.
-        TriggerUnlearning(l1_weight=1.8, epochs=20),
+        # A backdoor trained in for 300 steps takes more passes than one round's re-injection
+        # (20 passes at the default patched share leave it whole; 60 remove it).
+        TriggerUnlearning(l1_weight=1.8, epochs=60),
     )
     scratch.load_state_dict({key: torch.from_numpy(value) for key, value in cleaned.items()})
     others = test[test_labels != 0]
@@ -129,6 +132,39 @@ def test_unlearning_removes_the_planted_backdoor_and_keeps_clean_accuracy(
     assert accuracy(scratch, test, test_labels) > 0.95
     assert figures["unlearning-patches"] == CLASSES  # each class's patch flips the root set
     assert len(figures["unlearning-mask-l1"]) == CLASSES  # type: ignore[arg-type]
+
+
+def test_each_unlearning_step_mixes_the_clean_root_set_and_every_patch_at_the_patched_share() -> (
+    None
+):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    features, labels = torch.randn(5, 1, 2, 2), torch.tensor([0, 1, 2, 0, 1])
+    patches = [
+        InvertedTrigger(c, torch.rand(2, 2), torch.rand(1, 2, 2), success=1.0) for c in (0, 2)
+    ]
+    share, lr = 0.3, 0.1
+    # By hand: SGD with momentum 0.9 on (1 - s) CE(clean) + s (CE(patch 0) + CE(patch 2)) / 2,
+    # (2 patches + 1) steps for the one pass, each patch stamped as (1 - m) x + m p.
+    weights = [p.detach().clone() for p in model.parameters()]
+    velocity = [torch.zeros_like(w) for w in weights]
+    for _ in range(len(patches) + 1):
+        leaves = [w.clone().requires_grad_(True) for w in weights]
+
+        def ce(x: torch.Tensor, leaves: list[torch.Tensor] = leaves) -> torch.Tensor:
+            logits = x.flatten(1) @ leaves[0].T + leaves[1]
+            return nn.functional.cross_entropy(logits, labels)
+
+        stamped_ce = [ce((1 - p.mask) * features + p.mask * p.pattern) for p in patches]
+        loss = (1 - share) * ce(features) + share * sum(stamped_ce) / len(patches)
+        grads = torch.autograd.grad(loss, leaves)
+        velocity = [0.9 * v + g for v, g in zip(velocity, grads, strict=True)]
+        weights = [w - lr * v for w, v in zip(weights, velocity, strict=True)]
+    unlearn(
+        model, features, labels, patches, TriggerUnlearning(lr=lr, epochs=1, patched_share=share)
+    )
+    for got, want in zip(model.parameters(), weights, strict=True):
+        torch.testing.assert_close(got.detach(), want)
 
 
 def test_the_arrays_come_back_in_their_own_dtypes_and_counters_untouched(
@@ -165,6 +201,7 @@ def test_the_anomaly_index_is_the_mad_scaled_distance_of_the_smallest_patch() ->
         ({"l1_weight": -1.0}, "l1_weight = -1.0"),
         ({"lr": float("nan")}, "lr = nan"),
         ({"min_success": 1.5}, "min_success = 1.5"),
+        ({"patched_share": 0.0}, "patched_share = 0.0"),
     ],
 )
 def test_bad_options_are_refused_naming_the_value(options: dict[str, float], named: str) -> None:
@@ -190,6 +227,7 @@ def test_the_run_options_reach_the_strategy() -> None:
             "backdoor-defence": "trigger-unlearning",
             "unlearning-lr": 0.005,
             "unlearning-epochs": 6,
+            "unlearning-patched-share": 0.5,
         }
     )
     test_set, proxy_set = load_server_splits(data_spec(config))
@@ -197,7 +235,7 @@ def test_the_run_options_reach_the_strategy() -> None:
     strategy = build_strategy(
         config, ServerResources(model, proxy_set, torch.device("cpu"), test_set)
     )
-    assert strategy.trigger_unlearning == TriggerUnlearning(lr=0.005, epochs=6)  # type: ignore[attr-defined]
+    assert strategy.trigger_unlearning == TriggerUnlearning(lr=0.005, epochs=6, patched_share=0.5)  # type: ignore[attr-defined]
 
 
 def test_the_library_and_the_run_configuration_share_defaults() -> None:
@@ -207,6 +245,7 @@ def test_the_library_and_the_run_configuration_share_defaults() -> None:
         steps=config.unlearning_steps,
         lr=config.unlearning_lr,
         epochs=config.unlearning_epochs,
+        patched_share=config.unlearning_patched_share,
     )
     assert config.backdoor_defence == "none"
 
