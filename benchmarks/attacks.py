@@ -261,6 +261,27 @@ def _blended_backdoor(view: RoundView, position: int) -> Update:
     return {key: clip_bound(view) * (BLENDED_COSINE * unit[key] + mix * side[key]) for key in own}
 
 
+#: Neurotoxin's share of the coordinates the attacker writes to: the ones the benign replies
+#: change least (the authors' ``gradmask_ratio`` of 0.95 in their README's runs).
+NEUROTOXIN_KEEP = 0.95
+
+
+def _neurotoxin(view: RoundView, position: int) -> Update:
+    """The attacker's own poisoned update with the top 1 - :data:`NEUROTOXIN_KEEP` of the
+    coordinates, by the benign mean's magnitude over the whole model, set to zero, boosted to just
+    under the clip bound: the backdoor is written where benign training, and a server's
+    fine-tuning on clean data, rarely write, so it outlasts both (Zhang et al., "Neurotoxin:
+    Durable Backdoors in Federated Learning", ICML 2022). The paper projects every local step
+    onto the mask built from the previous round's global update; here the finished update is
+    masked once, with the current round's benign mean, which these attackers see."""
+    own, mean = view.updates[position], _mean(view.benign)
+    magnitudes = np.concatenate([np.abs(value).ravel() for value in mean.values()])
+    cut = float(np.quantile(magnitudes, NEUROTOXIN_KEEP))
+    masked = {key: np.where(np.abs(mean[key]) <= cut, value, 0.0) for key, value in own.items()}
+    scale = clip_bound(view) / max(_norm(masked), 1e-30)
+    return {key: scale * value for key, value in masked.items()}
+
+
 def claim_bound(claims: Sequence[float]) -> float:
     """Just under the default claim bound: the whole number of examples below 0.99 x 10 x the
     median claim of the benign replies."""
@@ -307,6 +328,9 @@ ATTACKS: dict[str, Attack] = {
     "backdoor-blended-trigger": Attack(model=_to_clip_bound, backdoor=True, trigger="blend"),
     # the best response to root-set trust: the backdoor blended into the benign direction
     "backdoor-blended-update": Attack(model=_blended_backdoor, backdoor=True),
+    # the best response to removal by fine-tuning (trigger unlearning): the backdoor written only
+    # where the benign replies change least
+    "backdoor-neurotoxin": Attack(model=_neurotoxin, backdoor=True),
 }
 
 
