@@ -197,9 +197,9 @@ def unlearn(
 
         (1 - s) CE(f(x), y) + s mean_t CE(f(stamp_t(x)), y),    s = options.patched_share
 
-    Each step sees the clean root set as well as every patch: fine-tuning on the stamped inputs
-    alone pulls the model toward what a 100-input root set holds and away from the federation's
-    model (an earlier form, one step per patch, capped digits runs near 85 %)."""
+    Each step sees the clean root set as well as every patch: an earlier form, one step per
+    patch on its stamped inputs alone, was an adversarial fine-tuning that capped digits runs
+    near 85 % (docs/reliability.md)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9)
     stamped = torch.cat([trigger.stamp(features) for trigger in triggers]) if triggers else None
     stamped_labels = labels.repeat(len(triggers))
