@@ -157,7 +157,7 @@ class RunConfig(BaseModel):
         10.0, ge=0.0, description="no weight above this x the round's median weight; 0: off"
     )
     robust_aggregation: Literal[
-        "none", "trimmed-mean", "median", "krum", "multi-krum", "flame", "fltrust"
+        "none", "trimmed-mean", "median", "krum", "multi-krum", "flame", "fltrust", "proxy-weights"
     ] = "none"
     trim_fraction: float = Field(
         0.1, ge=0.0, lt=0.5, description="trimmed-mean cut per end; Krum's Byzantine share"
@@ -207,6 +207,8 @@ class RunConfig(BaseModel):
         root_set_users = {
             "robust-aggregation = 'fltrust' scores updates against the server's own update on "
             "its proxy set": self.robust_aggregation == "fltrust",
+            "robust-aggregation = 'proxy-weights' learns the clients' weights on the server's "
+            "proxy set": self.robust_aggregation == "proxy-weights",
             "backdoor-defence = 'trigger-unlearning' inverts and unlearns trigger patches on the "
             "server's proxy set": self.backdoor_defence == "trigger-unlearning",
         }

@@ -77,10 +77,10 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "server_beta2": config.server_beta2,
         "server_eps": config.server_eps,
     }
-    root_set = config.robust_aggregation == "fltrust" or config.backdoor_defence != "none"
-    if root_set and config.strategy != "fedlaw":
-        # The root set of FLTrust and of trigger unlearning: the proxy set FedLAW learns on
-        # (FedLAW builds its own from it).
+    root_set = config.robust_aggregation in ("fltrust", "proxy-weights")
+    if (root_set or config.backdoor_defence != "none") and config.strategy != "fedlaw":
+        # The root set of FLTrust, of the proxy weights and of trigger unlearning: the proxy set
+        # FedLAW learns on (FedLAW builds its own from it).
         base["model"], base["device"] = resources.model, resources.device
         base["proxy_set"] = resolve_proxy_set(config, resources.proxy_set)[0]
     if config.strategy == "fedavg":

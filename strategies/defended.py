@@ -217,6 +217,16 @@ class DefenceOptions(ProjectOptions, total=False):
     flame_noise_lambda: float
 
 
+#: The robust aggregations that need a root set, and what each does on it.
+ROOT_SET_METHODS = {
+    "fltrust": "scores each reply against the server's own update",
+    "proxy-weights": "learns the clients' weights",
+}
+#: ``proxy-weights``' schedule: FedLAW's defaults (its fedlaw-epochs and fedlaw-lr run options).
+PROXY_WEIGHT_EPOCHS = 100
+PROXY_WEIGHT_LR = 0.005
+
+
 class RootSetOptions(DefenceOptions, total=False):
     """:class:`DefenceOptions` and the root set of ``fltrust``, keyword-only
     (:class:`DefendedStrategy`)."""
@@ -244,7 +254,7 @@ class DefendedStrategy(ContractStrategy):
         Where the server update is trained; default CUDA when present, else CPU.
     """
 
-    robust_methods: ClassVar[tuple[str, ...]] = (*GENERIC_METHODS, "fltrust")
+    robust_methods: ClassVar[tuple[str, ...]] = (*GENERIC_METHODS, "fltrust", "proxy-weights")
     #: Whether the rule builds its root set itself (FedLAW, from its own proxy set).
     builds_root_set: ClassVar[bool] = False
     #: The length of the trusted updates: the trusted updates' median norm, or the server
@@ -289,12 +299,12 @@ class DefendedStrategy(ContractStrategy):
         self.last_root_update: NDArrayDict | None = None
         if model is not None and proxy_set is not None:
             self.root_set = RootSet.from_data(model, proxy_set, seed=self.seed, device=device)
-        elif self.robust_aggregation == "fltrust" and not self.builds_root_set:
+        elif self.robust_aggregation in ROOT_SET_METHODS and not self.builds_root_set:
             raise ValueError(
-                f"robust_aggregation = 'fltrust' in {type(self).__name__} scores each reply "
-                "against the server's own update on a root data set: pass model= (the global "
-                "model's architecture) and proxy_set= (a few labelled samples, e.g. 10 per "
-                "class; run options: proxy-per-class)"
+                f"robust_aggregation = {self.robust_aggregation!r} in {type(self).__name__} "
+                f"{ROOT_SET_METHODS[self.robust_aggregation]} on a root data set: pass model= "
+                "(the global model's architecture) and proxy_set= (a few labelled samples, e.g. "
+                "10 per class; run options: proxy-per-class)"
             )
         elif trigger_unlearning is not None and not self.builds_root_set:
             raise ValueError(
@@ -364,6 +374,8 @@ class DefendedStrategy(ContractStrategy):
         otherwise ``replies`` as they are."""
         self._defence_metrics = {}
         self.last_root_update = None
+        if self.robust_aggregation == "proxy-weights":
+            return self.proxy_weighted(global_arrays, replies)
         if self.robust_aggregation != "fltrust":
             return list(replies)
         if self._task is None or self.root_set is None:
@@ -395,6 +407,44 @@ class DefendedStrategy(ContractStrategy):
                 server_round,
             )
         return kept
+
+    def proxy_weighted(
+        self, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
+    ) -> list[ClientReply]:
+        """``replies`` weighted by the client weights lambda learned on the root set in place of
+        their data sizes: attentive LAW, FedLAW's client weights without its shrink factor (Li
+        et al., ICML 2023; :func:`strategies.fedlaw.learn_aggregation_weights` with ``learn =
+        "clients"`` and FedLAW's default schedule), over the clipped client models, from their
+        bounded data-size weights. The replies come back as they were when the learning fails."""
+        # fedlaw builds on this module, so its weight learning is imported where it is used.
+        from .fedlaw import learn_aggregation_weights, weights_are_usable
+
+        if self.root_set is None:
+            raise ValueError("robust_aggregation = 'proxy-weights' needs a root set")
+        started = time.perf_counter()
+        _, lambdas = learn_aggregation_weights(
+            self.root_set.model,
+            [reply.arrays for reply in replies],
+            [reply.num_examples for reply in replies],
+            [(self.root_set.features, self.root_set.labels)],
+            epochs=PROXY_WEIGHT_EPOCHS,
+            lr=PROXY_WEIGHT_LR,
+            learn="clients",
+            device=self.root_set.features.device,
+            scales=[reply.update_scale for reply in replies],
+            global_params=global_arrays,
+        )
+        if not weights_are_usable(1.0, lambdas):
+            log(WARNING, "proxy weights: the root-set loss was not finite; data sizes kept")
+            return list(replies)
+        self._defence_metrics = {
+            "proxy-weights": lambdas,
+            "proxy-weights-seconds": time.perf_counter() - started,
+        }
+        return [
+            dataclasses.replace(reply, num_examples=float(weight))
+            for reply, weight in zip(replies, lambdas, strict=True)
+        ]
 
     def pre_aggregated(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]

@@ -107,7 +107,7 @@ from .proxy_data import (
     validate_proxy_set,
 )
 from .reporting import RoundLogFields
-from .robust import COORDINATE_WISE, aggregate_robust
+from .robust import COORDINATE_WISE, GENERIC_METHODS, aggregate_robust
 
 LearnWhat = Literal["both", "shrink", "clients"]
 LEARN_CHOICES: tuple[str, ...] = get_args(LearnWhat)
@@ -707,6 +707,8 @@ class FedLAW(DefendedStrategy):
     #: length, the server update's (docs/reliability.md, "Adaptive attacks").
     builds_root_set: ClassVar[bool] = True
     trusted_length: ClassVar[Literal["median", "root"]] = "root"
+    #: No ``proxy-weights``: FedLAW learns its client weights on the proxy set itself.
+    robust_methods: ClassVar[tuple[str, ...]] = (*GENERIC_METHODS, "fltrust")
     #: gamma, the client weights (in reply order) and FedAvg's data weights, and whether the
     #: round fell back to FedAvg's weights.
     round_log_fields: ClassVar[RoundLogFields] = {

@@ -40,6 +40,7 @@ LISTED_VALUES = 8
 #: The defences' own figures, shown whichever rule runs them (strategies.defended).
 DEFENCE_FIELDS: RoundLogFields = {
     "fltrust-trust": ("trust", ".2f"),
+    "proxy-weights": ("proxy weights", ".3f"),
     "flame-noise-std": ("FLAME noise std", ".3g"),
     "unlearning-patches": ("trigger patches unlearned", "d"),
     "unlearning-anomaly": ("anomaly index", ".1f"),

@@ -44,11 +44,12 @@ from .aggregate import NDArrayDict, as_numpy, as_numpy_dict, is_floating
 from .server_optimizer import ServerOptimizer
 
 RobustAggregation = Literal[
-    "none", "trimmed-mean", "median", "krum", "multi-krum", "flame", "fltrust"
+    "none", "trimmed-mean", "median", "krum", "multi-krum", "flame", "fltrust", "proxy-weights"
 ]
 ROBUST_CHOICES: tuple[str, ...] = get_args(RobustAggregation)
-#: The methods every rule has a robust form for from the replies alone; ``fltrust`` needs a
-#: server data set and a model to train on it (:mod:`strategies.defended`).
+#: The methods every rule has a robust form for from the replies alone; ``fltrust`` and
+#: ``proxy-weights`` need a server data set and the model's architecture
+#: (:mod:`strategies.defended`).
 GENERIC_METHODS: tuple[str, ...] = ("none", "trimmed-mean", "median", "krum", "multi-krum", "flame")
 #: Rules that replace the mean coordinate by coordinate.
 COORDINATE_WISE: tuple[str, ...] = ("trimmed-mean", "median")

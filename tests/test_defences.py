@@ -18,6 +18,9 @@ import torch
 from flwr.app import ConfigRecord
 
 from benchmarks.attacks import shejwalkar_gamma
+from beyond_averaging.server.app import data_spec
+from beyond_averaging.server.config import ConfigError, parse_run_config
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import ClientReply, ElasticAggregation, FedAvg, FedGMA, FedLAW
 from beyond_averaging.strategies.defended import root_update, trusted_replies
 from beyond_averaging.strategies.robust import (
@@ -28,6 +31,8 @@ from beyond_averaging.strategies.robust import (
     median_length_scales,
 )
 from beyond_averaging.strategies.validation import ModelGuard
+from beyond_averaging.tasks.federation import load_server_splits
+from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD, ClientTask
 from tests.conftest import train_reply
 from tests.test_byzantine_bounds import BOUNDS_OFF, TASK, Model
@@ -210,6 +215,70 @@ def test_fltrust_weighs_each_update_by_its_trust_at_the_trusted_median_length(ru
     trust, expected = fltrust_reference(state, g0, updates)
     np.testing.assert_allclose(strategy.aggregation_metrics[1]["fltrust-trust"], trust, atol=1e-6)
     np.testing.assert_allclose(flat(result), expected, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- proxy weights
+def root_logits(state: Model, root: Any) -> np.ndarray[Any, Any]:
+    return root.features @ np.asarray(state["0.weight"]).T + np.asarray(state["0.bias"])
+
+
+def root_accuracy(state: Model, root: Any) -> float:
+    return float(np.mean(root_logits(state, root).argmax(axis=1) == root.labels))
+
+
+def root_cross_entropy(state: Model, root: Any) -> float:
+    logits = root_logits(state, root).astype(np.float64)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return float(-np.mean(log_softmax[np.arange(len(root.labels)), root.labels]))
+
+
+@pytest.mark.parametrize("rule", [FedAvg, ElasticAggregation, FedGMA])
+def test_proxy_weights_give_the_mix_to_the_client_whose_model_fits_the_root_set(
+    rule: type, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, root, state = root_setup()
+    # A root set whose classes sit apart; one client's model fits it (least squares on one-hot
+    # labels), the other's is its negation: equal data sizes average them to nothing, the root
+    # set tells them apart.
+    centres = 3.0 * np.eye(3, 4, dtype=np.float32)
+    noise = 0.3 * np.random.default_rng(2).normal(size=root.features.shape).astype(np.float32)
+    root = dataclasses.replace(root, features=centres[root.labels] + noise)
+    targets = np.eye(3)[root.labels]
+    design = np.hstack([root.features, np.ones((len(root.labels), 1))])
+    fitted = np.linalg.lstsq(design, targets, rcond=None)[0]
+    good = {"0.weight": fitted[:4].T.astype(np.float32), "0.bias": fitted[4].astype(np.float32)}
+    bad = {key: -value for key, value in good.items()}
+    assert root_accuracy(good, root) > 0.9 > 0.1 > root_accuracy(bad, root)
+    strategy = with_task(
+        rule(robust_aggregation="proxy-weights", model=model, proxy_set=root, **BOUNDS_OFF), state
+    )
+    records: list[Any] = [None, None]
+    if rule is not FedAvg:
+        name = SENSITIVITY_RECORD if rule is ElasticAggregation else GRADIENT_RECORD
+        records = [{name: {k: np.ones_like(v) for k, v in m.items()}} for m in (good, bad)]
+    result = aggregated(strategy, [good, bad], records=records)
+    weights = strategy.aggregation_metrics[1]["proxy-weights"]
+    # From the data sizes' 0.5 each, FedLAW's schedule (100 Adam epochs from lr 0.005, halved
+    # every 20) moves the weight logits by at most about 0.2 each: a bounded tilt, not a vote.
+    assert 0.55 < weights[0] < 0.7, weights
+    equal = {k: 0.5 * good[k] + 0.5 * bad[k] for k in good}
+    if rule is FedAvg:  # the weighted mean of the two models, in the learned weights
+        expected = {k: weights[0] * good[k] + weights[1] * bad[k] for k in good}
+        np.testing.assert_allclose(flat(result), flat(expected), rtol=1e-5, atol=1e-6)
+    assert root_cross_entropy(result, root) < root_cross_entropy(equal, root)
+    assert f"proxy weights [{weights[0]:.3f}, {weights[1]:.3f}]" in caplog.text  # round line
+
+
+def test_fedlaw_refuses_proxy_weights_for_it_learns_its_own() -> None:
+    model, root, _ = root_setup()
+    with pytest.raises(ValueError, match=r"proxy-weights.*FedLAW"):
+        FedLAW(robust_aggregation="proxy-weights", model=model, proxy_set=root)
+
+
+def test_proxy_weights_without_a_root_set_are_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"learns the clients' weights.*proxy_set="):
+        FedAvg(robust_aggregation="proxy-weights")
 
 
 @pytest.mark.parametrize("agrees_with_root", [True, False])
@@ -413,3 +482,18 @@ def test_min_max_and_min_sum_take_the_largest_gamma_the_papers_search_finds(obje
     gamma = shejwalkar_gamma(updates, perturbation, objective)
     assert gamma > 0.0
     assert gamma == pytest.approx(bisection(updates, perturbation, objective), rel=1e-6)
+
+
+def test_a_run_with_proxy_weights_takes_the_proxy_set_as_its_root_set() -> None:
+    config = parse_run_config(
+        {"dataset": "digits", "model": "mlp", "robust-aggregation": "proxy-weights"}
+    )
+    test_set, proxy_set = load_server_splits(data_spec(config))
+    model = build_model("mlp", test_set.input_shape, test_set.num_classes, seed=0)
+    strategy = build_strategy(
+        config, ServerResources(model, proxy_set, torch.device("cpu"), test_set)
+    )
+    assert strategy.root_set is not None  # type: ignore[attr-defined]
+    assert len(strategy.root_set.labels) == 100  # type: ignore[attr-defined]  # 10 per class
+    with pytest.raises(ConfigError, match=r"proxy-weights.*proxy-per-class >= 1"):
+        parse_run_config({"robust-aggregation": "proxy-weights", "proxy-per-class": 0})
