@@ -16,6 +16,10 @@ each rule the replies and the model they give:
   w + sum_k TS_k s_k u_k / sum_k TS_k. The direction check, which sides with the round's
   majority, is off: the root set judges direction. Each rule's page says what its own
   quantities become.
+- ``"proxy-weights"``: each reply weighted by the client weights attentive LAW learns on the
+  root set (FedLAW's, Li et al. ICML 2023, with its shrink factor fixed at 1) in place of its
+  data size (:meth:`DefendedStrategy.proxy_weighted`): what a client's model adds to the mix on
+  balanced data, which label skew does not make an honest client fail.
 - ``"flame"`` (Nguyen et al., USENIX Security 2022): the majority cluster by cosine is kept by
   the base's selection step (:func:`strategies.robust.flame_selection`), every kept update and
   record is clipped at the round's median norm (``FLAME_CLIP_FACTOR`` in place of

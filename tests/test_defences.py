@@ -22,7 +22,12 @@ from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import ConfigError, parse_run_config
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import ClientReply, ElasticAggregation, FedAvg, FedGMA, FedLAW
-from beyond_averaging.strategies.defended import root_update, trusted_replies
+from beyond_averaging.strategies.defended import (
+    PROXY_WEIGHT_EPOCHS,
+    PROXY_WEIGHT_LR,
+    root_update,
+    trusted_replies,
+)
 from beyond_averaging.strategies.robust import (
     FLAME_NOISE_LAMBDA,
     flame_noise,
@@ -495,5 +500,7 @@ def test_a_run_with_proxy_weights_takes_the_proxy_set_as_its_root_set() -> None:
     )
     assert strategy.root_set is not None  # type: ignore[attr-defined]
     assert len(strategy.root_set.labels) == 100  # type: ignore[attr-defined]  # 10 per class
+    # the weights' schedule is FedLAW's defaults
+    assert (config.fedlaw_epochs, config.fedlaw_lr) == (PROXY_WEIGHT_EPOCHS, PROXY_WEIGHT_LR)
     with pytest.raises(ConfigError, match=r"proxy-weights.*proxy-per-class >= 1"):
         parse_run_config({"robust-aggregation": "proxy-weights", "proxy-per-class": 0})
