@@ -231,12 +231,16 @@ def _norm_aware_update(view: RoundView, cosine: float) -> Update:
     }
 
 
+def _at_clip_bound(view: RoundView, update: Update) -> Update:
+    """``update`` scaled to just under the round's clip bound (:func:`clip_bound`)."""
+    scale = clip_bound(view) / max(_norm(update), 1e-30)
+    return {key: scale * value for key, value in update.items()}
+
+
 def _to_clip_bound(view: RoundView, position: int) -> Update:
     """The attacker's own (poisoned) update boosted to just under the clip bound: model
     replacement (Bagdasaryan et al., AISTATS 2020) as far as the defaults let it go."""
-    own = view.updates[position]
-    scale = clip_bound(view) / max(_norm(own), 1e-30)
-    return {key: scale * value for key, value in own.items()}
+    return _at_clip_bound(view, view.updates[position])
 
 
 #: The blended backdoor's cosine with the benign mean: the lowest of the range the red team found
@@ -278,8 +282,7 @@ def _neurotoxin(view: RoundView, position: int) -> Update:
     magnitudes = np.concatenate([np.abs(value).ravel() for value in mean.values()])
     cut = float(np.quantile(magnitudes, NEUROTOXIN_KEEP))
     masked = {key: np.where(np.abs(mean[key]) <= cut, value, 0.0) for key, value in own.items()}
-    scale = clip_bound(view) / max(_norm(masked), 1e-30)
-    return {key: scale * value for key, value in masked.items()}
+    return _at_clip_bound(view, masked)
 
 
 def claim_bound(claims: Sequence[float]) -> float:

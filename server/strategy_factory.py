@@ -16,6 +16,7 @@ from beyond_averaging.strategies import (
     FedLAW,
     TriggerUnlearning,
 )
+from beyond_averaging.strategies.defended import ROOT_SET_METHODS
 from beyond_averaging.tasks.datasets import LabeledData
 
 from .config import ConfigError, RunConfig
@@ -77,8 +78,8 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "server_beta2": config.server_beta2,
         "server_eps": config.server_eps,
     }
-    root_set = config.robust_aggregation in ("fltrust", "proxy-weights")
-    if (root_set or config.backdoor_defence != "none") and config.strategy != "fedlaw":
+    root_set = config.robust_aggregation in ROOT_SET_METHODS or config.backdoor_defence != "none"
+    if root_set and config.strategy != "fedlaw":
         # The root set of FLTrust, of the proxy weights and of trigger unlearning: the proxy set
         # FedLAW learns on (FedLAW builds its own from it).
         base["model"], base["device"] = resources.model, resources.device
