@@ -38,11 +38,15 @@ from beyond_averaging.client import app as client_module
 from beyond_averaging.server.app import chance_accuracy, round_alarms
 from beyond_averaging.server.bounded_pull import DelegatingGrid
 from beyond_averaging.server.config import RunConfig, parse_run_config
-from beyond_averaging.server.recorder import COMPLETED_WITH_ALARMS, RunRecorder
+from beyond_averaging.server.runs.folder import COMPLETED_WITH_ALARMS
+from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.strategy_factory import build_strategy
 from beyond_averaging.strategies import ContractStrategy
-from beyond_averaging.strategies.base import DEFAULT_MAX_CLAIM_FACTOR, DEFAULT_UPDATE_CLIP_FACTOR
-from beyond_averaging.strategies.influence import DIRECTION_FLOOR
+from beyond_averaging.strategies.replies.bounds import (
+    DEFAULT_MAX_CLAIM_FACTOR,
+    DEFAULT_UPDATE_CLIP_FACTOR,
+)
+from beyond_averaging.strategies.replies.influence import DIRECTION_FLOOR
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate
 from beyond_averaging.tasks.protocol import (
@@ -212,7 +216,8 @@ def _norm_aware(cosine: float) -> ModelAttack:
 def _norm_aware_update(view: RoundView, cosine: float) -> Update:
     length = clip_bound(view)
     # The reference the server compares with: the other replies, each scaled down to the
-    # round's median norm (strategies.influence.direction_cosines), the attackers' at `length`.
+    # round's median norm (strategies.replies.influence.direction_cosines), the attackers' at
+    # `length`.
     norms = [_norm(update) for update in view.benign]
     median = float(np.median(norms + [length] * len(view.attacker_positions)))
     mean = _mean(

@@ -1,6 +1,6 @@
-"""Measurements of real local deployments (:class:`server.deploy.LocalDeployment`, every process
-sampled from ``/proc`` by :mod:`server.resources`); docs/deployment.md gives the method, the
-headlines and the commands.
+"""Measurements of real local deployments (:class:`server.deploy.local.LocalDeployment`, every
+process sampled from ``/proc`` by :mod:`server.deploy.resources`); docs/deployment.md gives the
+method, the headlines and the commands.
 
 - ``python -m benchmarks.deployment``: a deployed round of this project's app beside Flower's
   quickstart on the same work, one deployment per app and repeat, apps alternating. The
@@ -39,11 +39,9 @@ from benchmarks.harness import command, peak_rss_sampler, save, status_bytes
 from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.deploy import CONNECTION, LocalDeployment
-from beyond_averaging.server.flower_release import CLIENTAPP_EXECUTORS, FlowerRelease
-from beyond_averaging.server.launch import LaunchError, run_config_argument
-from beyond_averaging.server.provenance import hardware_line
-from beyond_averaging.server.resources import (
+from beyond_averaging.server.deploy.flower_release import CLIENTAPP_EXECUTORS, FlowerRelease
+from beyond_averaging.server.deploy.local import CONNECTION, LocalDeployment
+from beyond_averaging.server.deploy.resources import (
     KINDS,
     MIB,
     PeakSampler,
@@ -51,8 +49,11 @@ from beyond_averaging.server.resources import (
     cpu_seconds_by,
     kinds_of,
 )
-from beyond_averaging.server.sweep_report import markdown_table, read_metrics
-from beyond_averaging.server.watch import strip_ansi
+from beyond_averaging.server.overrides import LaunchError, run_config_argument
+from beyond_averaging.server.runs.folder import read_metrics
+from beyond_averaging.server.runs.provenance import hardware_line
+from beyond_averaging.server.runtime.watch import strip_ansi
+from beyond_averaging.server.sweep.report import markdown_table
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition, load_server_splits
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.partition_cache import CACHE_ENV

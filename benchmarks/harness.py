@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.spec import REPO
+from beyond_averaging.server.deploy.resources import PeakSampler
 from beyond_averaging.server.interactive import Federation as Federation
 from beyond_averaging.server.interactive import federation as federation
-from beyond_averaging.server.resources import PeakSampler
 
 
 def interpreter() -> str:

@@ -24,17 +24,14 @@ from flwr.clientapp import ClientApp
 
 from benchmarks.harness import command, save
 from benchmarks.spec import REPO
-from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
-from beyond_averaging.server.launch import (
-    ALARMS_EXIT_CODE,
-    read_summary,
-    run_config_argument,
-    stop_process_tree,
-)
-from beyond_averaging.server.provenance import hardware_line
-from beyond_averaging.server.recorder import FINISHED_STATUSES
-from beyond_averaging.server.resources import MIB, PeakSampler, ProcessWatch
-from beyond_averaging.server.sweep_report import markdown_table, read_metrics, shown
+from beyond_averaging.server.cli.status import ALARMS_EXIT_CODE
+from beyond_averaging.server.deploy.resources import MIB, PeakSampler, ProcessWatch
+from beyond_averaging.server.overrides import run_config_argument
+from beyond_averaging.server.runs.folder import FINISHED_STATUSES, read_metrics, read_summary
+from beyond_averaging.server.runs.provenance import hardware_line
+from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGrid
+from beyond_averaging.server.runtime.processes import stop_process_tree
+from beyond_averaging.server.sweep.report import markdown_table, shown
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.tasks.synthetic import device_size
 
@@ -83,7 +80,7 @@ def measure(
     settings |= {"fraction-train": args.sampled / population, "num-server-rounds": args.rounds}
     settings |= {"seed": 0, "run-name": name, "output-dir": str(runs)}
     limit = args.simulation_timeout if runtime == "simulation" else args.inprocess_timeout
-    words = ["-m", "beyond_averaging.server.launch", "--runtime", runtime, "--client-cpus", "1"]
+    words = ["-m", "beyond_averaging.server.cli.main", "--runtime", runtime, "--client-cpus", "1"]
     # --overwrite: a measurement again in the same --runs folder replaces the earlier one.
     words += ["--timeout", str(limit), "--overwrite", "-c", run_config_argument(settings)]
     print("$", shlex.join(words[1:]), flush=True)
@@ -123,7 +120,7 @@ def measure(
             stop_process_tree(process)
             status = "timeout" if status == "completed" else status
     log.close()
-    summary = read_summary(runs / name / "summary.json")
+    summary = read_summary(runs / name)
     if status == "completed" and code not in (0, ALARMS_EXIT_CODE):
         tail = (runs / f"{name}.log").read_text(errors="replace")
         status = "timeout" if "did not finish within" in tail else "failed"

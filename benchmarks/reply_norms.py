@@ -13,8 +13,12 @@ import numpy as np
 
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.interactive import Federation, federation
-from beyond_averaging.server.recorder import RunRecorder
-from beyond_averaging.strategies.influence import max_over_median, record_norms, update_norms
+from beyond_averaging.server.runs.recorder import RunRecorder
+from beyond_averaging.strategies.replies.influence import (
+    max_over_median,
+    record_norms,
+    update_norms,
+)
 
 
 def spread(fed: Federation, server_round: int) -> dict[str, float | None]:

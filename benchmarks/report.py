@@ -1,6 +1,6 @@
 """What the attack benchmarks read runs and write tables with: the sweep reporter's
-(:mod:`server.sweep_report`)."""
+(:mod:`server.sweep.report`)."""
 
-from beyond_averaging.server.sweep_report import RunData, markdown_table, read_run
+from beyond_averaging.server.sweep.report import RunData, markdown_table, read_run
 
 __all__ = ["RunData", "markdown_table", "read_run"]

@@ -1,5 +1,6 @@
-"""The benchmarks' runner: ``ba-sweep`` (:mod:`server.sweep`) on the repository's specs, its runs
-under ``benchmarks/results/<spec>/runs`` and, with ``--publish``, the page in ``docs/results/``::
+"""The benchmarks' runner: ``ba-sweep`` (:mod:`server.sweep.run`) on the repository's specs, its
+runs under ``benchmarks/results/<spec>/runs`` and, with ``--publish``, the page in
+``docs/results/``::
 
     .venv/bin/python -m benchmarks.runner benchmarks/specs/elastic-vs-fedavg.toml --dry-run
 """
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 
 from benchmarks.harness import command
 from benchmarks.spec import LAYOUT
-from beyond_averaging.server import sweep
+from beyond_averaging.server.sweep import run as sweep
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,13 +1,13 @@
 """The repository's specs (``benchmarks/specs/*.toml``) as ``ba-sweep`` reads them
-(:mod:`server.sweep_spec`), with the repository's folders: the runs of ``<spec>.toml`` under
+(:mod:`server.sweep.spec`), with the repository's folders: the runs of ``<spec>.toml`` under
 ``benchmarks/results/<spec>/runs``, its published page ``docs/results/<spec>.md``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from beyond_averaging.server.sweep_spec import Layout, Spec, SpecError
-from beyond_averaging.server.sweep_spec import load_spec as load_any_spec
+from beyond_averaging.server.sweep.spec import Layout, Spec, SpecError
+from beyond_averaging.server.sweep.spec import load_spec as load_any_spec
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT = Layout(REPO, "benchmarks/results/{stem}/runs", "docs/results/{stem}.md")

@@ -23,15 +23,11 @@ from benchmarks.harness import Stopwatch, command, save
 from benchmarks.spec import REPO, load_spec
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
-from beyond_averaging.server.launch import (
-    RUNTIMES,
-    LaunchError,
-    launch_runtime,
-    read_summary,
-    run_config_argument,
-)
-from beyond_averaging.server.provenance import hardware_line
-from beyond_averaging.server.sweep_report import markdown_table, read_metrics, shown
+from beyond_averaging.server.overrides import LaunchError, run_config_argument
+from beyond_averaging.server.runs.folder import read_metrics, read_summary
+from beyond_averaging.server.runs.provenance import hardware_line
+from beyond_averaging.server.runtime.launch import RUNTIMES, launch_runtime
+from beyond_averaging.server.sweep.report import markdown_table, shown
 from beyond_averaging.tasks.evaluation import resolve_device
 from beyond_averaging.tasks.federation import load_client_partition
 from beyond_averaging.tasks.models import build_model
@@ -94,7 +90,7 @@ def time_ba_run(output_dir: Path) -> dict[str, Any]:
         with Stopwatch() as clock:
             subprocess.run(ba_run, cwd=REPO, check=True, capture_output=True)
         clocks.append(clock)
-    final = read_summary(output_dir / "ba-run-default" / "summary.json")["final"]
+    final = read_summary(output_dir / "ba-run-default")["final"]
     return {
         "command": "ba-run --runtime inprocess",  # plus an output-dir in a temporary folder
         "cold-seconds": clocks[0].wall,

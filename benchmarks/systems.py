@@ -40,12 +40,12 @@ from beyond_averaging.client import vectorized
 from beyond_averaging.client.sensitivity import compute_sensitivity
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.inprocess import FIRST_NODE_ID
+from beyond_averaging.server.deploy.resources import MIB, PeakSampler
 from beyond_averaging.server.interactive import federation
-from beyond_averaging.server.provenance import hardware_line
-from beyond_averaging.server.resources import MIB, PeakSampler
+from beyond_averaging.server.runs.provenance import hardware_line
+from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
-from beyond_averaging.server.sweep_report import markdown_table, shown
+from beyond_averaging.server.sweep.report import markdown_table, shown
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
 from beyond_averaging.tasks.batching import shuffled_batches

@@ -47,30 +47,28 @@ else:
 from .tasks.lazy_exports import lazy_exports  # noqa: E402 - needs the search path above
 
 if TYPE_CHECKING:
-    from .client.gradient import last_step_gradient
-    from .client.sensitivity import sensitivity_record
-    from .strategies import (
-        ClientReply,
-        ContractStrategy,
-        ElasticAggregation,
-        FedAdam,
-        FedAvg,
-        FedAvgM,
-        FedGMA,
-        FedGMASoft,
-        FedLAW,
-        MissingRecordError,
-        ProxySetError,
-        ServerOptimizer,
-        aggregate_elastic,
-        aggregate_fedavg,
-        aggregate_fedgma,
-        aggregate_fedlaw,
-        aggregate_metrics,
-        and_mask,
-        learn_aggregation_weights,
-        track,
-    )
+    from .client.gradient import last_step_gradient as last_step_gradient
+    from .client.sensitivity import sensitivity_record as sensitivity_record
+    from .strategies import ClientReply as ClientReply
+    from .strategies import ContractStrategy as ContractStrategy
+    from .strategies import ElasticAggregation as ElasticAggregation
+    from .strategies import FedAdam as FedAdam
+    from .strategies import FedAvg as FedAvg
+    from .strategies import FedAvgM as FedAvgM
+    from .strategies import FedGMA as FedGMA
+    from .strategies import FedGMASoft as FedGMASoft
+    from .strategies import FedLAW as FedLAW
+    from .strategies import MissingRecordError as MissingRecordError
+    from .strategies import ProxySetError as ProxySetError
+    from .strategies import ServerOptimizer as ServerOptimizer
+    from .strategies import aggregate_elastic as aggregate_elastic
+    from .strategies import aggregate_fedavg as aggregate_fedavg
+    from .strategies import aggregate_fedgma as aggregate_fedgma
+    from .strategies import aggregate_fedlaw as aggregate_fedlaw
+    from .strategies import aggregate_metrics as aggregate_metrics
+    from .strategies import and_mask as and_mask
+    from .strategies import learn_aggregation_weights as learn_aggregation_weights
+    from .strategies import track as track
 
 # Exports resolve on first use (PEP 562): `import beyond_averaging.tasks.protocol` must not pull
 # in torch, and a ServerApp that only needs a strategy does not import the client helpers.
@@ -99,31 +97,10 @@ _MODULE_OF_EXPORT = {
     "track": ".strategies",
 }
 
-__all__ = [
-    "ClientReply",
-    "ContractStrategy",
-    "ElasticAggregation",
-    "FedAdam",
-    "FedAvg",
-    "FedAvgM",
-    "FedGMA",
-    "FedGMASoft",
-    "FedLAW",
-    "MissingRecordError",
-    "ProxySetError",
-    "ServerOptimizer",
-    "__version__",
-    "aggregate_elastic",
-    "aggregate_fedavg",
-    "aggregate_fedgma",
-    "aggregate_fedlaw",
-    "aggregate_metrics",
-    "and_mask",
-    "last_step_gradient",
-    "learn_aggregation_weights",
-    "sensitivity_record",
-    "track",
-]
+#: The public names: the export map's and the release. Listed once, in the map above; the
+#: TYPE_CHECKING imports name them again only for type checkers (``X as X``: an explicit
+#: re-export, which mypy's strict mode needs since __all__ is not a literal).
+__all__ = sorted([*_MODULE_OF_EXPORT, "__version__"])
 
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _MODULE_OF_EXPORT)

@@ -43,13 +43,16 @@ app = ClientApp()
 SUPPORTED_RECORDS = frozenset({GRADIENT_RECORD, SENSITIVITY_RECORD})
 
 
-def _partition(context: Context) -> tuple[int, int]:
+def node_partition(context: Context) -> tuple[int, int]:
+    """The node's (partition id, number of partitions) from its node config, for every client
+    backend (this ClientApp, the vectorised one)."""
     try:
         return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
     except KeyError as err:
         raise KeyError(
             f"node config lacks {err}: start the SuperNode with "
-            "--node-config 'partition-id=<i> num-partitions=<n>'"
+            "--node-config 'partition-id=<i> num-partitions=<n>' (the in-process runtime and "
+            "Flower's simulation give every node both)"
         ) from None
 
 
@@ -91,7 +94,7 @@ def prepare(
     config: ConfigRecord = message.content[CONFIG_RECORD]  # type: ignore[assignment]
     check_library_version(config, __version__)
     task = ClientTask.from_config(config)
-    partition_id, num_partitions = _partition(context)
+    partition_id, num_partitions = node_partition(context)
     device = resolve_device(task.device)  # type: ignore[arg-type]
     data = device_partition(DataSpec.from_task(task, num_partitions), partition_id, device)
     model = _model_shell(
@@ -124,7 +127,7 @@ def train(message: Message, context: Context) -> Message:
             f"(it supports {sorted(SUPPORTED_RECORDS)})"
         )
     task, data, model, server_round = prepare(message, context)
-    partition_id, _ = _partition(context)
+    partition_id, _ = node_partition(context)
     seed = shuffle_seed(task.seed, server_round, partition_id)
     plan = shuffled_batches(len(data), task.batch_size, task.local_epochs, seed)
     sensitivity = None

@@ -74,7 +74,7 @@ from beyond_averaging.tasks.protocol import (
     requested_records,
 )
 
-from .app import SUPPORTED_RECORDS
+from .app import SUPPORTED_RECORDS, node_partition
 from .sensitivity import DEFAULT_DECAY, STATE_KEY, mismatch, to_upload
 
 Stacked = dict[str, torch.Tensor]
@@ -466,16 +466,6 @@ def _group_key(message: Message) -> str:
     return repr(sorted(_config(message).items()))
 
 
-def _partition(context: Context) -> tuple[int, int]:
-    try:
-        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
-    except KeyError as err:
-        raise KeyError(
-            f"node config lacks {err}: the in-process runtime must give every node "
-            "'partition-id' and 'num-partitions'"
-        ) from None
-
-
 def _stored_sensitivity(
     context: Context, parameters: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor] | None:
@@ -629,7 +619,7 @@ def _train_group(
         )
     task = ClientTask.from_config(config)
     device = resolve_device(task.device)  # type: ignore[arg-type]
-    partitions = [_partition(context) for context in contexts]
+    partitions = [node_partition(context) for context in contexts]
     num_partitions = {count for _, count in partitions}
     if len(num_partitions) != 1:
         raise ValueError(f"nodes disagree on num-partitions: {sorted(num_partitions)}")

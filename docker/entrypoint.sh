@@ -1,8 +1,8 @@
 #!/bin/sh
 # Entry point of the beyond-averaging image: starts one Flower component with the flags of this
 # project's deployment, configured by environment variables (compose.yaml sets them). The flags
-# that differ between Flower releases come from server/flower_release.py (the image holds flwr
-# 1.39 with the gRPC Fleet API, or with FLEET=http the newest flwr with the HTTP Fleet API).
+# that differ between Flower releases come from server/deploy/flower_release.py (the image holds
+# flwr 1.39 with the gRPC Fleet API, or with FLEET=http the newest flwr with the HTTP Fleet API).
 #
 #   superlink             flower-superlink: its HTTP API (Control API for `flwr run`, Runtime API,
 #                         and under the HTTP Fleet API also the Fleet API) on 0.0.0.0:9093, the
@@ -16,7 +16,7 @@
 #                         from a warm process that imported Flower, torch and the app once
 #                         (BA_EXECUTOR=warm, the default; BA_EXECUTOR=subprocess: Flower's
 #                         fresh Python per message). It runs under ba-supernode
-#                         (server/supervise.py), which
+#                         (server/deploy/supervise.py), which
 #                         starts it again when the SuperLink forgot it: Flower's SuperNode then
 #                         exits, which the restart policy covers, or hangs retrying, which it
 #                         does not (docs/deployment.md, "When a process dies")
@@ -89,7 +89,7 @@ case "$role" in
     # loaded host (docs/deployment.md, "Load"). A restarted SuperLink then forgets runs and nodes.
     database=""
     [ -n "${BA_SUPERLINK_DATABASE:-}" ] && database="--database ${BA_SUPERLINK_DATABASE}"
-    ports=$(python -m beyond_averaging.server.flower_release superlink-ports \
+    ports=$(python -m beyond_averaging.server.deploy.flower_release superlink-ports \
       --host 0.0.0.0 --fleet-port 9092 --control-port 9093)
     # shellcheck disable=SC2046,SC2086  # word splitting of the flag lists is intended
     exec flower-superlink $(tls_server) $auth $database $ports \
@@ -108,7 +108,7 @@ case "$role" in
     [ "${BA_TLS:-0}" = "1" ] && security="--root-certificates /app/certs/ca.crt"
     auth=""
     [ -f /app/keys/supernode.key ] && auth="--auth-supernode-private-key /app/keys/supernode.key"
-    superlink=${BA_SUPERLINK:-$(python -m beyond_averaging.server.flower_release fleet-address \
+    superlink=${BA_SUPERLINK:-$(python -m beyond_averaging.server.deploy.flower_release fleet-address \
       --host "${BA_SUPERLINK_HOST:-superlink}" --fleet-port 9092 --control-port 9093)}
     # shellcheck disable=SC2086
     exec ba-supernode $security $auth \

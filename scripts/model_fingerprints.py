@@ -1,12 +1,13 @@
 """Fingerprints of the final models of short seeded runs, to show a refactoring changed no result.
 
-What it checks, and why: the folders' modules are moving into sub-packages (``server/launch.py``
-to ``server/runtime/``, ``strategies/robust.py`` to ``strategies/defences/`` and the like). Such a
-move must leave every run's model bit for bit unchanged. This script runs a list of short seeded
-cases (digits, the MLP, 6 clients, 3 rounds), one per aggregation rule at its defaults and one or
-two per defence (robust aggregations, pre-aggregations, trigger unlearning, server noise, the
-weight cap and claim bound, an IID partition that keeps the direction check on), each with
-``ba-run --runtime inprocess`` in a fresh process, and records per case
+What it checks, and why: the folders' modules are moving into sub-packages (the launcher of
+``server/`` into ``server/runtime/``, the robust rules of ``strategies/`` into
+``strategies/defences/`` and the like). Such a move must leave every run's model bit for bit
+unchanged. This script runs a list of short seeded cases (digits, the MLP, 6 clients, 3 rounds), one
+per aggregation rule at its defaults and one or two per defence (robust aggregations,
+pre-aggregations, trigger unlearning, server noise, the weight cap and claim bound, an IID partition
+that keeps the direction check on), each with ``ba-run --runtime inprocess`` in a fresh process, and
+records per case
 
 - the SHA-256 of the final model's arrays (``final_model.pt``, a torch state dict; per key, in
   sorted order: the key, dtype, shape and raw bytes), and of the checkpoint's model;
@@ -60,7 +61,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: Where the fingerprints recorded before the sub-package move are kept.
 DEFAULT_FILE = REPO / "docs" / "results" / "model-fingerprints.json"
 #: The run folder's final model (a torch state dict) and its checkpoint (a dict of the run's
-#: state), by the names server/recorder.py documents.
+#: state), by the names server/runs/folder.py gives them.
 FINAL_MODEL_FILE = "final_model.pt"
 CHECKPOINT_FILE = "checkpoint.pt"
 SUMMARY_FILE = "summary.json"

@@ -1,7 +1,7 @@
 """The ServerApp: validate the configuration, build the strategy, run it, record everything.
 
 After every round the global model is evaluated on the server's test split, the round's metrics
-are appended to ``metrics.jsonl`` and a checkpoint is written (:mod:`server.checkpoint`), from
+are appended to ``metrics.jsonl`` and a checkpoint is written (:mod:`server.runs.checkpoint`), from
 which ``resume-from`` continues the run. A run that cannot train ends ``failed`` with the reason
 (:class:`RunStalledError`); a run stopped from outside (a signal, ``flwr stop``, a SuperLink that
 forgot it) ends ``interrupted``; a run whose model collapses, whose loss explodes or that never
@@ -27,6 +27,13 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from beyond_averaging import __version__
+from beyond_averaging.server.runs.checkpoint import RunCheckpoint, capture_rng, restore_rng
+from beyond_averaging.server.runs.folder import COMPLETED_WITH_ALARMS
+from beyond_averaging.server.runs.partitions import record_partitions
+from beyond_averaging.server.runs.plots import write_run_plot
+from beyond_averaging.server.runs.recorder import RunRecorder
+from beyond_averaging.server.runs.tracking import open_run_tracker
+from beyond_averaging.server.runtime.inprocess import InProcessGrid
 from beyond_averaging.strategies import ContractStrategy
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
 from beyond_averaging.tasks.datasets import LabeledData
@@ -36,15 +43,9 @@ from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import LIBRARY_VERSION_KEY, ClientTask
 
 from .bounded_pull import bound_reply_bytes
-from .checkpoint import RunCheckpoint, capture_rng, restore_rng
 from .config import RunConfig, parse_run_config
-from .inprocess import InProcessGrid
-from .partitions import record_partitions
-from .recorder import COMPLETED_WITH_ALARMS, RunRecorder
 from .rounds import RoundOutcome, run_rounds
-from .runs import write_run_plot
 from .strategy_factory import ServerResources, build_strategy
-from .tracking import open_run_tracker
 
 app = ServerApp()
 
@@ -336,7 +337,7 @@ class RunProgress:
         self.node_states = node_states
 
     def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
-        """Write the run's state after ``server_round`` (see :mod:`server.checkpoint`).
+        """Write the run's state after ``server_round`` (see :mod:`server.runs.checkpoint`).
 
         Nothing is written once the run has a final status (stopped by Flower meanwhile: the
         folder may already belong to a resumed run).

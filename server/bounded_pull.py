@@ -3,15 +3,15 @@
 In a deployment the ServerApp pulls each reply from the SuperLink as a tree of objects (the
 message, its records, each array's chunks of at most 5 MB) and Flower's ``HttpGrid`` pulls every
 object of a reply before it hands the reply over. The strategies check a reply's size before they
-decode it (``max-reply-bytes``, :func:`strategies.validation.check_reply_size`), but by then the
-process has held the whole reply, twice while Flower inflates it: a client sending a 1 GB record
-costs the server 2 GB.
+decode it (``max-reply-bytes``, :func:`strategies.replies.validation.check_reply_size`), but by
+then the process has held the whole reply, twice while Flower inflates it: a client sending a 1 GB
+record costs the server 2 GB.
 
 :class:`ByteBoundedGrid` wraps Flower's ``HttpGrid`` and pulls each reply's objects through a
 counter: once a reply's pulled bytes pass its bound, the pull stops, what was pulled is released,
 the SuperLink is told the reply was received (so it frees it too), and the reply is answered by
-an error reply with code :data:`~strategies.validation.REPLY_OVERSIZED_ERROR_CODE`, which the
-strategies count as ``dropped-oversized``. The ServerApp then holds at most the bound plus the
+an error reply with code :data:`~strategies.replies.validation.REPLY_OVERSIZED_ERROR_CODE`, which
+the strategies count as ``dropped-oversized``. The ServerApp then holds at most the bound plus the
 objects in flight (two concurrent pulls) per reply. One object is pulled whole: an array chunk
 is at most 5 MB, but a config or metric record is one object, bounded only by the transport.
 
@@ -36,7 +36,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 from flwr.supercore.run import Run
 
-from beyond_averaging.strategies.validation import REPLY_OVERSIZED_ERROR_CODE
+from beyond_averaging.strategies.replies.validation import REPLY_OVERSIZED_ERROR_CODE
 
 #: Flower versions whose ``HttpGrid.pull_messages`` this module re-implements with a bound.
 SUPPORTED_FLOWER = ("1.39.",)

@@ -140,7 +140,7 @@ class RunConfig(BaseModel):
     # --- diagnostics -------------------------------------------------------------------------
     diagnostics: bool = False
     diagnostics_mi_coordinates: int = Field(256, ge=2)
-    # --- replies: influence bounds (strategies/validation.py, docs/reliability.md) ------------
+    # --- replies: influence bounds (strategies/replies/bounds.py, docs/reliability.md) --------
     max_client_weight: float = Field(
         1.0, gt=0.0, le=1.0, description="largest weight share of one reply; 1: no cap"
     )
@@ -203,7 +203,9 @@ class RunConfig(BaseModel):
                 f"min-train-replies = {self.min_train_replies} exceeds num-clients = "
                 f"{self.num_clients}: allowed is 1..num-clients"
             )
-        # The defences that train on the server's proxy set (root set), and what each does there.
+        # The defences that train on the server's proxy set (root set), and what each does there
+        # (strategies.defences.root_set.root_set_use says the same for the strategies; this
+        # module stays free of torch and the strategies, so that a bad value is refused at once).
         root_set_users = {
             "robust-aggregation = 'fltrust' scores updates against the server's own update on "
             "its proxy set": self.robust_aggregation == "fltrust",

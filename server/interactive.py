@@ -1,8 +1,9 @@
 """This project's app in process, one round at a time in your hands: the ServerApp's model and
-strategy, the real ClientApp behind an in-process Grid (:class:`server.inprocess.InProcessGrid`),
-and the round loop yours, to read, measure or rewrite instructions and replies between rounds (a
-reply analysis, an attack of your own: wrap ``grid``). ``ba-run --runtime inprocess`` runs the
-same parts under the ServerApp's own loop. docs/running.md ("Round by round in Python")::
+strategy, the real ClientApp behind an in-process Grid
+(:class:`server.runtime.inprocess.InProcessGrid`), and the round loop yours, to read, measure or
+rewrite instructions and replies between rounds (a reply analysis, an attack of your own: wrap
+``grid``). ``ba-run --runtime inprocess`` runs the same parts under the ServerApp's own loop.
+docs/running.md ("Round by round in Python")::
 
     from beyond_averaging.server.interactive import federation
 
@@ -26,6 +27,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.object_ref import load_app
 from flwr.supercore.task_identity import TaskIdentity
 
+from beyond_averaging.server.runtime.inprocess import InProcessGrid
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate
 from beyond_averaging.tasks.federation import load_server_splits
@@ -33,7 +35,6 @@ from beyond_averaging.tasks.models import build_model
 
 from .app import client_task, data_spec
 from .config import RunConfig, parse_run_config
-from .inprocess import InProcessGrid
 from .strategy_factory import ServerResources, build_strategy
 
 #: This project's ClientApp, by its component string (as pyproject.toml names it to Flower).

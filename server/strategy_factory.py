@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -16,7 +16,8 @@ from beyond_averaging.strategies import (
     FedLAW,
     TriggerUnlearning,
 )
-from beyond_averaging.strategies.defended import ROOT_SET_METHODS
+from beyond_averaging.strategies.defences.root_set import root_set_use
+from beyond_averaging.strategies.replies.bounds import BoundsOptions
 from beyond_averaging.tasks.datasets import LabeledData
 
 from .config import ConfigError, RunConfig
@@ -34,6 +35,31 @@ class ServerResources:
     test_set: LabeledData | None = None
 
 
+def reply_bounds(config: RunConfig) -> BoundsOptions:
+    """The reply bounds' options (:mod:`strategies.replies.bounds`) the run configuration sets."""
+    return BoundsOptions(
+        max_client_weight=config.max_client_weight,
+        update_norm_factor=config.update_norm_factor,
+        update_clip_factor=config.update_clip_factor,
+        direction_outlier_factor=config.direction_outlier_factor,
+        max_claim_factor=config.max_claim_factor,
+    )
+
+
+def trigger_unlearning(config: RunConfig) -> TriggerUnlearning | None:
+    """Trigger unlearning's options (:mod:`strategies.defences.trigger_unlearning`), when the run's
+    ``backdoor-defence`` asks for it."""
+    if config.backdoor_defence != "trigger-unlearning":
+        return None
+    return TriggerUnlearning(
+        l1_weight=config.unlearning_l1,
+        steps=config.unlearning_steps,
+        lr=config.unlearning_lr,
+        epochs=config.unlearning_epochs,
+        patched_share=config.unlearning_patched_share,
+    )
+
+
 def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStrategy:
     """The configured strategy, validated and ready to start."""
     # The run option min-train-replies is also the fewest nodes a round samples, as before the
@@ -46,11 +72,7 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "min_train_replies": config.min_train_replies,
         "min_available_nodes": config.min_train_replies,
         "seed": config.seed,
-        "max_client_weight": config.max_client_weight,
-        "update_norm_factor": config.update_norm_factor,
-        "update_clip_factor": config.update_clip_factor,
-        "direction_outlier_factor": config.direction_outlier_factor,
-        "max_claim_factor": config.max_claim_factor,
+        **asdict(reply_bounds(config)),
         "robust_aggregation": config.robust_aggregation,
         "trim_fraction": config.trim_fraction,
         "pre_aggregation": config.pre_aggregation,
@@ -58,17 +80,7 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "max_reply_bytes": config.max_reply_bytes,
         "server_noise_std": config.server_noise_std,
         "flame_noise_lambda": config.flame_noise_lambda,
-        "trigger_unlearning": (
-            TriggerUnlearning(
-                l1_weight=config.unlearning_l1,
-                steps=config.unlearning_steps,
-                lr=config.unlearning_lr,
-                epochs=config.unlearning_epochs,
-                patched_share=config.unlearning_patched_share,
-            )
-            if config.backdoor_defence == "trigger-unlearning"
-            else None
-        ),
+        "trigger_unlearning": trigger_unlearning(config),
     }
     server_update: dict[str, Any] = {  # keyword arguments of several strategies
         "server_lr": config.resolved_server_lr,
@@ -78,8 +90,8 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "server_beta2": config.server_beta2,
         "server_eps": config.server_eps,
     }
-    root_set = config.robust_aggregation in ROOT_SET_METHODS or config.backdoor_defence != "none"
-    if root_set and config.strategy != "fedlaw":
+    root_set = root_set_use(config.robust_aggregation, config.backdoor_defence != "none")
+    if root_set is not None and config.strategy != "fedlaw":
         # The root set of FLTrust, of the proxy weights and of trigger unlearning: the proxy set
         # FedLAW learns on (FedLAW builds its own from it).
         base["model"], base["device"] = resources.model, resources.device

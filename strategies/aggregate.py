@@ -238,7 +238,7 @@ def scaled_mean(
     keys: Sequence[str] | None = None,
 ) -> NDArrayDict:
     """sum_k p_k (w + s_k (theta_k - w)): the weighted mean of the clients' models after each
-    update was scaled by s_k (``strategies.influence.clip_scales``), in each tensor's dtype.
+    update was scaled by s_k (``strategies.replies.influence.clip_scales``), in each tensor's dtype.
 
     Equal to sum_k p_k s_k theta_k + (sum_k p_k (1 - s_k)) w: one weighted sum over the K
     replies and the global model, no scaled copy of any reply. Only floating tensors are scaled

@@ -22,8 +22,8 @@ from functools import cache
 from inspect import Parameter
 from typing import Any, Self, TypedDict, Unpack, get_args, get_origin, is_typeddict
 
-from .metrics import MetricsAggregationFn
-from .robust import RobustAggregation
+from beyond_averaging.strategies.defences.robust import RobustAggregation
+from beyond_averaging.strategies.replies.metrics import MetricsAggregationFn
 
 #: Parameter kinds a caller can pass by name.
 _BY_NAME = (Parameter.POSITIONAL_OR_KEYWORD, Parameter.KEYWORD_ONLY)

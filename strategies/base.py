@@ -20,7 +20,7 @@ and with its defaults and meanings (:class:`~strategies.arguments.FlowerOptions`
 keyword-only, this project's extras (:class:`~strategies.arguments.ProjectOptions`:
 ``min_train_replies``, ``seed`` and the reply bounds).
 Results follow Flower's split: ``aggregate_train`` / ``aggregate_evaluate`` return only
-the clients' metrics, aggregated as Flower does (:mod:`strategies.metrics`), so
+the clients' metrics, aggregated as Flower does (:mod:`strategies.replies.metrics`), so
 ``Result.train_metrics_clientapp`` holds client metrics only; the strategy's own figures of each
 round go to :attr:`ContractStrategy.aggregation_metrics`.
 
@@ -29,16 +29,14 @@ Subclasses implement :meth:`ContractStrategy.aggregate`, a call into their pure 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
-import secrets
 import time
 from abc import abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from logging import INFO, WARNING
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 from flwr.app import (
@@ -52,8 +50,52 @@ from flwr.app import (
 )
 from flwr.common import log
 from flwr.serverapp import Grid
+from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import Strategy
 
+from beyond_averaging.strategies.defences.robust import (
+    GENERIC_METHODS,
+    RobustAggregation,
+    check_robust,
+    selection_rule,
+)
+from beyond_averaging.strategies.replies.bounds import (
+    BOUNDS_STATE_KEY,
+    DEFAULT_DIRECTION_OUTLIER_FACTOR,
+    DEFAULT_MAX_CLAIM_FACTOR,
+    DEFAULT_UPDATE_CLIP_FACTOR,
+    DEFAULT_UPDATE_NORM_FACTOR,
+    BoundedReplies,
+    BoundsOptions,
+    InfluenceBounds,
+)
+from beyond_averaging.strategies.replies.metrics import (
+    MetricsAggregationFn,
+    aggregate_metrics,
+    plain_metrics,
+    reply_metric_record,
+    reply_weight,
+)
+from beyond_averaging.strategies.replies.reporting import (
+    InfluenceView,
+    RoundLogFields,
+    reply_records,
+    round_line,
+)
+from beyond_averaging.strategies.replies.validation import (
+    REPLY_OVERSIZED_ERROR_CODE,
+    check_reply_size,
+    check_reply_weight,
+    default_reply_byte_limit,
+)
+from beyond_averaging.strategies.replies.wire import (
+    ClientReply,
+    ReplyObserver,
+    ReplyRejected,
+    decode_record,
+    npy_header,
+    record_arrays,
+)
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
@@ -61,60 +103,19 @@ from beyond_averaging.tasks.protocol import (
     REQUEST_RECORDS_KEY,
 )
 
-from . import robust
 from .aggregate import NDArrayDict, normalise_weights
 from .arguments import NamedArgumentErrors
-from .influence import (
-    RECORD_NORM_FACTOR_SCALE,
-    bound_claims,
-    cap_weights,
-    clip_scales,
-    direction_cosines,
-    direction_outliers,
-    max_over_median,
-    norm_outliers,
-    update_norms,
-)
-from .metrics import (
-    MetricsAggregationFn,
-    aggregate_metrics,
-    plain_metrics,
-    reply_metric_record,
-    reply_weight,
-)
 from .privacy import check_wrapper
-from .reporting import InfluenceView, RoundLogFields, reply_records, round_line
-from .robust import GENERIC_METHODS, RobustAggregation, check_robust
-from .validation import (
-    REPLY_OVERSIZED_ERROR_CODE,
-    ModelGuard,
-    check_reply_size,
-    check_reply_weight,
-    common_key_set,
-    default_reply_byte_limit,
-)
 
-# ClientReply, received_norms and ReplyRejected re-exported: the rules use them from here too.
-from .wire import ClientReply as ClientReply
-from .wire import ReplyObserver, decode_record, record_arrays
-from .wire import ReplyRejected as ReplyRejected
-from .wire import received_norms as received_norms
 
-#: Default of ``update_norm_factor``: above every max/median ratio of honest replies measured on
-#: digits, Dirichlet(0.1) and (0.5) (docs/reliability.md, ``benchmarks/reply_norms.py``).
-DEFAULT_UPDATE_NORM_FACTOR = 10.0
-#: Defaults of the Byzantine bounds, chosen by the attack table (docs/reliability.md, "Byzantine
-#: clients"; ``benchmarks/specs/attacks.toml``): the smallest bounds that held the attacks of
-#: the table where any defence held, without costing the honest evidence runs.
-DEFAULT_UPDATE_CLIP_FACTOR = 2.0
-DEFAULT_DIRECTION_OUTLIER_FACTOR = 2.0
-DEFAULT_MAX_CLAIM_FACTOR = 10.0
-#: Below this median direction cosine on the first checked round, the clients are too
-#: heterogeneous for the direction check to single out a Byzantine reply: it is off for the run,
-#: which warns.
-HETEROGENEITY_COSINE = 0.3
-#: Key of the reply bounds' part of a strategy's checkpoint state.
-BOUNDS_STATE_KEY = "reply-bounds"
+class _RoundReplies(NamedTuple):
+    """A round's replies as the contract left them (refused, accepted), as the bounds left them,
+    and as aggregated (capped): what the per-client records are made of."""
+
+    refused: list[tuple[Message, ReplyRejected]]
+    accepted: list[tuple[ClientReply, RecordDict]]
+    bounded: BoundedReplies
+    valid: list[ClientReply]
 
 
 class MissingRecordError(RuntimeError):
@@ -151,7 +152,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         carries its model under ``arrayrecord_key`` too.
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
         ``fn(reply_contents, weighted_by_key) -> MetricRecord``, as in Flower; default
-        :func:`strategies.metrics.aggregate_metrics` (a weighted mean, as Flower's default).
+        :func:`strategies.replies.metrics.aggregate_metrics` (a weighted mean, as Flower's default).
     min_train_replies : int, optional
         This project's extra: valid replies needed to aggregate; with fewer the global model is
         kept. Default ``max(min_train_nodes, 1)``.
@@ -160,7 +161,8 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         same cohorts.
     max_client_weight : float
         Largest weight share one reply may get, in (0, 1]; the excess goes to the others in
-        proportion to their weights (:func:`strategies.validation.cap_weights`). 1 is no cap.
+        proportion to their weights (:func:`strategies.replies.validation.cap_weights`). 1 is no
+        cap.
     update_norm_factor : float
         A reply whose update norm ||theta_k - w|| exceeds this factor times the round's median
         is dropped (``norm-outlier``), and one whose required record's norm exceeds
@@ -174,7 +176,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         A reply whose update points against the other replies' mean (cosine below -0.1 and more
         than this many robust standard deviations below the round's median cosine) is dropped
         (``direction-outlier``); 0 turns the check off
-        (:func:`strategies.influence.direction_outliers`).
+        (:func:`strategies.replies.influence.direction_outliers`).
     max_claim_factor : float
         No reply's weight (``weighted_by_key``) counts for more than this factor times the
         round's median weight; 0 turns the bound off.
@@ -182,7 +184,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         A Byzantine-robust aggregation in the rule's own terms (each rule's docs say what it
         is): the coordinate-wise trimmed mean or median of the updates in place of their
         weighted mean, or Krum / Multi-Krum / FLAME's selection of the replies the rule
-        aggregates (:mod:`strategies.robust`); ``"fltrust"`` (:mod:`strategies.defended`).
+        aggregates (:mod:`strategies.defences.robust`); ``"fltrust"`` (:mod:`strategies.defended`).
     trim_fraction : float
         Share of clients left out at each end of every coordinate by ``trimmed-mean``, and the
         share Krum and Multi-Krum assume Byzantine (f = floor(trim_fraction x K)).
@@ -192,7 +194,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
     log_rounds : bool
         Log one line per round about what the rule did (Flower's logger, INFO): the rule's own
         figures (:attr:`round_log_fields`) and the replies kept, clipped and dropped
-        (:func:`strategies.reporting.round_line`). False silences it; the figures stay in
+        (:func:`strategies.replies.reporting.round_line`). False silences it; the figures stay in
         :attr:`aggregation_metrics`.
     """
 
@@ -233,23 +235,43 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         max_reply_bytes: int = 0,
         log_rounds: bool = True,
     ) -> None:
-        self._set_reply_bounds(
-            max_client_weight,
-            update_norm_factor,
-            robust_aggregation,
-            trim_fraction,
-            max_reply_bytes,
+        if isinstance(max_reply_bytes, bool) or not isinstance(max_reply_bytes, int):
+            raise ValueError(f"max_reply_bytes = {max_reply_bytes!r}: allowed is an integer >= 0")
+        if max_reply_bytes < 0:
+            raise ValueError(f"max_reply_bytes = {max_reply_bytes!r}: allowed is an integer >= 0")
+        check_robust(robust_aggregation, trim_fraction)
+        if robust_aggregation not in self.robust_methods:
+            raise ValueError(
+                f"robust_aggregation = {robust_aggregation!r} has no robust form in "
+                f"{type(self).__name__}: use one of {self.robust_methods}"
+            )
+        self.robust_aggregation: RobustAggregation = robust_aggregation
+        self.trim_fraction = trim_fraction
+        self.max_reply_bytes = max_reply_bytes
+        self.reply_byte_limit = max_reply_bytes
+        #: The reply bounds (stage 3 of a reply's path, :mod:`strategies.replies.bounds`), with
+        #: Krum / Multi-Krum / FLAME's selection as their selection step.
+        self.bounds = InfluenceBounds(
+            self._effective_bounds(
+                BoundsOptions(
+                    max_client_weight=max_client_weight,
+                    update_norm_factor=update_norm_factor,
+                    update_clip_factor=update_clip_factor,
+                    direction_outlier_factor=direction_outlier_factor,
+                    max_claim_factor=max_claim_factor,
+                )
+            ),
+            tuple(self.required_records),
+            selection_rule(robust_aggregation, trim_fraction),
         )
-        for name, factor in (
-            ("update_clip_factor", update_clip_factor),
-            ("direction_outlier_factor", direction_outlier_factor),
-            ("max_claim_factor", max_claim_factor),
-        ):
-            if not (math.isfinite(factor) and factor >= 0.0):
-                raise ValueError(f"{name} = {factor}: allowed is a finite value >= 0 (0: off)")
-        self.update_clip_factor = update_clip_factor
-        self.direction_outlier_factor = direction_outlier_factor
-        self.max_claim_factor = max_claim_factor
+        # The bounds in force, under the arguments' names (read-only: the bounds read
+        # ``self.bounds.options``).
+        options = self.bounds.options
+        self.max_client_weight = options.max_client_weight
+        self.update_norm_factor = options.update_norm_factor
+        self.update_clip_factor = options.update_clip_factor
+        self.direction_outlier_factor = options.direction_outlier_factor
+        self.max_claim_factor = options.max_claim_factor
         for name, fraction in (
             ("fraction_train", fraction_train),
             ("fraction_evaluate", fraction_evaluate),
@@ -291,6 +313,10 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             if fraction == 0.0:
                 log(INFO, "fraction of nodes for %s is 0.0: federated %s is skipped", phase, phase)
         self.global_arrays: NDArrayDict = {}
+        # Without a global model: what replies are decoded against (the first reply's tensors)
+        # and whether the log has said so (once); see _decode_reference.
+        self._reply_reference: NDArrayDict = {}
+        self._told_no_global_model = False
         #: Per round, the strategy's own figures: replies received / valid / dropped (and why),
         #: ``aggregated``, ``aggregation-seconds`` and the rule's parameters (e.g. ``fedlaw-*``).
         #: Kept out of ``Result.train_metrics_clientapp``, which holds the clients' metrics only.
@@ -301,58 +327,14 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         self.last_aggregation_seconds = 0.0
         self.reply_observers: list[ReplyObserver] = []
         self.log_rounds = bool(log_rounds)
-        #: One record per train reply of the last round (:func:`strategies.reporting.reply_record`:
+        #: One record per train reply of the last round
+        #: (:func:`strategies.replies.reporting.reply_record`:
         #: node, partition, weight, train loss, update norm, direction cosine, trust, and kept,
         #: clipped or dropped with the reason), for a run recorder (``clients.jsonl``).
         self.last_client_records: list[dict[str, Any]] = []
-        # The round's replies as the contract left them (refused, accepted) and as aggregated.
-        self._round_replies: tuple[
-            list[tuple[Message, ReplyRejected]], list[tuple[ClientReply, RecordDict]]
-        ] = ([], [])
-        self._kept_replies: list[ClientReply] = []
-        self._influence_view = InfluenceView(np.zeros(0), {}, {})
-
-    def _set_reply_bounds(
-        self,
-        max_client_weight: float,
-        update_norm_factor: float,
-        robust_aggregation: RobustAggregation,
-        trim_fraction: float,
-        max_reply_bytes: int,
-    ) -> None:
-        if not 0.0 < max_client_weight <= 1.0:
-            raise ValueError(f"max_client_weight = {max_client_weight}: allowed is (0, 1]")
-        if not update_norm_factor >= 0.0:
-            raise ValueError(f"update_norm_factor = {update_norm_factor}: allowed is >= 0")
-        if isinstance(max_reply_bytes, bool) or not isinstance(max_reply_bytes, int):
-            raise ValueError(f"max_reply_bytes = {max_reply_bytes!r}: allowed is an integer >= 0")
-        if max_reply_bytes < 0:
-            raise ValueError(f"max_reply_bytes = {max_reply_bytes!r}: allowed is an integer >= 0")
-        check_robust(robust_aggregation, trim_fraction)
-        if robust_aggregation not in self.robust_methods:
-            raise ValueError(
-                f"robust_aggregation = {robust_aggregation!r} has no robust form in "
-                f"{type(self).__name__}: use one of {self.robust_methods}"
-            )
-        self.max_client_weight = max_client_weight
-        self.update_norm_factor = update_norm_factor
-        self.robust_aggregation: RobustAggregation = robust_aggregation
-        self.trim_fraction = trim_fraction
-        self.max_reply_bytes = max_reply_bytes
-        self.reply_byte_limit = max_reply_bytes
-        self._median_update = 0.0
-        self._model_guard = ModelGuard()  # the run's honest scale (strategies.validation)
-        #: Replies the last round's influence bounds dropped as Byzantine suspects (norm or
-        #: direction outliers); FedGMA's hard mask counts them in its quorum as abstentions.
-        self.last_suspects = 0
-        #: Whether the direction check runs in this run: decided on its first round (None before).
-        self._direction_check: bool | None = None
-        #: Draws the coordinates the direction check compares on a large model (with the
-        #: round): secret, so that no client knows them; drawn on the check's first round and
-        #: kept in the checkpoint, so that a resumed run compares the same ones.
-        self._direction_secret: int | None = None
-        self._update_norm_ratio: float | None = None
-        self._influence_figures: dict[str, float | int] = {}
+        #: What the reply bounds made of the round being aggregated (the kept replies, the
+        #: median update, the Byzantine suspects, the figures): what the stages after them read.
+        self.round_bounds = BoundedReplies([], {}, InfluenceView(np.zeros(0), {}, {}))
 
     # ------------------------------------------------------------------ what subclasses provide
     @abstractmethod
@@ -360,6 +342,20 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> NDArrayDict:
         """New global arrays from the valid replies (same keys, shapes and dtypes)."""
+
+    def _needs_global_model(self) -> str | None:
+        """Why :meth:`aggregate` needs the global model, or None where the rule's aggregate is
+        defined without it (plain FedAvg: the weighted mean, as Flower's FedAvg computes it).
+
+        Asked only when ``aggregate_train`` runs without one (see :meth:`_decode_reference`).
+        """
+        return f"{type(self).__name__} aggregates the updates theta_k - w, which need w"
+
+    def _effective_bounds(self, requested: BoundsOptions) -> BoundsOptions:
+        """The reply bounds this strategy runs with, from the ones its arguments ask for: as
+        asked; a defence that replaces a bound says so here (:class:`strategies.defended
+        .DefendedStrategy`), before the bounds are built."""
+        return requested
 
     def add_reply_observer(self, observer: ReplyObserver) -> None:
         """Call ``observer`` after every aggregation; its metrics join the round's metrics."""
@@ -508,9 +504,11 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         """Unpack a reply or raise :class:`ReplyRejected` with the contract clause it breaks.
 
         Its size is checked before anything is decoded, every requested record is decoded only
-        through :func:`strategies.wire.decode_record`, and records the strategy did not
-        request are never read.
+        through :func:`strategies.replies.wire.decode_record`, and records the strategy did not
+        request are never read. Keys, shapes and dtypes are the global model's, or without one
+        the round's first reply's (:meth:`_decode_reference`).
         """
+        model = self.global_arrays or self._reply_reference
         if message.has_error():
             if message.error.code == REPLY_OVERSIZED_ERROR_CODE:  # dropped while it was pulled
                 raise ReplyRejected("oversized", str(message.error.reason)[:300])
@@ -532,7 +530,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             self.weighted_by_key,
             whole=self.weighted_by_key == NUM_EXAMPLES_KEY,
         )
-        arrays = decode_record(ARRAYS_RECORD, arrays_record, self.global_arrays, subset=False)
+        arrays = decode_record(ARRAYS_RECORD, arrays_record, model, subset=False)
         records: dict[str, NDArrayDict] = {}
         norms: dict[str, float] = {}
         for name in self.required_records:
@@ -542,7 +540,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             decoded = decode_record(
                 name,
                 extra,
-                self.global_arrays,
+                model,
                 subset=True,
                 minimum=self.record_minimums.get(name, -math.inf),
             )
@@ -566,229 +564,15 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             record_norms=norms,
         )
 
-    def _bound_influence(
-        self,
-        server_round: int,
-        accepted: list[tuple[ClientReply, RecordDict]],
-        dropped: Counter[str],
-    ) -> list[tuple[ClientReply, RecordDict]]:
-        """Stage 3 of a reply's path (:mod:`strategies.influence`), in this order:
-
-        1. drop replies whose records share no key with the rest, whose update or record norm is
-           a ``norm-outlier`` (``update_norm_factor``), or whose update is a
-           ``direction-outlier`` (``direction_outlier_factor``);
-        2. Krum / Multi-Krum / FLAME keep their selection (``krum-`` / ``flame-rejected``);
-        3. bound each kept reply's weight (``max_claim_factor``) and scale its update and
-           records down to ``update_clip_factor`` x the round's median norm (direction kept).
-
-        Keeps the median update norm of the kept replies for the model check, and the round's
-        figures (``replies-clipped``, ``claims-bounded``, ``direction-cosine-min``) for its
-        metrics.
-        """
-        rejected: dict[int, ReplyRejected] = {}
-        for name in self.required_records:
-            keep = common_key_set([frozenset(reply.records[name]) for reply, _ in accepted])
-            for index, (reply, _) in enumerate(accepted):
-                if keep is not None and frozenset(reply.records[name]) != keep:
-                    rejected.setdefault(
-                        index,
-                        ReplyRejected(
-                            f"bad-{name}",
-                            f"record '{name}' shares no tensor with the round's other replies",
-                        ),
-                    )
-        updates = update_norms(self.global_arrays, [r.arrays for r, _ in accepted])
-        # What the filter compares, logged every round (filter on or off): how close honest
-        # clients come to the factor is read from any run's metrics.jsonl.
-        self._update_norm_ratio = max_over_median(updates)
-        needs_records = self.update_norm_factor > 0.0 or self.update_clip_factor > 0.0
-        norms = {
-            "update": updates,
-            **{
-                name: received_norms(name, [reply for reply, _ in accepted])
-                for name in (self.required_records if needs_records else ())
-            },
-        }
-        if self.update_norm_factor > 0.0 and accepted:
-            for name, values in norms.items():
-                median = float(np.median(values))
-                factor = self.update_norm_factor * (
-                    1.0 if name == "update" else RECORD_NORM_FACTOR_SCALE
-                )
-                for flagged in np.flatnonzero(norm_outliers(values, factor)):
-                    index = int(flagged)
-                    rejected.setdefault(
-                        index,
-                        ReplyRejected(
-                            "norm-outlier" if name == "update" else f"norm-outlier-{name}",
-                            f"{name} norm {values[index]:.4g} exceeds {factor:g} x the round's "
-                            f"median {median:.4g} (update-norm-factor = "
-                            f"{self.update_norm_factor:g})",
-                        ),
-                    )
-        self._influence_figures = {}
-        cosines = self._drop_direction_outliers(server_round, accepted, updates, rejected)
-        self._drop_unselected(accepted, rejected)
-        self._influence_view = InfluenceView(updates, rejected, cosines)
-        for index, rejection in sorted(rejected.items()):
-            dropped[rejection.reason] += 1
-            log(
-                WARNING,
-                "round %d: dropped reply from node %s: %s",
-                server_round,
-                accepted[index][0].node_id,
-                rejection.detail,
-            )
-        kept = [index for index in range(len(accepted)) if index not in rejected]
-        self.last_suspects = sum(
-            rejection.reason.startswith(("norm-outlier", "direction-outlier"))
-            for rejection in rejected.values()
-        )
-        # The model check bounds the new model by the median update that was aggregated.
-        self._median_update = float(np.median(updates[kept])) if kept else 0.0
-        return self._bounded([accepted[i] for i in kept], {n: v[kept] for n, v in norms.items()})
-
-    def _drop_direction_outliers(
-        self,
-        server_round: int,
-        accepted: list[tuple[ClientReply, RecordDict]],
-        updates: np.ndarray[Any, np.dtype[np.float64]],
-        rejected: dict[int, ReplyRejected],
-    ) -> dict[int, float]:
-        """Flag the replies whose update points against the others' (among those not flagged);
-        return each compared reply's cosine with the others' mean, by its index."""
-        candidates = [index for index in range(len(accepted)) if index not in rejected]
-        off = self.direction_outlier_factor <= 0.0 or self._direction_check is False
-        if off or len(candidates) < 3:
-            return {}
-        if self._direction_secret is None:
-            self._direction_secret = secrets.randbits(63)
-        cosines = direction_cosines(
-            self.global_arrays,
-            [accepted[i][0].arrays for i in candidates],
-            updates[candidates],
-            seed=(self._direction_secret, server_round),
-        )
-        median = float(np.median(cosines))
-        self._influence_figures["direction-cosine-min"] = float(cosines.min())
-        self._influence_figures["direction-cosine-median"] = median
-        compared = {index: float(cosines[i]) for i, index in enumerate(candidates)}
-        if not self._decide_direction_check(median):
-            return compared
-        flagged = np.flatnonzero(direction_outliers(cosines, self.direction_outlier_factor))
-        if flagged.size and median < HETEROGENEITY_COSINE:
-            # The clients agreed on the check's first round, and no longer do (docs/reliability.md)
-            log(
-                WARNING,
-                "round %d: the direction check drops %d replies in a round whose replies "
-                "disagree among themselves (median cosine %.2f < %.2f), so honest clients with "
-                "other data may be among them; if clients hold different label sets, set "
-                "direction-outlier-factor = 0 (docs/reliability.md, 'Byzantine clients')",
-                server_round,
-                flagged.size,
-                median,
-                HETEROGENEITY_COSINE,
-            )
-        for position in flagged:
-            rejected.setdefault(
-                candidates[int(position)],
-                ReplyRejected(
-                    "direction-outlier",
-                    f"its update points against the mean of the {len(candidates) - 1} others "
-                    f"(cosine {cosines[position]:.3f} with it, the round's median {median:.3f}, "
-                    f"direction-outlier-factor = {self.direction_outlier_factor:g}); the check "
-                    "sides with the majority: if most replies are Byzantine (Sybil clients), this "
-                    "one may be honest (robust-aggregation = 'fltrust' tells them apart)",
-                ),
-            )
-        return compared
-
-    def _decide_direction_check(self, median_cosine: float) -> bool:
-        """On the first round the direction check runs, whether it runs at all in this run: not
-        where the clients disagree from the start (median cosine below HETEROGENEITY_COSINE, as
-        under label skew), with a warning; kept in the checkpoint (docs/reliability.md)."""
-        if self._direction_check is None:
-            self._direction_check = median_cosine >= HETEROGENEITY_COSINE
-            if not self._direction_check:
-                log(
-                    WARNING,
-                    "the clients' updates disagree from the first round (median cosine with the "
-                    "others' mean %.2f < %.2f), as under strong label skew: the direction check "
-                    "cannot tell a reply pointing against the rest from an honest one here and is "
-                    "off for this run, and a minority of Byzantine clients can cost much "
-                    "accuracy; clipping and the claim bound still limit each reply's say "
-                    "(docs/reliability.md, 'Byzantine clients')",
-                    median_cosine,
-                    HETEROGENEITY_COSINE,
-                )
-        return self._direction_check
-
     def _bounds_state(self) -> dict[str, Any]:
-        """The reply bounds' part of :meth:`state_dict`: the model guard's scale, the direction
-        check's decision and secret, once they are made (nothing before)."""
-        bounds = self._model_guard.state_dict()
-        if self._direction_check is not None:
-            bounds["direction-check"] = int(self._direction_check)
-        if self._direction_secret is not None:
-            bounds["direction-secret"] = self._direction_secret
+        """The reply bounds' part of :meth:`state_dict` (nothing before their state is made)."""
+        bounds = self.bounds.state_dict()
         return {BOUNDS_STATE_KEY: bounds} if bounds else {}
 
     def _load_bounds_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Restore :meth:`_bounds_state` from ``state``; the rest of ``state``, for the rule."""
-        bounds = state.get(BOUNDS_STATE_KEY) or {}
-        self._model_guard.load_state_dict(bounds)
-        check, secret = bounds.get("direction-check"), bounds.get("direction-secret")
-        self._direction_check = None if check is None else bool(check)
-        self._direction_secret = None if secret is None else int(secret)
+        self.bounds.load_state_dict(state.get(BOUNDS_STATE_KEY) or {})
         return {key: value for key, value in state.items() if key != BOUNDS_STATE_KEY}
-
-    def _drop_unselected(
-        self, accepted: list[tuple[ClientReply, RecordDict]], rejected: dict[int, ReplyRejected]
-    ) -> None:
-        """Krum / Multi-Krum / FLAME: flag the replies their selection leaves out."""
-        candidates = [index for index in range(len(accepted)) if index not in rejected]
-        if self.robust_aggregation not in robust.SELECTIONS or not candidates:
-            return
-        chosen = robust.select_replies(
-            self.global_arrays,
-            [accepted[i][0].arrays for i in candidates],
-            self.robust_aggregation,
-            self.trim_fraction,
-        )
-        for position, index in enumerate(candidates):
-            if position not in chosen:
-                rejected[index] = ReplyRejected(
-                    robust.SELECTION_REASONS[self.robust_aggregation],
-                    f"not among the {len(chosen)} replies {self.robust_aggregation} keeps of "
-                    f"{len(candidates)} (trim-fraction = {self.trim_fraction:g})",
-                )
-
-    def _bounded(
-        self,
-        kept: list[tuple[ClientReply, RecordDict]],
-        norms: Mapping[str, np.ndarray[Any, np.dtype[np.float64]]],
-    ) -> list[tuple[ClientReply, RecordDict]]:
-        """The kept replies with their claims bounded and their update / record scales set."""
-        if not kept:
-            return kept
-        claims = np.array([reply.num_examples for reply, _ in kept])
-        bounded = bound_claims(claims, self.max_claim_factor)
-        factor = self.update_clip_factor
-        scales = {name: clip_scales(values, factor) for name, values in norms.items()}
-        self._influence_figures["claims-bounded"] = int(np.sum(bounded < claims))
-        self._influence_figures["replies-clipped"] = int(np.sum(scales["update"] < 1.0))
-        return [
-            (
-                dataclasses.replace(
-                    reply,
-                    num_examples=float(bounded[i]),
-                    update_scale=float(scales["update"][i]),
-                    record_scales={n: float(scales[n][i]) for n in scales if n != "update"},
-                ),
-                content,
-            )
-            for i, (reply, content) in enumerate(kept)
-        ]
 
     def _client_metrics(
         self, server_round: int, contents: list[RecordDict], aggregate: MetricsAggregationFn
@@ -812,15 +596,56 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             )
             return None
 
-    def _capped(self, valid: list[ClientReply]) -> list[ClientReply]:
-        """The replies with their weights capped at ``max_client_weight`` (shares summing to 1)."""
-        if self.max_client_weight >= 1.0 or not valid:
-            return valid
-        shares = cap_weights([reply.num_examples for reply in valid], self.max_client_weight)
-        return [
-            dataclasses.replace(reply, num_examples=float(share))
-            for reply, share in zip(valid, shares, strict=True)
-        ]
+    def _decode_reference(self, server_round: int, replies: Sequence[Message]) -> NDArrayDict:
+        """The model the round's replies are decoded against: the global model, or where none was
+        given (``aggregate_train`` without ``configure_train`` or ``current_arrays`` before it,
+        as Flower's tests and hand-written server loops call it) the first readable reply's keys,
+        shapes and dtypes, as Flower's FedAvg takes the first reply's keys.
+
+        Without the global model the reply bounds, which measure an update against it, do not
+        run (said once, in the log).
+
+        Raises
+        ------
+        AggregationError
+            Without the global model, where :meth:`_needs_global_model` says why the rule needs it.
+        """
+        if self.global_arrays:
+            return self.global_arrays
+        how = "call configure_train(server_round, arrays, config, grid) before aggregate_train" + (
+            ", or set current_arrays" if hasattr(type(self), "current_arrays") else ""
+        )
+        need = self._needs_global_model()
+        if need is not None:
+            raise AggregationError(f"round {server_round}: no global model: {need}; {how}")
+        if not self._told_no_global_model:
+            self._told_no_global_model = True
+            log(
+                WARNING,
+                "%s.aggregate_train has no global model: the replies are checked against the "
+                "first reply's tensors, and the reply bounds that measure an update against the "
+                "global model (norm filter, direction check, Krum/FLAME selection, claim bound, "
+                "clipping, model guard) do not run; they need the global model first: %s",
+                type(self).__name__,
+                how,
+            )
+        for message in replies:
+            record = (
+                None
+                if message.has_error()
+                else message.content.array_records.get(self.arrayrecord_key)
+            )
+            try:  # headers only; every tensor, this reply's too, is checked by decode_record
+                headers = {key: npy_header(array.data) for key, array in (record or {}).items()}
+            except (ValueError, TypeError):
+                continue
+            if headers:  # zero-strided: a reference of any shape takes no memory
+                self._reply_reference = {
+                    k: np.broadcast_to(np.zeros((), h.dtype), h.shape) for k, h in headers.items()
+                }
+                return self._reply_reference
+        self._reply_reference = {}
+        return self._reply_reference
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -834,6 +659,8 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         if self.fraction_train == 0.0:
             return None, None
         replies = list(replies)
+        known = bool(self.global_arrays)
+        reference = self._decode_reference(server_round, replies)
         accepted: list[tuple[ClientReply, RecordDict]] = []
         refused: list[tuple[Message, ReplyRejected]] = []
         dropped: Counter[str] = Counter()
@@ -851,26 +678,30 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
                     rejection.detail,
                 )
         self._stop_if_record_absent(replies, dropped)
-        self._round_replies = (refused, accepted)
-        accepted = self._bound_influence(server_round, accepted, dropped)
-        valid = self._capped([reply for reply, _ in accepted])
-        self._kept_replies = valid
-        valid_contents = [content for _, content in accepted]
+        bounded = (
+            self.bounds.bound(server_round, self.global_arrays, accepted)
+            if known
+            else BoundedReplies(accepted, {}, InfluenceView(np.zeros(0), {}, {}))
+        )
+        for bound_out in bounded.rejected.values():
+            dropped[bound_out.reason] += 1
+        self.round_bounds = bounded
+        valid = self.bounds.capped([reply for reply, _ in bounded.kept])
+        valid_contents = [content for _, content in bounded.kept]
         metrics: dict[str, Any] = {
             "replies-received": len(replies),
             "replies-valid": len(valid),
             "replies-dropped": sum(dropped.values()),
             **{f"dropped-{reason}": count for reason, count in sorted(dropped.items())},
+            **bounded.figures,
         }
-        if self._update_norm_ratio is not None:
-            metrics["update-norm-ratio"] = self._update_norm_ratio
-        metrics.update(self._influence_figures)
+        round_replies = _RoundReplies(refused, accepted, bounded, valid)
         client_metrics = self._client_metrics(
             server_round, valid_contents, self.train_metrics_aggr_fn
         )
         # Krum's selection keeps fewer replies than were valid on purpose (one, for Krum): the
         # quorum counts the replies it chose from.
-        chosen_from = len(valid) + sum(dropped[r] for r in robust.SELECTION_DROPS)
+        chosen_from = len(valid) + bounded.unselected
         if chosen_from < self.min_train_replies:
             log(
                 WARNING,
@@ -881,13 +712,15 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
                 self.min_train_replies,
             )
             metrics["aggregated"] = 0
-            self._record_round(server_round, client_metrics, metrics)
+            self._record_round(server_round, client_metrics, metrics, round_replies)
             return None, client_metrics
         weights = normalise_weights([reply.num_examples for reply in valid])
         started = time.perf_counter()
-        new_arrays = self.aggregate(server_round, self.global_arrays, valid)
+        new_arrays = self.aggregate(server_round, reference, valid)
         self.last_aggregation_seconds = time.perf_counter() - started
-        refusal = self._model_guard.rejection(new_arrays, self.global_arrays, self._median_update)
+        refusal = (
+            self.bounds.model_rejection(new_arrays, self.global_arrays, bounded) if known else None
+        )
         if refusal is not None:
             log(
                 WARNING,
@@ -898,14 +731,15 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             )
             metrics["aggregated"] = 0
             metrics["model-rejected"] = 1
-            self._record_round(server_round, client_metrics, metrics)
+            self._record_round(server_round, client_metrics, metrics, round_replies)
             return None, client_metrics
         metrics["aggregated"] = 1
         metrics["aggregation-seconds"] = self.last_aggregation_seconds
         metrics.update(self.round_metrics())
-        for observer in self.reply_observers:  # after the timing: observers never inflate it
+        # After the timing, so that observers never inflate it; they compare with the global model.
+        for observer in self.reply_observers if known else ():
             metrics.update(observer(server_round, self.global_arrays, valid, weights))
-        self._record_round(server_round, client_metrics, metrics)
+        self._record_round(server_round, client_metrics, metrics, round_replies)
         record = ArrayRecord(
             # asarray(order='C'), not ascontiguousarray: the latter turns 0-d tensors
             # (BatchNorm's num_batches_tracked) into shape (1,), which round 2 then rejects.
@@ -914,7 +748,11 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         return record, client_metrics
 
     def _record_round(
-        self, server_round: int, client_metrics: MetricRecord | None, figures: dict[str, Any]
+        self,
+        server_round: int,
+        client_metrics: MetricRecord | None,
+        figures: dict[str, Any],
+        replies: _RoundReplies,
     ) -> None:
         """Keep the round's aggregation figures apart from the clients' metrics, record each
         reply (:attr:`last_client_records`) and log the round's line (``log_rounds``)."""
@@ -923,17 +761,15 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             **plain_metrics(client_metrics or {}),
             **self.aggregation_metrics[server_round],
         }
-        refused, accepted = self._round_replies
         self.last_client_records = reply_records(
             server_round,
-            refused,
-            accepted,
-            self._influence_view,
-            self._kept_replies,
+            replies.refused,
+            replies.accepted,
+            replies.bounded.view,
+            replies.valid,
             self.aggregation_metrics[server_round],
             self.weighted_by_key,
         )
-        self._round_replies, self._kept_replies = ([], []), []
         if self.log_rounds:
             log(
                 INFO,

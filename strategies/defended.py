@@ -1,13 +1,15 @@
 """The defences that change what a rule aggregates: root-set trust (FLTrust) and FLAME's last steps.
 
 Both are forms of ``robust_aggregation`` for every rule (docs/reliability.md, "Byzantine
-clients"); their math is pure functions in :mod:`strategies.robust`, and this module only hands
+clients"); their math is pure functions in :mod:`strategies.defences.robust`, and this module only
+hands
 each rule the replies and the model they give:
 
 - ``"fltrust"`` (Cao et al., NDSS 2021): the server trains the global model on its own small
   root data set (FedLAW's proxy set: ``proxy-per-class`` samples per class, 100 by default) with
   the clients' local-training settings of the round, g_0 = theta_0 - w (:func:`root_update`).
-  Each reply gets trust TS_k = ReLU(cos(u_k, g_0)) (:func:`strategies.robust.fltrust_scores`).
+  Each reply gets trust TS_k = ReLU(cos(u_k, g_0))
+  (:func:`strategies.defences.robust.fltrust_scores`).
   Replies of trust 0 are left out (FedGMA's hard mask counts them as abstentions); the others
   enter the rule with TS_k in place of their data-size weight (a claim buys nothing) and s_k u_k
   in place of their clipped update (:func:`trusted_replies`), s_k bringing every trusted update
@@ -21,19 +23,21 @@ each rule the replies and the model they give:
   data size (:meth:`DefendedStrategy.proxy_weighted`): what a client's model adds to the mix on
   balanced data, which label skew does not make an honest client fail.
 - ``"flame"`` (Nguyen et al., USENIX Security 2022): the majority cluster by cosine is kept by
-  the base's selection step (:func:`strategies.robust.flame_selection`), every kept update and
+  the base's selection step (:func:`strategies.defences.robust.flame_selection`), every kept update
+  and
   record is clipped at the round's median norm (``FLAME_CLIP_FACTOR`` in place of
   ``update_clip_factor``), and Gaussian noise of standard deviation ``flame_noise_lambda``
   (default ``FLAME_NOISE_LAMBDA``, the paper's 0.001 for images) x the
   median update norm is added to the rule's new model (:meth:`DefendedStrategy.defended_model`).
 
 - ``pre_aggregation`` (``"nnm"``, ``"bucketing"``, ``"centered-clipping"``): the replies the
-  defences kept are mixed (:func:`strategies.preaggregation.mix`) before the rule's own
+  defences kept are mixed (:func:`strategies.defences.preaggregation.mix`) before the rule's own
   aggregation, so every rule's robust form runs on the mixtures.
-- ``trigger_unlearning`` (a :class:`~strategies.trigger_unlearning.TriggerUnlearning`): after
+- ``trigger_unlearning`` (a :class:`~strategies.defences.trigger_unlearning.TriggerUnlearning`):
+after
   the rule's aggregation (and FLAME's noise) the server inverts a trigger patch for every class on
   the new model with its root set and unlearns the patches that work (Neural Cleanse,
-  :func:`strategies.trigger_unlearning.unlearn_triggers`), a backdoor defence that does not
+  :func:`strategies.defences.trigger_unlearning.unlearn_triggers`), a backdoor defence that does not
   judge replies, so label skew does not make honest ones look guilty.
 
 :class:`DefendedStrategy` sits between :class:`~strategies.base.ContractStrategy` (the
@@ -43,7 +47,6 @@ train config, and records ``fltrust-trust``, ``fltrust-seconds`` and ``flame-noi
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -53,182 +56,71 @@ from logging import INFO, WARNING
 from typing import Any, ClassVar, Literal, Unpack, cast
 
 import numpy as np
-import numpy.typing as npt
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common import log
 from flwr.serverapp import Grid
 from torch import nn
 
-from beyond_averaging.tasks.evaluation import DeviceData
-from beyond_averaging.tasks.protocol import ClientTask
-from beyond_averaging.tasks.training import train_local
-
-from .aggregate import NDArrayDict, as_numpy, is_floating
-from .arguments import ProjectOptions
-from .base import ClientReply, ContractStrategy, received_norms
-from .preaggregation import PreAggregation, check_pre_aggregation, mix
-from .proxy_data import ProxySetError, proxy_arrays
-from .robust import (
+from beyond_averaging.strategies.defences.preaggregation import (
+    PreAggregation,
+    check_pre_aggregation,
+    mix,
+)
+from beyond_averaging.strategies.defences.robust import (
     FLAME_CLIP_FACTOR,
     FLAME_NOISE_LAMBDA,
     GENERIC_METHODS,
     flame_noise,
     fltrust_scores,
-    median_length_scales,
 )
-from .trigger_unlearning import TriggerUnlearning, unlearn_triggers
+from beyond_averaging.strategies.defences.root_set import (
+    PROXY_WEIGHT_EPOCHS,
+    PROXY_WEIGHT_LR,
+    RootSet,
+    root_set_use,
+    trusted_replies,
+)
+from beyond_averaging.strategies.defences.trigger_unlearning import (
+    TriggerUnlearning,
+    unlearn_triggers,
+)
+from beyond_averaging.strategies.replies.bounds import BoundsOptions
+from beyond_averaging.strategies.replies.wire import ClientReply
+from beyond_averaging.tasks.protocol import ClientTask
 
-
-def root_update(
-    model: nn.Module,
-    global_arrays: NDArrayDict,
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    task: ClientTask,
-    server_round: int,
-) -> NDArrayDict:
-    """g_0 = theta_0 - w: the server's own update on its root set, FLTrust's reference.
-
-    The global model trained by SGD from w on ``features`` / ``labels`` (on the model's device)
-    with the clients' local-training settings of the round (``task``: epochs, batch size,
-    learning rate with its decay, momentum, weight decay), as FLTrust's server trains on its
-    root data as the clients train on theirs, with the clients' own loop
-    (:func:`tasks.training.train_local`); the batch plan is one ``torch.randperm`` of the root
-    set per epoch from a generator seeded with ``task.seed x 100_003 + server_round``. Floating
-    tensors only, in float64; ``model`` is not modified.
-    """
-    scratch = copy.deepcopy(model)
-    scratch.load_state_dict(
-        {key: torch.from_numpy(np.array(as_numpy(value))) for key, value in global_arrays.items()}
-    )
-    generator = torch.Generator().manual_seed(task.seed * 100_003 + server_round)
-    plan = [
-        batch
-        for _ in range(task.local_epochs)
-        for batch in torch.split(torch.randperm(len(labels), generator=generator), task.batch_size)
-    ]
-    train_local(
-        scratch,
-        DeviceData(features, labels, int(labels.max()) + 1),
-        plan,
-        learning_rate=task.round_learning_rate(server_round),
-        momentum=task.momentum,
-        weight_decay=task.weight_decay,
-    )
-    trained = scratch.state_dict()
-    return {
-        key: trained[key].detach().cpu().numpy().astype(np.float64) - as_numpy(value)
-        for key, value in global_arrays.items()
-        if is_floating(as_numpy(value))
-    }
-
-
-def trusted_replies(
-    replies: Sequence[ClientReply],
-    trust: npt.NDArray[np.float64],
-    update_norms: npt.NDArray[np.float64],
-    record_names: Sequence[str] = (),
-    length: float | None = None,
-) -> list[ClientReply]:
-    """The replies of trust > 0, each weighted by its trust TS_k in place of its data size, its
-    update rescaled to ``length`` (None: the trusted updates' median norm) as its
-    ``update_scale``, in place of its clip scale, and each record in ``record_names`` to the
-    trusted records' median norm (:func:`strategies.robust.median_length_scales`). Reply order
-    is kept."""
-    trusted = trust > 0.0
-    if length is None:
-        scales = {"": median_length_scales(update_norms, trusted)}
-    else:
-        scales = {"": np.divide(length, update_norms, out=np.ones(trust.shape), where=trusted)}
-    for name in record_names:
-        scales[name] = median_length_scales(received_norms(name, replies), trusted)
-    return [
-        dataclasses.replace(
-            reply,
-            num_examples=float(trust[k]),
-            update_scale=float(scales[""][k]),
-            record_scales={name: float(scales[name][k]) for name in record_names},
-        )
-        for k, reply in enumerate(replies)
-        if trusted[k]
-    ]
+from .aggregate import NDArrayDict
+from .arguments import ProjectOptions
+from .base import ContractStrategy
+from .law_weights import learn_aggregation_weights, weights_are_usable
 
 
 @dataclasses.dataclass(frozen=True)
-class RootSet:
-    """The server's root data set on the device of the model that trains on it."""
+class DefendedRound:
+    """What the root-set defence made of the round being aggregated.
 
-    model: nn.Module
-    features: torch.Tensor
-    labels: torch.Tensor
+    Attributes
+    ----------
+    root_update : dict of np.ndarray, optional
+        ``fltrust``: the server's update g_0 on its root set (FedGMA's mask lets it vote).
+    distrusted : int
+        ``fltrust``: replies of trust 0, Byzantine suspects as the bounds' outliers are.
+    """
 
-    @classmethod
-    def from_data(
-        cls,
-        model: nn.Module,
-        data: Any,
-        *,
-        seed: int,
-        device: torch.device | None = None,
-        argument: str = "proxy_set",
-    ) -> RootSet:
-        """The root set from any form :mod:`strategies.proxy_data` reads, shuffled once by
-        ``seed`` (as FedLAW's proxy batches are), with a copy of ``model`` on ``device``.
-
-        Raises
-        ------
-        ProxySetError
-            An empty set, or one holding NaN or Inf inputs.
-        """
-        features, labels = proxy_arrays(data, argument=argument)
-        if len(labels) == 0:
-            raise ProxySetError(
-                f"{argument}= is empty: root-set trust (robust_aggregation = 'fltrust') trains "
-                "the global model on it; pass a few labelled samples (run options: "
-                "proxy-per-class >= 1, FLTrust's paper uses 100 samples in all)"
-            )
-        if not np.all(np.isfinite(features)):
-            raise ProxySetError(f"{argument}= holds NaN or Inf inputs")
-        target = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        order = np.random.default_rng(seed).permutation(len(labels))
-        return cls(
-            copy.deepcopy(model).to(target),
-            torch.from_numpy(np.ascontiguousarray(features[order])).to(target),
-            torch.from_numpy(np.ascontiguousarray(labels[order])).to(target),
-        )
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def update(
-        self, global_arrays: NDArrayDict, task: ClientTask, server_round: int
-    ) -> NDArrayDict:
-        """:func:`root_update` of this root set."""
-        return root_update(
-            self.model, global_arrays, self.features, self.labels, task, server_round
-        )
+    root_update: NDArrayDict | None = None
+    distrusted: int = 0
 
 
 class DefenceOptions(ProjectOptions, total=False):
     """:class:`~strategies.arguments.ProjectOptions` and the pre-aggregation step in front of
-    every rule (:mod:`strategies.preaggregation`), keyword-only (:class:`DefendedStrategy`)."""
+    every rule (:mod:`strategies.defences.preaggregation`), keyword-only
+    (:class:`DefendedStrategy`)."""
 
     pre_aggregation: PreAggregation
     bucket_size: int
     trigger_unlearning: TriggerUnlearning | None
     server_noise_std: float
     flame_noise_lambda: float
-
-
-#: The robust aggregations that need a root set, and what each does on it.
-ROOT_SET_METHODS = {
-    "fltrust": "scores each reply against the server's own update",
-    "proxy-weights": "learns the clients' weights",
-}
-#: ``proxy-weights``' schedule: FedLAW's defaults (its fedlaw-epochs and fedlaw-lr run options).
-PROXY_WEIGHT_EPOCHS = 100
-PROXY_WEIGHT_LR = 0.005
 
 
 class RootSetOptions(DefenceOptions, total=False):
@@ -253,7 +145,7 @@ class DefendedStrategy(ContractStrategy):
         The global model's architecture: with ``proxy_set``, the server trains a copy of it on
         the root set (``robust_aggregation = "fltrust"`` needs both).
     proxy_set : optional
-        The root set, in any form :mod:`strategies.proxy_data` reads.
+        The root set, in any form :mod:`strategies.defences.proxy_data` reads.
     device : torch.device, optional
         Where the server update is trained; default CUDA when present, else CPU.
     """
@@ -289,7 +181,7 @@ class DefendedStrategy(ContractStrategy):
         if trigger_unlearning is not None and not isinstance(trigger_unlearning, TriggerUnlearning):
             raise TypeError(
                 f"trigger_unlearning = {trigger_unlearning!r}: pass a TriggerUnlearning(...) "
-                "(strategies.trigger_unlearning) or None"
+                "(strategies.defences.trigger_unlearning) or None"
             )
         project = cast(ProjectOptions, options)  # without the keys popped above
         super().__init__(*args, **project)
@@ -299,41 +191,40 @@ class DefendedStrategy(ContractStrategy):
         self.root_set: RootSet | None = None
         self._task: ClientTask | None = None  # fltrust: the clients' training of the round
         self._defence_metrics: dict[str, float | int | list[float]] = {}
-        #: fltrust: the server's update g_0 of the last aggregation (FedGMA's mask lets it vote).
-        self.last_root_update: NDArrayDict | None = None
+        #: What the defences made of the round being aggregated (FedGMA's mask reads it).
+        self.round_defence = DefendedRound()
+        use = root_set_use(self.robust_aggregation, trigger_unlearning is not None)
         if model is not None and proxy_set is not None:
             self.root_set = RootSet.from_data(model, proxy_set, seed=self.seed, device=device)
-        elif self.robust_aggregation in ROOT_SET_METHODS and not self.builds_root_set:
+        elif use is not None and not self.builds_root_set:
             raise ValueError(
-                f"robust_aggregation = {self.robust_aggregation!r} in {type(self).__name__} "
-                f"{ROOT_SET_METHODS[self.robust_aggregation]} on a root data set: pass model= "
+                f"{use.option} in {type(self).__name__} {use.does} on the server's root data "
+                "set: pass model= "
                 "(the global model's architecture) and proxy_set= (a few labelled samples, e.g. "
                 "10 per class; run options: proxy-per-class)"
             )
-        elif trigger_unlearning is not None and not self.builds_root_set:
-            raise ValueError(
-                f"trigger_unlearning in {type(self).__name__} inverts and unlearns trigger "
-                "patches on the server's root data set: pass model= (the global model's "
-                "architecture) and proxy_set= (a few labelled samples, e.g. 10 per class; run "
-                "options: proxy-per-class)"
-            )
-        if self.robust_aggregation == "fltrust" and self.direction_outlier_factor > 0.0:
+
+    def _effective_bounds(self, requested: BoundsOptions) -> BoundsOptions:
+        """The reply bounds with the ones a defence replaces: under ``fltrust`` no direction
+        check (the root set judges direction), under ``flame`` FLAME's clip at the median."""
+        if self.robust_aggregation == "fltrust" and requested.direction_outlier_factor > 0.0:
             log(
                 INFO,
                 "robust-aggregation = 'fltrust': the root set judges each reply's direction, so "
                 "the direction check, which sides with the round's majority, is off (a Byzantine "
                 "majority would have it drop the honest replies)",
             )
-            self.direction_outlier_factor = 0.0
+            return dataclasses.replace(requested, direction_outlier_factor=0.0)
         if self.robust_aggregation == "flame":
             log(
                 INFO,
                 "robust-aggregation = 'flame': updates and records are clipped at the round's "
                 "median norm (update-clip-factor %s is replaced by FLAME's %s)",
-                self.update_clip_factor,
+                requested.update_clip_factor,
                 FLAME_CLIP_FACTOR,
             )
-            self.update_clip_factor = FLAME_CLIP_FACTOR
+            return dataclasses.replace(requested, update_clip_factor=FLAME_CLIP_FACTOR)
+        return requested
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -377,7 +268,7 @@ class DefendedStrategy(ContractStrategy):
         ``trusted_length = "root"`` (empty when none is trusted: the rule then keeps the model);
         otherwise ``replies`` as they are."""
         self._defence_metrics = {}
-        self.last_root_update = None
+        self.round_defence = DefendedRound()
         if self.robust_aggregation == "proxy-weights":
             return self.proxy_weighted(global_arrays, replies)
         if self.robust_aggregation != "fltrust":
@@ -390,7 +281,6 @@ class DefendedStrategy(ContractStrategy):
             )
         started = time.perf_counter()
         g0 = self.root_set.update(global_arrays, self._task, server_round)
-        self.last_root_update = g0
         trust, scales = fltrust_scores(global_arrays, [reply.arrays for reply in replies], g0)
         # ||u_k|| = ||g_0|| / s_k (a zero update has trust 0 and is left out anyway)
         reference = math.sqrt(sum(float(np.vdot(value, value)) for value in g0.values()))
@@ -398,7 +288,7 @@ class DefendedStrategy(ContractStrategy):
         records = list(self.required_records)
         kept = trusted_replies(replies, trust, reference / scales, records, length)
         # Replies of trust 0 are Byzantine suspects: FedGMA's hard mask counts them as abstaining.
-        self.last_suspects += len(replies) - len(kept)
+        self.round_defence = DefendedRound(root_update=g0, distrusted=len(replies) - len(kept))
         self._defence_metrics = {
             "fltrust-trust": [float(value) for value in trust],
             "fltrust-seconds": time.perf_counter() - started,
@@ -420,9 +310,6 @@ class DefendedStrategy(ContractStrategy):
         et al., ICML 2023; :func:`strategies.fedlaw.learn_aggregation_weights` with ``learn =
         "clients"`` and FedLAW's default schedule), over the clipped client models, from their
         bounded data-size weights. The replies come back as they were when the learning fails."""
-        # fedlaw builds on this module, so its weight learning is imported where it is used.
-        from .fedlaw import learn_aggregation_weights, weights_are_usable
-
         if self.root_set is None:
             raise ValueError("robust_aggregation = 'proxy-weights' needs a root set")
         started = time.perf_counter()
@@ -453,8 +340,9 @@ class DefendedStrategy(ContractStrategy):
     def pre_aggregated(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]
     ) -> list[ClientReply]:
-        """The replies mixed by ``pre_aggregation`` (:func:`strategies.preaggregation.mix`), the
-        rule's robust form then running on them; the mixing matrix's rows count as
+        """The replies mixed by ``pre_aggregation``
+        (:func:`strategies.defences.preaggregation.mix`), the rule's robust form then running on
+        them; the mixing matrix's rows count as
         ``pre-aggregation-rows``."""
         mixed = mix(
             global_arrays,
@@ -477,7 +365,7 @@ class DefendedStrategy(ContractStrategy):
         if self.server_noise_std > 0.0:
             self._defence_metrics["server-noise-std"] = self.server_noise_std
         if self.robust_aggregation == "flame":
-            flame_std = self.flame_noise_lambda * self._median_update
+            flame_std = self.flame_noise_lambda * self.round_bounds.median_update
             self._defence_metrics["flame-noise-std"] = flame_std
             std = math.hypot(std, flame_std)
         if std > 0.0:

@@ -45,8 +45,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from beyond_averaging.strategies.replies.wire import ClientReply
+
 from .aggregate import NDArrayDict, as_numpy, is_floating
-from .base import ClientReply
 
 FloatMatrix = npt.NDArray[np.float64]
 

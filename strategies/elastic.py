@@ -29,6 +29,16 @@ import numpy.typing as npt
 from flwr.app import Message
 from flwr.common import log
 
+from beyond_averaging.strategies.defences.robust import (
+    COORDINATE_WISE,
+    RobustAggregation,
+    aggregate_robust,
+    robust_mean,
+    robust_update,
+)
+from beyond_averaging.strategies.replies.metrics import MetricsAggregationFn
+from beyond_averaging.strategies.replies.reporting import RoundLogFields
+from beyond_averaging.strategies.replies.wire import ClientReply, ReplyRejected
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
@@ -48,17 +58,7 @@ from .aggregate import (
     scaled_weights,
     weighted_mean,
 )
-from .base import ClientReply, ReplyRejected
 from .defended import DefendedStrategy, RootSetOptions
-from .metrics import MetricsAggregationFn
-from .reporting import RoundLogFields
-from .robust import (
-    COORDINATE_WISE,
-    RobustAggregation,
-    aggregate_robust,
-    robust_mean,
-    robust_update,
-)
 from .server_optimizer import ServerOptimizer, ServerOptimizerName
 
 #: The authors' older code adds this to the per-tensor max, so that an all-zero sensitivity tensor
@@ -146,7 +146,7 @@ def elastic_update(
     tau : float
         Elasticity in [0, 1]; zeta lies in [tau, 1 + tau].
     scales, sensitivity_scales : Sequence[float], optional
-        Clipping (:func:`strategies.influence.clip_scales`): client k's update counts as
+        Clipping (:func:`strategies.replies.influence.clip_scales`): client k's update counts as
         s_k (theta_k - w) and its sensitivity as s'_k Omega_k. None: all ones.
     robust : {"none", "trimmed-mean", "median"}
         The robust form: D is the coordinate-wise robust mean of the (clipped) updates, Omega

@@ -54,6 +54,16 @@ import numpy as np
 import numpy.typing as npt
 from flwr.common import log
 
+from beyond_averaging.strategies.defences.robust import (
+    COORDINATE_WISE,
+    RobustAggregation,
+    aggregate_robust,
+    robust_mean,
+    robust_update,
+)
+from beyond_averaging.strategies.replies.metrics import MetricsAggregationFn
+from beyond_averaging.strategies.replies.reporting import RoundLogFields
+from beyond_averaging.strategies.replies.wire import ClientReply
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
@@ -73,17 +83,7 @@ from .aggregate import (
     scaled_weights,
     weighted_mean,
 )
-from .base import ClientReply
 from .defended import DefendedStrategy, RootSetOptions
-from .metrics import MetricsAggregationFn
-from .reporting import RoundLogFields
-from .robust import (
-    COORDINATE_WISE,
-    RobustAggregation,
-    aggregate_robust,
-    robust_mean,
-    robust_update,
-)
 from .server_optimizer import ServerOptimizer
 
 MaskVariant = Literal["hard", "soft"]
@@ -432,7 +432,7 @@ def fedgma_step(
     """One FedGMA aggregation, with the mean mask value (see :func:`aggregate_fedgma`).
 
     ``scales`` / ``gradient_scales`` clip the updates and the gradients
-    (:func:`strategies.influence.clip_scales`): client k's model counts as
+    (:func:`strategies.replies.influence.clip_scales`): client k's model counts as
     w + s_k (theta_k - w), its gradient as s'_k g_k. ``robust`` ("trimmed-mean" or "median")
     is FedGMA's robust form: the robust mean of the (clipped) models (hard) or updates (soft),
     and, hard, of the gradients, in place of the weighted means; the masks are the sign votes
@@ -680,14 +680,17 @@ class FedGMA(DefendedStrategy):
         (:func:`trusted_agreement`).
         """
         trust = None
-        if self.robust_aggregation == "fltrust" and self.last_root_update is not None:
+        # Byzantine suspects abstain: the bounds' outliers and, under fltrust, replies of trust 0.
+        suspects = self.round_bounds.suspects + self.round_defence.distrusted
+        root_update = self.round_defence.root_update
+        if self.robust_aggregation == "fltrust" and root_update is not None:
             scores = np.array([reply.num_examples for reply in replies], dtype=np.float64)
             typical = float(np.median(scores))
             trust = TrustVote(
                 scores,
-                {key: -value for key, value in self.last_root_update.items()},
+                {key: -value for key, value in root_update.items()},
                 root_trust=typical,
-                abstaining=self.last_suspects * typical,
+                abstaining=suspects * typical,
             )
         result = fedgma_step(
             global_arrays,
@@ -703,7 +706,7 @@ class FedGMA(DefendedStrategy):
             if self.robust_aggregation in COORDINATE_WISE
             else "none",
             trim_fraction=self.trim_fraction,
-            abstentions=self.last_suspects,
+            abstentions=suspects,
             trust=trust,
         )
         self.last_mask_mean = result.mask_mean

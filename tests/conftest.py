@@ -21,7 +21,8 @@ from flwr.app import (
     RecordDict,
 )
 
-from beyond_averaging.server.launch import launch, run_config_argument
+from beyond_averaging.server.overrides import run_config_argument
+from beyond_averaging.server.runtime.launch import launch
 from beyond_averaging.tasks.partition_cache import CACHE_ENV
 
 REPO = Path(__file__).resolve().parents[1]

@@ -2,10 +2,10 @@
 
 Unlike the simulation runtime (``ba-run``), every message of a run started here crosses the
 SuperLink's Fleet API, optionally over TLS with SuperNode authentication: gRPC (grpc-rere) under
-flwr 1.39, HTTP under 1.40 and later (:mod:`server.flower_release` says which, and gives the
+flwr 1.39, HTTP under 1.40 and later (:mod:`server.deploy.flower_release` says which, and gives the
 flags of each):
 
-- :class:`LocalDeployment` is ``ba-deploy local``'s launcher (:mod:`server.deploy`: SuperLink
+- :class:`LocalDeployment` is ``ba-deploy local``'s launcher (:mod:`server.deploy.local`: SuperLink
   and SuperNodes as local processes, each SuperNode under ``ba-supernode`` with the warm
   ClientApp executor unless a test asks otherwise), plus what only tests need: registering
   SuperNode keys made by ``docker/make-certs.sh`` and swapping the staged app's ClientApp;
@@ -15,8 +15,9 @@ flags of each):
 - :class:`ComposeStack` drives ``docker compose`` (Docker, or podman through podman-compose) for the
   container tests, with the same connection file and result checks.
 
-The pieces of :mod:`server.deploy` and :mod:`server.launch` (the launcher, free ports, the Flower
-environment, stopping a process tree, reading a run's summary) are reused, not copied.
+The pieces of :mod:`server.deploy.local` (the launcher), :mod:`server.runtime.processes` (free
+ports, the Flower environment, stopping a process tree) and :mod:`server.runs.folder` (reading a
+run's summary) are reused, not copied.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.deploy import (
+from beyond_averaging.server.deploy.local import (
     CONNECTION,
     Certificates,
     SuperNodeProcess,
@@ -49,10 +50,11 @@ from beyond_averaging.server.deploy import (
     in_netns,
     online_nodes_from_listing,
     run_app,
-    write_connection,
 )
-from beyond_averaging.server.deploy import LocalDeployment as Deployment
-from beyond_averaging.server.launch import LaunchError, run_config_argument, stage_app
+from beyond_averaging.server.deploy.local import LocalDeployment as Deployment
+from beyond_averaging.server.overrides import LaunchError, run_config_argument
+from beyond_averaging.server.runtime.processes import write_connection
+from beyond_averaging.server.runtime.staging import stage_app
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.tasks.federation import load_server_splits
 from beyond_averaging.tasks.models import build_model

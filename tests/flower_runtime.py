@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from beyond_averaging.server.flower_release import FlowerRelease
-from beyond_averaging.server.launch import LAUNCH_MARKER, free_port, stop_process_tree
-from beyond_averaging.server.watch import strip_ansi
+from beyond_averaging.server.deploy.flower_release import FlowerRelease
+from beyond_averaging.server.runtime.processes import LAUNCH_MARKER, free_port, stop_process_tree
+from beyond_averaging.server.runtime.watch import strip_ansi
 
 _LOG_PREFIX = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) *: *\t?", re.MULTILINE)
 

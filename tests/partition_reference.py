@@ -23,7 +23,7 @@ from typing import Any, cast, get_args
 import numpy as np
 
 from benchmarks.harness import Stopwatch
-from beyond_averaging.server.provenance import hardware_line
+from beyond_averaging.server.runs.provenance import hardware_line
 from beyond_averaging.tasks.datasets import DATASET_NAMES, DatasetName, load_dataset
 from beyond_averaging.tasks.partition import PartitionScheme, partition_indices
 

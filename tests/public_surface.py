@@ -1,10 +1,10 @@
 """The library's public surface as JSON: what a user may import, and how it is called.
 
-The reference for ``tests/test_public_surface.py``, recorded before the folders' modules moved
-into sub-packages (``server/launch.py`` to ``server/runtime/``, ``strategies/robust.py`` to
-``strategies/defences/`` and the like): a move that keeps every public name and signature keeps
-every user's code working. Only location-independent entry points are read, so the same helper
-describes the tree before and after the move:
+The reference for ``tests/test_public_surface.py``, recorded before the folders' modules moved into
+sub-packages (the launcher of ``server/`` into ``server/runtime/``, the robust rules of
+``strategies/`` into ``strategies/defences/`` and the like): a move that keeps every public name and
+signature keeps every user's code working. Only location-independent entry points are read, so the
+same helper describes the tree before and after the move:
 
 - the modules of :data:`MODULES`: each public name (the module's ``__all__``, else every name
   not starting with ``_`` whose object is defined in ``beyond_averaging`` or is a constant), its

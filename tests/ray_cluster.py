@@ -29,7 +29,11 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from beyond_averaging.server.launch import descendants, free_port, processes_with_environment
+from beyond_averaging.server.runtime.processes import (
+    descendants,
+    free_port,
+    processes_with_environment,
+)
 
 RAY = str(Path(sys.executable).parent / "ray")
 OBJECT_STORE_BYTES = 100_000_000

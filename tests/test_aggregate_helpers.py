@@ -16,7 +16,7 @@ from beyond_averaging.strategies.aggregate import (
     pseudo_gradient,
     weighted_mean,
 )
-from beyond_averaging.strategies.wire import npy_view, value_range
+from beyond_averaging.strategies.replies.wire import npy_view, value_range
 
 
 def npy_bytes(array: np.ndarray[Any, Any], version: tuple[int, int] | None = None) -> bytes:

@@ -19,10 +19,10 @@ import pytest
 from benchmarks.harness import Stopwatch, status_bytes
 from benchmarks.spec import REPO, load_spec
 from benchmarks.systems import FLOWER, ServerFigure, client_table, server_table
-from beyond_averaging.server.diagnostics_figures import critical_point, plot_diagnostics
-from beyond_averaging.server.resources import PeakSampler
-from beyond_averaging.server.runs import read_metrics
-from beyond_averaging.server.sweep_report import band, mean_sd, seed_sd
+from beyond_averaging.server.deploy.resources import PeakSampler
+from beyond_averaging.server.runs.folder import read_metrics
+from beyond_averaging.server.runs.plots import critical_point, plot_diagnostics
+from beyond_averaging.server.sweep.report import band, mean_sd, seed_sd
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SPECS = REPO / "benchmarks" / "specs"
@@ -184,7 +184,7 @@ def test_the_fedlaw_table3_specs_are_the_papers_setting_with_every_cell_s_number
 def test_the_diagnostics_figures_leave_runs_without_diagnostics_out_and_tick_whole_rounds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import beyond_averaging.server.diagnostics_figures as plots
+    import beyond_averaging.server.runs.plots as plots
 
     figures = []
     honest = plots.save_figure
@@ -211,7 +211,7 @@ def test_the_diagnostics_figures_leave_runs_without_diagnostics_out_and_tick_who
 
 
 def test_a_report_shows_its_last_10_rounds_column_only_for_runs_longer_than_that() -> None:
-    from beyond_averaging.server.sweep_report import RunData, table
+    from beyond_averaging.server.sweep.report import RunData, table
 
     spec = load_spec(REPO / "benchmarks" / "specs" / "grid-smoke.toml")  # a 5-round spec
     title = "acc. last 10 rounds (%)"

@@ -24,7 +24,7 @@ from flwr.supercore.run import Run
 
 from beyond_averaging.server.bounded_pull import ByteBoundedGrid, bound_reply_bytes, pull_bound
 from beyond_averaging.strategies import FedAvg
-from beyond_averaging.strategies.validation import REPLY_OVERSIZED_ERROR_CODE, ReplyRejected
+from beyond_averaging.strategies.replies.validation import REPLY_OVERSIZED_ERROR_CODE, ReplyRejected
 
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, dtype=np.float32)}
 

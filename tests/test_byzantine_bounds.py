@@ -23,6 +23,7 @@ from beyond_averaging.strategies.elastic import elastic_zeta
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD, ClientTask
 from tests.conftest import train_reply
+from tests.factories import make_task
 
 Model = dict[str, np.ndarray[Any, Any]]
 #: Every Byzantine bound off, so that a robust form is tested alone.
@@ -202,25 +203,7 @@ def fedlaw_setup() -> tuple[torch.nn.Module, LabeledData, Model]:
 
 
 #: The clients' local training of the small proxy-set tests (what configure_train reads).
-TASK = ClientTask(
-    dataset="digits",
-    data_dir="",
-    partition="iid",
-    dirichlet_alpha=0.5,
-    classes_per_client=2,
-    seed=0,
-    synthetic_alpha=1.0,
-    synthetic_beta=1.0,
-    model="mlp",
-    device="cpu",
-    local_epochs=1,
-    batch_size=10,
-    learning_rate=0.1,
-    lr_decay=1.0,
-    momentum=0.0,
-    weight_decay=0.0,
-    proximal_mu=0.0,
-)
+TASK = make_task()
 
 
 def test_fedlaw_robust_form_learns_its_shrink_over_the_median_model() -> None:

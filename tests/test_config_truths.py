@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from beyond_averaging.server.config import ConfigError, parse_run_config
-from beyond_averaging.server.inprocess import InProcessGrid, run_inprocess
+from beyond_averaging.server.runtime.inprocess import InProcessGrid, run_inprocess
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.tasks.datasets import DatasetNotFoundError, LabeledData, load_dataset
 from beyond_averaging.tasks.federation import DataSpec, load_server_splits

@@ -22,20 +22,20 @@ from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import ConfigError, parse_run_config
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import ClientReply, ElasticAggregation, FedAvg, FedGMA, FedLAW
-from beyond_averaging.strategies.defended import (
-    PROXY_WEIGHT_EPOCHS,
-    PROXY_WEIGHT_LR,
-    root_update,
-    trusted_replies,
-)
-from beyond_averaging.strategies.robust import (
+from beyond_averaging.strategies.defences.robust import (
     FLAME_NOISE_LAMBDA,
     flame_noise,
     flame_selection,
     majority_cluster,
     median_length_scales,
 )
-from beyond_averaging.strategies.validation import ModelGuard
+from beyond_averaging.strategies.defences.root_set import (
+    PROXY_WEIGHT_EPOCHS,
+    PROXY_WEIGHT_LR,
+    root_update,
+    trusted_replies,
+)
+from beyond_averaging.strategies.replies.validation import ModelGuard
 from beyond_averaging.tasks.federation import load_server_splits
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD, ClientTask

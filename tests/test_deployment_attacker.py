@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from benchmarks.harness import peak_rss_sampler
-from beyond_averaging.server.inprocess import run_inprocess
+from beyond_averaging.server.runtime.inprocess import run_inprocess
 from tests.deploy_helpers import REPO, LocalDeployment, read_metrics
 
 pytestmark = pytest.mark.deployment

@@ -1,9 +1,8 @@
 """End-to-end deployment in containers: the image, compose.yaml and its TLS overlay, for real.
 
 One image build (docker/Dockerfile, from the wheelhouse when present) serves every test, of the
-Flower release this interpreter runs: flwr 1.39 builds ``FLEET=grpc``, 1.40 and later
-``FLEET=http`` (server/flower_release.py), so the suite tests the transport of its environment.
-Then:
+Flower release this interpreter runs: flwr 1.39 builds ``FLEET=grpc``, 1.40 and later ``FLEET=http``
+(server/deploy/flower_release.py), so the suite tests the transport of its environment. Then:
 
 - the insecure stack of compose.yaml (SuperLink + 3 SuperNodes) runs 2 rounds of each strategy of
   this build through ``flwr run`` from the host; the compose health checks pass; the engine
@@ -45,8 +44,10 @@ from typing import Any
 import pytest
 import yaml
 
-from beyond_averaging.server.flower_release import FlowerRelease
-from beyond_averaging.server.launch import LaunchError, flower_environment, free_port, read_summary
+from beyond_averaging.server.deploy.flower_release import FlowerRelease
+from beyond_averaging.server.overrides import LaunchError
+from beyond_averaging.server.runs.folder import read_summary
+from beyond_averaging.server.runtime.processes import flower_environment, free_port
 from tests.deploy_helpers import (
     REPO,
     Certificates,
@@ -318,7 +319,7 @@ def test_the_documented_results_copy_brings_the_run_folders_home(
         check=True,
     )
     subprocess.run(host, input=exported.stdout, cwd=tmp_path, check=True, timeout=120)
-    summary = read_summary(tmp_path / "runs" / "to-copy" / "summary.json")
+    summary = read_summary(tmp_path / "runs" / "to-copy")
     assert summary["status"] == "completed", summary
     assert (tmp_path / "runs" / "to-copy" / "final_model.pt").is_file()
 
@@ -353,7 +354,7 @@ def test_run_completes_when_a_supernode_stops_mid_run(
             process.kill()
         insecure_stack.stack("start", "supernode-2", timeout=120.0, check=False)
     timed("run with a SuperNode stopped in round 1", started)
-    summary = read_summary(insecure_stack.runs / name / "summary.json")
+    summary = read_summary(insecure_stack.runs / name)
     assert summary["status"] == "completed", summary.get("error")
     metrics = read_metrics(insecure_stack.runs / name)
     assert [entry["round"] for entry in metrics] == [0, 1, 2]
@@ -425,7 +426,7 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
             timeout=900.0,
         )
         timed(f"TLS {strategy}: 2 rounds through the flwr service", started)
-        summary = read_summary(deployment.runs / name / "summary.json")
+        summary = read_summary(deployment.runs / name)
         assert summary["status"] == "completed", summary
         assert_every_round_aggregated(read_metrics(deployment.runs / name), NUM_SUPERNODES)
 
@@ -588,7 +589,7 @@ def test_the_start_section_of_the_docs_runs_as_written(image: str, tmp_path: Pat
     assert completed.returncode == 0, output
     summaries = sorted((checkout / "runs").glob("*/summary.json"))
     assert len(summaries) == 1, (summaries, output)
-    summary = read_summary(summaries[0])
+    summary = read_summary(summaries[0].parent)
     assert summary["status"] == "completed", summary
     assert (summaries[0].parent / "final_model.pt").is_file()
     metrics = read_metrics(summaries[0].parent)

@@ -2,10 +2,10 @@
 
 Where the simulation tests run the app in Flower's simulation runtime, these start
 ``flower-superlink`` and three ``flower-supernode`` processes on loopback and run the app with
-``flwr run``: the model goes down to every node and each reply, its extra records
-(``sensitivity``, ``gradient``) included, comes back over the Fleet API of the installed Flower:
-gRPC under flwr 1.39, HTTP under 1.40 and later (:mod:`server.flower_release`). A byte-counting
-relay (:class:`tests.deploy_helpers.FleetTap`) between each SuperNode and the Fleet API proves it:
+``flwr run``: the model goes down to every node and each reply, its extra records (``sensitivity``,
+``gradient``) included, comes back over the Fleet API of the installed Flower: gRPC under flwr 1.39,
+HTTP under 1.40 and later (:mod:`server.deploy.flower_release`). A byte-counting relay
+(:class:`tests.deploy_helpers.FleetTap`) between each SuperNode and the Fleet API proves it:
 
 - insecure: the uploaded stream carries the extra record's name (Flower serializes record names
   in the clear) and at least the serialized bytes of every record of the reply;
@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from beyond_averaging.server.flower_release import FlowerRelease
+from beyond_averaging.server.deploy.flower_release import FlowerRelease
 from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD
 from tests.deploy_helpers import (
     REPO,

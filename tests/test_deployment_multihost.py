@@ -12,7 +12,7 @@ The SuperLink's host runs the docs' nftables ruleset (the block after ``<!-- mul
 nftables -->`` in docs/multi-host.md, only its ``define`` values replaced): it admits the Fleet
 port 9092 from the SuperNodes' network and drops the rest. The Control API (``flwr run``) stays
 on that host's loopback, where this test runs ``flwr``, as an operator does through an SSH
-tunnel. The installed Flower decides what 9092 is (server/flower_release.py): under flwr 1.39
+tunnel. The installed Flower decides what 9092 is (server/deploy/flower_release.py): under flwr 1.39
 the gRPC Fleet API itself; under the newest Flower, whose one HTTP port 9093 serves the Fleet,
 Control and Runtime APIs alike, the docs' nginx proxy (the block after ``<!-- multihost-test:
 nginx -->``), which passes on only the Fleet routes ``/v1/fleet/``.
@@ -45,8 +45,8 @@ from typing import Any
 
 import pytest
 
-from beyond_averaging.server.flower_release import FlowerRelease
-from beyond_averaging.server.launch import stop_process_tree
+from beyond_averaging.server.deploy.flower_release import FlowerRelease
+from beyond_averaging.server.runtime.processes import stop_process_tree
 from tests.deploy_helpers import (
     REPO,
     Certificates,

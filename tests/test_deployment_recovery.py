@@ -1,9 +1,9 @@
 """Recovery after ``kill -9``, with SuperLink and SuperNodes as local processes on loopback.
 
-The processes run as docs/deployment.md ("Local processes") runs them: ``flower-superlink`` with
-its state in memory (as compose.yaml), and each SuperNode under ``ba-supernode``
-(:mod:`server.supervise`), which starts it again whenever it ends or the SuperLink forgets it.
-One module-wide deployment (3 SuperNodes) and one uninterrupted reference run serve the tests:
+The processes run as docs/deployment.md ("Local processes") runs them: ``flower-superlink`` with its
+state in memory (as compose.yaml), and each SuperNode under ``ba-supernode``
+(:mod:`server.deploy.supervise`), which starts it again whenever it ends or the SuperLink forgets
+it. One module-wide deployment (3 SuperNodes) and one uninterrupted reference run serve the tests:
 
 - **SuperLink killed mid-run** (``kill -9`` of its process only, in round 3 of 4) and started
   again on the same ports: the orphaned ServerApp ends ``interrupted`` (it used to record the
@@ -39,7 +39,9 @@ from typing import Any
 
 import pytest
 
-from beyond_averaging.server.launch import descendants, read_summary, run_config_argument
+from beyond_averaging.server.overrides import run_config_argument
+from beyond_averaging.server.runs.folder import read_summary
+from beyond_averaging.server.runtime.processes import descendants
 from tests.deploy_helpers import (
     CONNECTION,
     REPO,
@@ -164,10 +166,10 @@ def test_superlink_killed_mid_run_comes_back_with_its_nodes_and_the_run_resumes(
 
     # The orphaned ServerApp learns that the new SuperLink does not know its run, and stops.
     deadline = time.monotonic() + 120
-    while read_summary(run_dir / "summary.json").get("status") == "running":
+    while read_summary(run_dir).get("status") == "running":
         assert time.monotonic() < deadline, f"ServerApps {orphans} still running after 120 s"
         time.sleep(1.0)
-    summary = read_summary(run_dir / "summary.json")
+    summary = read_summary(run_dir)
     assert summary["status"] == "interrupted", summary
     assert f'resume-from = "{run_dir}"' in summary["error"]
     checkpoint_round = summary["rounds-completed"]
@@ -175,7 +177,7 @@ def test_superlink_killed_mid_run_comes_back_with_its_nodes_and_the_run_resumes(
 
     resumed = resume(deployment, run_dir)
     say("resumed run completed")
-    assert read_summary(resumed / "summary.json")["resumed-from-round"] == checkpoint_round
+    assert read_summary(resumed)["resumed-from-round"] == checkpoint_round
     assert_resumed_to_the_same_model(resumed, reference)
 
 
@@ -192,13 +194,13 @@ def test_serverapp_killed_mid_run_is_reported_interrupted_and_resumes(
     say(f"ServerApp killed in round 3; flwr run exited {process.returncode}")
 
     # Nothing was left to rewrite the summary: the file still claims "running" ...
-    assert read_summary(run_dir / "summary.json")["status"] == "running"
+    assert read_summary(run_dir)["status"] == "running"
     # ... and the owner check tells the truth, and writes it.
     status = ba_run_status(run_dir)
     assert status.returncode == 1, status.stdout + status.stderr
     assert ": interrupted," in status.stdout
     assert f"pid {victims[0]}" in status.stdout
-    assert read_summary(run_dir / "summary.json")["status"] == "interrupted"
+    assert read_summary(run_dir)["status"] == "interrupted"
 
     resumed = resume(deployment, run_dir)
     say("resumed run completed")
@@ -219,7 +221,7 @@ def test_a_supernode_killed_mid_round_is_dropped_from_that_round_and_trains_agai
     process.wait(timeout=1200)
     say(f"SuperNode {killed[0]} killed in round 2; flwr run exited {process.returncode}")
 
-    summary = read_summary(run_dir / "summary.json")
+    summary = read_summary(run_dir)
     assert summary["status"] == "completed", summary.get("error")
     rounds = read_metrics(run_dir)[1:]
     print(
@@ -251,8 +253,8 @@ def test_a_supernode_killed_mid_round_is_dropped_from_that_round_and_trains_agai
 def test_a_warm_executor_killed_mid_run_is_started_again_and_the_run_completes(
     deployment: LocalDeployment,
 ) -> None:
-    """``kill -9`` of a node's warm ClientApp parent (server/warm_executor.py) in round 2: its
-    ClientApp, if one was running, ends with it (as Flower's own ClientApps end with their
+    """``kill -9`` of a node's warm ClientApp parent (server/deploy/warm_executor.py) in round 2:
+    its ClientApp, if one was running, ends with it (as Flower's own ClientApps end with their
     SuperExec), ``ba-supernode`` starts the executor again, and the run completes."""
     deployment.wait_for_nodes(NUM_SUPERNODES)
     node = deployment.supernodes[0]
@@ -268,7 +270,7 @@ def test_a_warm_executor_killed_mid_run_is_started_again_and_the_run_completes(
     process.wait(timeout=1200)
     say(f"warm executor {before[0]} killed in round 2; flwr run exited {process.returncode}")
 
-    summary = read_summary(run_dir / "summary.json")
+    summary = read_summary(run_dir)
     assert summary["status"] == "completed", summary.get("error")
     rounds = read_metrics(run_dir)
     assert [entry["round"] for entry in rounds] == list(range(ROUNDS + 1))

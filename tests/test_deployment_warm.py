@@ -28,8 +28,10 @@ from typing import Any
 
 import pytest
 
-from beyond_averaging.server.launch import descendants, read_summary, run_config_argument
-from beyond_averaging.server.warm_executor import CHILD_NAME, PARENT_NAME, READY
+from beyond_averaging.server.deploy.warm_executor import CHILD_NAME, PARENT_NAME, READY
+from beyond_averaging.server.overrides import run_config_argument
+from beyond_averaging.server.runs.folder import read_summary
+from beyond_averaging.server.runtime.processes import descendants
 from tests.deploy_helpers import (
     REPO,
     LocalDeployment,
@@ -140,7 +142,7 @@ def test_clientapps_that_raise_are_killed_or_hang_fail_only_their_own_messages(
     assert after == executors  # no warm parent died with its ClientApp
     assert "ran past the task timeout" in logs
     assert re.search(r"ended with signal 9", logs)
-    assert read_summary(run_dir / "summary.json")["status"] == "completed"
+    assert read_summary(run_dir)["status"] == "completed"
 
 
 def test_ba_deploy_local_runs_an_app_over_tls_and_stops_everything_on_ctrl_c(
@@ -193,7 +195,7 @@ def test_ba_deploy_local_runs_an_app_over_tls_and_stops_everything_on_ctrl_c(
             timeout=600,
             check=False,
         )
-        summary = read_summary(tmp_path / "runs" / "deployed" / "summary.json")
+        summary = read_summary(tmp_path / "runs" / "deployed")
         assert summary["status"] == "completed", ran.stdout + ran.stderr
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=120) == 0

@@ -7,7 +7,7 @@ whole lines only, none beyond the checkpoint's round but the one the checkpoint 
 --resume`` finishes the run once there is room.
 
 Two disks: a fault-injected one (every file the recorder and the checkpoint write goes through
-``server.checkpoint.private_file``, here wrapped so that writes past a byte budget write what
+``server.runs.checkpoint.private_file``, here wrapped so that writes past a byte budget write what
 fits and then raise ``OSError(ENOSPC)``), with 0 bytes and a few KB left at a chosen point of a
 round; and a real small file system (a tmpfs mounted for the test, which needs root: skipped
 with the reason where mounting is not allowed).
@@ -26,10 +26,11 @@ from typing import IO, Any
 import pytest
 
 from beyond_averaging.server import app as server_app
-from beyond_averaging.server import checkpoint, recorder
-from beyond_averaging.server.checkpoint import CHECKPOINT_FILE, RunCheckpoint
-from beyond_averaging.server.launch import main as ba_run
-from beyond_averaging.server.launch import run_config_argument
+from beyond_averaging.server.cli.main import main as ba_run
+from beyond_averaging.server.overrides import run_config_argument
+from beyond_averaging.server.runs import checkpoint, recorder
+from beyond_averaging.server.runs.checkpoint import RunCheckpoint
+from beyond_averaging.server.runs.folder import CHECKPOINT_FILE
 from tests.deploy_helpers import REPO, read_metrics
 from tests.test_run_outcomes import LEAN as LEAN_RUN
 

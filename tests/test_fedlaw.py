@@ -14,14 +14,17 @@ from torch import nn
 
 from beyond_averaging.strategies import FedLAW, aggregate_fedavg
 from beyond_averaging.strategies import fedlaw as fedlaw_module
-from beyond_averaging.strategies.fedlaw import (
+from beyond_averaging.strategies.defences.proxy_data import (
     ProxySetError,
+    make_proxy_batches,
+    validate_proxy_set,
+)
+from beyond_averaging.strategies.fedlaw import aggregate_fedlaw
+from beyond_averaging.strategies.law_weights import (
     _client_tensors,
-    aggregate_fedlaw,
     learn_aggregation_weights,
     weighted_sum,
 )
-from beyond_averaging.strategies.proxy_data import make_proxy_batches, validate_proxy_set
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.models import build_model
 from tests.conftest import train_reply

@@ -22,11 +22,8 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, StepLR
 from torch.optim.swa_utils import SWALR
 
 from beyond_averaging.strategies import FedLAW
-from beyond_averaging.strategies.fedlaw import (
-    aggregate_fedlaw,
-    learn_aggregation_weights,
-    swa_learning_rates,
-)
+from beyond_averaging.strategies.fedlaw import aggregate_fedlaw
+from beyond_averaging.strategies.law_weights import learn_aggregation_weights, swa_learning_rates
 from beyond_averaging.tasks.datasets import LabeledData
 from tests.conftest import train_reply
 

@@ -22,7 +22,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from beyond_averaging.server.inprocess import InProcessGrid
+from beyond_averaging.server.runtime.inprocess import InProcessGrid
 from beyond_averaging.strategies import FedLAW
 from beyond_averaging.tasks.datasets import LabeledData
 from tests.conftest import read_metrics

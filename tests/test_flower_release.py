@@ -1,7 +1,8 @@
 """What differs between the Flower releases the app deploys on is decided in one place,
-server/flower_release.py: the Fleet transport, the SuperLink's address flags, the port a SuperNode
-dials and what a forgotten SuperNode logs. The flags are those each release's own ``--help``
-lists (flwr 1.39: ``--fleet-api-address``; 1.40 and later: the Fleet API on ``--host/--port``)."""
+server/deploy/flower_release.py: the Fleet transport, the SuperLink's address flags, the port a
+SuperNode dials and what a forgotten SuperNode logs. The flags are those each release's own
+``--help`` lists (flwr 1.39: ``--fleet-api-address``; 1.40 and later: the Fleet API on
+``--host/--port``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from beyond_averaging.server.flower_release import FlowerRelease, installed_forgotten_markers
+from beyond_averaging.server.deploy.flower_release import FlowerRelease, installed_forgotten_markers
 
 GRPC, HTTP = FlowerRelease("1.39.0"), FlowerRelease("1.42.0")
 
@@ -87,7 +88,7 @@ def test_a_forgotten_node_is_recognised_by_each_releases_words() -> None:
 def test_the_command_line_prints_the_installed_releases_flags() -> None:
     def cli(*arguments: str) -> str:
         return subprocess.run(
-            [sys.executable, "-m", "beyond_averaging.server.flower_release", *arguments],
+            [sys.executable, "-m", "beyond_averaging.server.deploy.flower_release", *arguments],
             capture_output=True,
             text=True,
             check=True,

@@ -1,14 +1,14 @@
 """The Helm values of docker/helm/ fit Flower's charts and this project's image, checked offline.
 
-Flower's SuperLink and SuperNode charts are a Flower Enterprise feature and not obtainable here,
-so nothing renders these values (docs/multi-host.md, "Kubernetes"). What can be checked without
-them is checked: every file parses; every parameter it sets is one of Flower's documented chart
-parameters (the names this project relies on are kept below as data, with the Flower commit of
-the docs they come from); and the values agree with this project's own settings: the image and
-its tag per Fleet transport (compose.yaml), the ports per transport (server/flower_release.py and
-the ports docker/entrypoint.sh gives it), the variables and files the entry point reads, the
-image's user (docker/Dockerfile). The entry point's ``BA_ROLE``, which makes the image start
-under a chart's arguments, is run with a stand-in for the Flower command.
+Flower's SuperLink and SuperNode charts are a Flower Enterprise feature and not obtainable here, so
+nothing renders these values (docs/multi-host.md, "Kubernetes"). What can be checked without them is
+checked: every file parses; every parameter it sets is one of Flower's documented chart parameters
+(the names this project relies on are kept below as data, with the Flower commit of the docs they
+come from); and the values agree with this project's own settings: the image and its tag per Fleet
+transport (compose.yaml), the ports per transport (server/deploy/flower_release.py and the ports
+docker/entrypoint.sh gives it), the variables and files the entry point reads, the image's user
+(docker/Dockerfile). The entry point's ``BA_ROLE``, which makes the image start under a chart's
+arguments, is run with a stand-in for the Flower command.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml  # type: ignore[import-untyped]  # PyYAML comes with flwr; no stubs installed
 
-from beyond_averaging.server.flower_release import FlowerRelease
+from beyond_averaging.server.deploy.flower_release import FlowerRelease
 from tests.deploy_helpers import interpolate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,22 +14,23 @@ import pytest
 from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
-from beyond_averaging.strategies import influence, robust
 from beyond_averaging.strategies.aggregate import pseudo_gradient, scaled_mean, scaled_weights
-from beyond_averaging.strategies.influence import (
-    DIRECTION_FLOOR,
-    bound_claims,
-    clip_scales,
-    direction_cosines,
-    direction_outliers,
-)
-from beyond_averaging.strategies.robust import (
+from beyond_averaging.strategies.defences import robust
+from beyond_averaging.strategies.defences.robust import (
     aggregate_robust,
     fltrust_scores,
     krum_scores,
     krum_selection,
     robust_update,
     update_gram,
+)
+from beyond_averaging.strategies.replies import influence
+from beyond_averaging.strategies.replies.influence import (
+    DIRECTION_FLOOR,
+    bound_claims,
+    clip_scales,
+    direction_cosines,
+    direction_outliers,
 )
 
 Model = dict[str, np.ndarray[Any, Any]]

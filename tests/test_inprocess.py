@@ -1,4 +1,4 @@
-"""The in-process runtime (server.inprocess, ``ba-run --runtime inprocess``)."""
+"""The in-process runtime (server.runtime.inprocess, ``ba-run --runtime inprocess``)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from beyond_averaging.client.app import app as client_app
 from beyond_averaging.server.app import client_task
 from beyond_averaging.server.app import main as server_main
 from beyond_averaging.server.bounded_pull import DelegatingGrid
+from beyond_averaging.server.cli.main import main as ba_run
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
-from beyond_averaging.server.launch import main as ba_run
+from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
 from beyond_averaging.tasks.models import build_model
 from tests.conftest import instruction_message
 

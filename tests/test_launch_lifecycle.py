@@ -30,14 +30,10 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from beyond_averaging.server import rounds
-from beyond_averaging.server.launch import (
-    LOCAL_RAY,
-    free_port,
-    local_ray,
-    processes_with_environment,
-    run_config_argument,
-)
+from beyond_averaging.server.overrides import run_config_argument
 from beyond_averaging.server.rounds import RoundOutcome, run_rounds
+from beyond_averaging.server.runtime.processes import free_port, processes_with_environment
+from beyond_averaging.server.runtime.simulation import LOCAL_RAY, local_ray
 from tests.conftest import instruction_message
 from tests.deploy_helpers import REPO, read_metrics
 from tests.test_run_outcomes import LEAN as LEAN_RUN

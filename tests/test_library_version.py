@@ -15,7 +15,7 @@ from beyond_averaging import __version__
 from beyond_averaging.client import app as client_module
 from beyond_averaging.server.app import check_fab_version, client_task
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.inprocess import run_inprocess
+from beyond_averaging.server.runtime.inprocess import run_inprocess
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import (
     LIBRARY_VERSION_KEY,

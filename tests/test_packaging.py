@@ -24,7 +24,6 @@ build is isolated (docs/install.md), and the two differ only in where setuptools
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import shutil
@@ -42,7 +41,7 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from beyond_averaging.server.launch import flower_environment
+from beyond_averaging.server.runtime.processes import flower_environment
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
@@ -76,7 +75,7 @@ _PROBE = textwrap.dedent(
     import beyond_averaging
     for folder in sys.argv[2].split(","):
         package = importlib.import_module(f"beyond_averaging.{folder}")
-        for module in pkgutil.iter_modules(package.__path__, prefix=f"{package.__name__}."):
+        for module in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
             importlib.import_module(module.name)
     print(json.dumps({
         "files": {
@@ -139,9 +138,9 @@ def _package_modules() -> set[str]:
     names = {"beyond_averaging"}
     for path in _tracked_files():
         parts = Path(path).parts
-        if len(parts) == 2 and parts[0] in FOLDERS and parts[1].endswith(".py"):
-            stem = Path(parts[1]).stem
-            names.add(f"beyond_averaging.{parts[0]}" + ("" if stem == "__init__" else f".{stem}"))
+        if len(parts) >= 2 and parts[0] in FOLDERS and parts[-1].endswith(".py"):
+            dotted = [*parts[:-1], *([] if parts[-1] == "__init__.py" else [Path(parts[-1]).stem])]
+            names.add(".".join(["beyond_averaging", *dotted]))
     return names
 
 
@@ -204,7 +203,14 @@ def test_the_build_maps_each_folder_into_the_package() -> None:
         f"beyond_averaging.{folder}": folder for folder in FOLDERS
     }
     assert setuptools["package-dir"] == expected
-    assert sorted(setuptools["packages"]) == sorted(expected)
+    # Every package of the four folders is listed, sub-packages too: a folder left out of the
+    # list would be left out of the wheel, with no error until someone imports it.
+    subpackages = {
+        "beyond_averaging." + ".".join(init.parent.relative_to(REPO).parts)
+        for folder in FOLDERS
+        for init in (REPO / folder).rglob("__init__.py")
+    }
+    assert sorted(setuptools["packages"]) == sorted({*expected, *subpackages})
 
 
 def test_a_checkout_on_sys_path_imports_its_own_folders(
@@ -335,7 +341,7 @@ def test_the_wheel_holds_one_top_level_package_with_every_source_file(release: R
     sources = {
         f"beyond_averaging/{path}"
         for path in _tracked_files()
-        if Path(path).parts[0] in FOLDERS and path.endswith(".py") and len(Path(path).parts) == 2
+        if Path(path).parts[0] in FOLDERS and path.endswith(".py") and len(Path(path).parts) >= 2
     }
     assert sources <= names, f"missing from the wheel: {sorted(sources - names)}"
     assert {"beyond_averaging/__init__.py", "beyond_averaging/py.typed"} <= names
@@ -441,6 +447,36 @@ def test_the_installed_wheel_imports_from_site_packages_only(
     assert leaked.strip() == "[]"
 
 
+def test_every_console_script_of_the_installed_wheel_answers_help(
+    release: Release, dependencies_python: Path, tmp_path: Path
+) -> None:
+    # Each [project.scripts] entry as the installed metadata names it, loaded and run with
+    # --help from the wheel alone: a script whose module moved fails here, not in a user's shell.
+    target = tmp_path / "site-packages"
+    _run(
+        [
+            *(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index"),
+            *("--target", target, release.wheel_from_checkout),
+        ]
+    )
+    run_script = (
+        "import sys; from importlib.metadata import entry_points; name = sys.argv[1]; "
+        "(script,) = entry_points(group='console_scripts', name=name); "
+        "sys.argv = [name, '--help']; script.load()()"
+    )
+    for name in PYPROJECT["project"]["scripts"]:
+        completed = subprocess.run(
+            [dependencies_python, "-c", run_script, name],
+            cwd=tmp_path,
+            env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert completed.returncode == 0, f"{name} --help: {completed.stderr[-2000:]}"
+        assert "usage" in completed.stdout.lower(), f"{name} --help printed: {completed.stdout}"
+
+
 def test_the_sdist_holds_the_package_and_the_release_files_only(release: Release) -> None:
     with tarfile.open(release.sdist) as archive:
         names = {
@@ -460,7 +496,7 @@ def test_the_sdist_holds_the_package_and_the_release_files_only(release: Release
     sources = {
         path
         for path in _tracked_files()
-        if Path(path).parts[0] in (*FOLDERS, "beyond_averaging") and len(Path(path).parts) == 2
+        if Path(path).parts[0] in (*FOLDERS, "beyond_averaging") and len(Path(path).parts) >= 2
     }
     assert sources <= names, f"missing from the sdist: {sorted(sources - names)}"
 
@@ -490,47 +526,3 @@ def test_the_version_is_written_once_in_code_and_the_changelog_names_it() -> Non
     versions = [tuple(int(part) for part in version.split(".")) for version, _ in headings]
     assert versions == sorted(set(versions), reverse=True), "versions must fall, each once"
     assert all(date != "Unreleased" for _, date in headings[1:]), "only the newest is unreleased"
-
-
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(level, absolute-or-relative module) of every import statement in a file."""
-    found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found += [(0, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            found.append((node.level, node.module or ""))
-    return found
-
-
-def test_the_folders_import_each_other_by_full_name_and_one_way() -> None:
-    # docs/development.md, "Layout": tasks needs none of the others; client and strategies use
-    # tasks; server uses strategies and tasks.
-    allowed = {
-        "tasks": set(),
-        "client": {"tasks"},
-        "strategies": {"tasks"},
-        "server": {"strategies", "tasks"},
-    }
-    problems: list[str] = []
-    for path in _tracked_files():
-        parts = Path(path).parts
-        in_folder = parts[0] in FOLDERS and len(parts) == 2
-        # tests/apps/ are users' apps, whose own `tasks` package is theirs to import.
-        if not path.endswith(".py") or path.startswith("tests/apps/"):
-            continue
-        for level, module in _imports(REPO / path):
-            first = module.split(".")[0]
-            if level == 0 and first in FOLDERS:
-                problems.append(
-                    f"{path}: `{module}` by its bare name (a second copy of the module)"
-                )
-            if in_folder and level > 1:
-                problems.append(
-                    f"{path}: a relative import above its folder ({'.' * level}{module})"
-                )
-            if in_folder and level == 0 and first == "beyond_averaging" and "." in module:
-                other = module.split(".")[1]
-                if other != parts[0] and other not in allowed[parts[0]]:
-                    problems.append(f"{path}: {parts[0]} imports {other}")
-    assert problems == []

@@ -23,8 +23,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from benchmarks.population import Row, table, verdict
 from beyond_averaging.server.bounded_pull import DelegatingGrid
 from beyond_averaging.server.config import ConfigError, parse_run_config
-from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
 from beyond_averaging.server.interactive import federation
+from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
 from beyond_averaging.strategies import FedAvg
 from tests.deploy_helpers import REPO, read_metrics
 
@@ -111,7 +111,7 @@ def test_every_rule_trains_a_million_client_synthetic_population_in_process(
         grids.append(InProcessGrid(*args, **kwargs))
         return grids[-1]
 
-    monkeypatch.setattr("beyond_averaging.server.inprocess.InProcessGrid", keep)
+    monkeypatch.setattr("beyond_averaging.server.runtime.inprocess.InProcessGrid", keep)
     settings = {
         **POPULATION,
         "strategy": strategy,

@@ -1,4 +1,4 @@
-"""Pre-aggregation under heterogeneity (strategies/preaggregation.py) against the papers'
+"""Pre-aggregation under heterogeneity (strategies/defences/preaggregation.py) against the papers'
 equations written out with loops: nearest-neighbour mixing (Allouah et al., AISTATS 2023,
 Algorithm 1), bucketing (Karimireddy, He and Jaggi, ICLR 2022, Algorithm 1) and centered
 clipping (Karimireddy, He and Jaggi, ICML 2021)."""
@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from beyond_averaging.strategies import FedAvg, robust
-from beyond_averaging.strategies.base import ClientReply
-from beyond_averaging.strategies.preaggregation import (
+from beyond_averaging.strategies import FedAvg
+from beyond_averaging.strategies.defences import robust
+from beyond_averaging.strategies.defences.preaggregation import (
     bucket_mixing,
     centered_clipping,
     mix,
@@ -20,7 +20,8 @@ from beyond_averaging.strategies.preaggregation import (
     mixing_matrix,
     nnm_mixing,
 )
-from beyond_averaging.strategies.robust import update_gram
+from beyond_averaging.strategies.defences.robust import update_gram
+from beyond_averaging.strategies.replies.wire import ClientReply
 from tests.test_byzantine_bounds import BOUNDS_OFF
 from tests.test_defences import aggregated
 

@@ -1,12 +1,12 @@
 """Every rule inside Flower's central-DP wrappers: 2-round runs on the in-process Grid.
 
 Each rule runs inside ``DifferentialPrivacyServerSideFixedClipping`` and inside
-``DifferentialPrivacyClientSideFixedClipping`` with Flower's ``fixedclipping_mod`` on this
-project's ClientApp (server/inprocess.py's Grid, Flower's own ``Strategy.start`` loop). A rule that
-composes trains both rounds on updates clipped to ``clipping_norm`` and its model gets the
-wrapper's noise; a rule that needs an extra record (Elastic, FedGMA) stops with the reason and the
-fix when the wrapper's start() first calls into it (its summary()), before the initial evaluation
-and any message. The last tests pin the Flower behaviour those errors rest on.
+``DifferentialPrivacyClientSideFixedClipping`` with Flower's ``fixedclipping_mod`` on this project's
+ClientApp (server/runtime/inprocess.py's Grid, Flower's own ``Strategy.start`` loop). A rule that
+composes trains both rounds on updates clipped to ``clipping_norm`` and its model gets the wrapper's
+noise; a rule that needs an extra record (Elastic, FedGMA) stops with the reason and the fix when
+the wrapper's start() first calls into it (its summary()), before the initial evaluation and any
+message. The last tests pin the Flower behaviour those errors rest on.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from beyond_averaging.client.app import evaluate_local
 from beyond_averaging.client.app import train as project_train
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
-from beyond_averaging.server.inprocess import InProcessGrid
+from beyond_averaging.server.runtime.inprocess import InProcessGrid
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import ClientReply, ContractStrategy, FedAdam, FedAvgM
 from beyond_averaging.strategies.aggregate import NDArrayDict

@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from beyond_averaging.server.launch import LaunchError, launch, main, run_config_argument
+from beyond_averaging.server.cli.main import main
+from beyond_averaging.server.overrides import LaunchError, run_config_argument
+from beyond_averaging.server.runtime.launch import launch
 from tests.deploy_helpers import REPO
 from tests.ray_cluster import RayCluster, alive
 

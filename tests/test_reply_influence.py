@@ -9,7 +9,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from beyond_averaging.strategies.influence import (
+from beyond_averaging.strategies.defences.robust import (
+    aggregate_robust,
+    check_robust,
+    coordinate_median,
+    trimmed_mean,
+)
+from beyond_averaging.strategies.replies.influence import (
     NORM_BLOCK,
     cap_weights,
     max_over_median,
@@ -17,14 +23,8 @@ from beyond_averaging.strategies.influence import (
     record_norms,
     update_norms,
 )
-from beyond_averaging.strategies.robust import (
-    aggregate_robust,
-    check_robust,
-    coordinate_median,
-    trimmed_mean,
-)
+from beyond_averaging.strategies.replies.validation import REPLY_VALUE_LIMIT, model_rejection
 from beyond_averaging.strategies.server_optimizer import ServerOptimizer
-from beyond_averaging.strategies.validation import REPLY_VALUE_LIMIT, model_rejection
 
 
 def iterative_cap(weights: list[float], cap: float) -> list[float]:

@@ -21,8 +21,13 @@ from beyond_averaging.server.config import ConfigError, parse_run_config
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import ContractStrategy, ElasticAggregation, FedAvg, FedGMA
 from beyond_averaging.strategies.aggregate import NDArrayDict
-from beyond_averaging.strategies.base import ClientReply, received_norms
-from beyond_averaging.strategies.wire import REPLY_VALUE_LIMIT, ReplyRejected, check_values
+from beyond_averaging.strategies.replies.wire import (
+    REPLY_VALUE_LIMIT,
+    ClientReply,
+    ReplyRejected,
+    check_values,
+    received_norms,
+)
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.protocol import ARRAYS_RECORD
 from tests.conftest import reply_message, train_reply

@@ -1,6 +1,6 @@
-"""What a strategy tells about each round (strategies/reporting.py): the per-round log line about
-its rule, and the per-reply records a run keeps in ``clients.jsonl`` with the partitions' label
-counts in ``partitions.json``."""
+"""What a strategy tells about each round (strategies/replies/reporting.py): the per-round log
+line about its rule, and the per-reply records a run keeps in ``clients.jsonl`` with the
+partitions' label counts in ``partitions.json``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from flwr.app import ConfigRecord, Message
 
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.inprocess import run_inprocess
-from beyond_averaging.server.partitions import record_partitions
-from beyond_averaging.server.recorder import RunRecorder
+from beyond_averaging.server.runs.partitions import record_partitions
+from beyond_averaging.server.runs.recorder import RunRecorder
+from beyond_averaging.server.runtime.inprocess import run_inprocess
 from beyond_averaging.strategies import ContractStrategy, FedAvg
-from beyond_averaging.strategies.reporting import figures_text, round_line
+from beyond_averaging.strategies.replies.reporting import figures_text, round_line
 from beyond_averaging.tasks.protocol import CLIENT_RECORD, PARTITION_ID_KEY
 from tests.conftest import reply_message, train_reply
 from tests.test_defences import (

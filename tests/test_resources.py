@@ -1,4 +1,4 @@
-"""Per-process CPU and memory from /proc (server/resources.py): stat lines, the kind of each
+"""Per-process CPU and memory from /proc (server/deploy/resources.py): stat lines, the kind of each
 Flower process, CPU per kind and per node (reaped children included), and what ``ba-deploy local
 --resources`` reports for each node of a deployment."""
 
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from beyond_averaging.server.deploy import (
+from beyond_averaging.server.deploy.local import (
     LocalDeployment,
     SuperNodeProcess,
     report_resources,
     watch_resources,
 )
-from beyond_averaging.server.resources import (
+from beyond_averaging.server.deploy.resources import (
     ProcessWatch,
     ProcStat,
     Tracked,

@@ -26,16 +26,16 @@ import torch
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from beyond_averaging.client.app import app as client_app
-from beyond_averaging.server.checkpoint import (
-    CHECKPOINT_FILE,
+from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.overrides import run_config_argument
+from beyond_averaging.server.runs.checkpoint import (
     CheckpointError,
     RunCheckpoint,
     atomic_torch_save,
     capture_rng,
 )
-from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.inprocess import FIRST_NODE_ID, InProcessGrid
-from beyond_averaging.server.launch import run_config_argument
+from beyond_averaging.server.runs.folder import CHECKPOINT_FILE
+from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGrid
 from tests.deploy_helpers import REPO, read_metrics
 
 #: The launcher of the environment running the tests (another Python's venv in the version legs).

@@ -5,8 +5,8 @@ whose model collapses to chance or whose loss explodes says so every round and i
 run whose process died is reported ``interrupted``, never ``running``, and a run still alive
 cannot be resumed beside itself.
 
-Runs use the in-process runtime (the real ServerApp and ClientApp, ``server/inprocess.py``). A
-learning rate of 1e30 makes every client's model non-finite, so every reply is dropped and no
+Runs use the in-process runtime (the real ServerApp and ClientApp, ``server/runtime/inprocess.py``).
+A learning rate of 1e30 makes every client's model non-finite, so every reply is dropped and no
 round can aggregate: the honest way for a whole federation to be unable to train.
 """
 
@@ -30,10 +30,11 @@ from flwr.app import Message
 
 from benchmarks.attacks import ATTACKS, AttackGrid
 from beyond_averaging.server.app import RunStalledError, chance_accuracy, round_alarms
-from beyond_averaging.server.inprocess import InProcessGrid, run_inprocess
-from beyond_averaging.server.launch import ALARMS_EXIT_CODE, run_config_argument
-from beyond_averaging.server.launch import main as ba_run
-from beyond_averaging.server.recorder import RunInUseError, RunRecorder, run_status
+from beyond_averaging.server.cli.main import main as ba_run
+from beyond_averaging.server.cli.status import ALARMS_EXIT_CODE
+from beyond_averaging.server.overrides import run_config_argument
+from beyond_averaging.server.runs.recorder import RunInUseError, RunRecorder, run_status
+from beyond_averaging.server.runtime.inprocess import InProcessGrid, run_inprocess
 from tests.deploy_helpers import REPO, read_metrics
 
 BA_RUN = Path(sys.executable).parent / "ba-run"
@@ -127,7 +128,7 @@ def test_replies_missing_at_the_round_timeout_are_counted_as_dropped(
         grids.append(grid)
         return grid
 
-    monkeypatch.setattr("beyond_averaging.server.inprocess.InProcessGrid", make_grid)
+    monkeypatch.setattr("beyond_averaging.server.runtime.inprocess.InProcessGrid", make_grid)
     overrides = {
         **LEAN,
         "num-server-rounds": 2,

@@ -33,13 +33,13 @@ import pytest
 import torch
 
 import beyond_averaging
-from beyond_averaging.server import launch as launcher
-from beyond_averaging.server import provenance
+from beyond_averaging.server.cli.main import main as ba_run
 from beyond_averaging.server.config import ConfigError, parse_run_config
-from beyond_averaging.server.launch import main as ba_run
-from beyond_averaging.server.launch import parse_overrides, run_config_argument
-from beyond_averaging.server.recorder import RunRecorder
-from beyond_averaging.server.watch import eta_seconds, round_figures, strip_ansi
+from beyond_averaging.server.overrides import parse_overrides, run_config_argument
+from beyond_averaging.server.runs import provenance
+from beyond_averaging.server.runs.recorder import RunRecorder
+from beyond_averaging.server.runtime import launch as launcher
+from beyond_averaging.server.runtime.watch import eta_seconds, round_figures, strip_ansi
 from tests.deploy_helpers import REPO, read_metrics
 from tests.test_run_outcomes import LEAN as LEAN_RUN
 

@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 
 from benchmarks.spec import REPO, Spec, SpecError, load_spec
-from beyond_averaging.server import sweep
-from beyond_averaging.server.checkpoint import CHECKPOINT_FILE
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.launch import parse_overrides
-from beyond_averaging.server.sweep import claim, run_spec, state
-from beyond_averaging.server.sweep_report import read_run, table
+from beyond_averaging.server.overrides import parse_overrides
+from beyond_averaging.server.runs.folder import CHECKPOINT_FILE
+from beyond_averaging.server.sweep import run as sweep
+from beyond_averaging.server.sweep.report import METRICS, read_run, table
+from beyond_averaging.server.sweep.run import claim, run_spec, state
+from beyond_averaging.server.sweep.spec import METRIC_NAMES
+from tests.factories import make_spec
 
 SPECS = sorted((REPO / "benchmarks" / "specs").glob("*.toml"))
 
@@ -31,21 +33,6 @@ def write_spec(folder: Path, text: str, name: str = "exp.toml") -> Path:
     path = folder / name
     path.write_text(text, encoding="utf-8")
     return path
-
-
-def small_spec(folder: Path, extra: str = "") -> Spec:
-    text = f"""
-title = "t"
-runs = "{folder / "runs"}"
-[settings]
-num-server-rounds = 3
-[grid]
-seed = [0, 1, 2]
-[methods.fedavg]
-[methods.elastic]
-{extra}
-"""
-    return load_spec(write_spec(folder, text))
 
 
 def write_run(
@@ -106,26 +93,28 @@ def fake_launch(monkeypatch: pytest.MonkeyPatch) -> FakeLaunch:
 def test_runs_are_every_axis_value_times_every_seed_with_names_from_their_labels(
     tmp_path: Path,
 ) -> None:
-    spec = small_spec(tmp_path)
+    spec = load_spec(make_spec(tmp_path))
     assert [run.name for run in spec.runs()][:3] == [
         "fedavg-seed0",
         "elastic-seed0",
         "fedavg-seed1",
     ]
-    text = f"""
-runs = "{tmp_path / "r"}"
-[settings]
-dataset = "digits"
-[grid]
-dirichlet-alpha = [100.0, 0.1]
-partition = [{{label = "iid", partition = "iid"}}, {{label = "dir0.5", dirichlet-alpha = 0.5}}]
-seed = [8, 9]
-[methods.fedavg]
-[methods.fedadam]
-strategy = "fedavg"
-server-optimizer = "adam"
-"""
-    runs = load_spec(write_spec(tmp_path, text)).runs()
+    path = make_spec(
+        tmp_path,
+        title=None,
+        runs=str(tmp_path / "r"),
+        settings={"dataset": "digits"},
+        grid={
+            "dirichlet-alpha": [100.0, 0.1],
+            "partition": [
+                {"label": "iid", "partition": "iid"},
+                {"label": "dir0.5", "dirichlet-alpha": 0.5},
+            ],
+            "seed": [8, 9],
+        },
+        methods={"fedavg": {}, "fedadam": {"strategy": "fedavg", "server-optimizer": "adam"}},
+    )
+    runs = load_spec(path).runs()
     assert len(runs) == 2 * 2 * 2 * 2
     first = runs[0]
     assert first.name == "100-iid-fedavg-seed8"
@@ -146,13 +135,16 @@ server-optimizer = "adam"
 
 
 def test_a_spec_extends_another_merging_settings_and_replacing_methods(tmp_path: Path) -> None:
-    write_spec(
+    settings = {"num-clients": 5, "local-epochs": 1}
+    make_spec(tmp_path, "base.toml", title=None, runs=None, grid=None, settings=settings)
+    child = make_spec(
         tmp_path,
-        "[settings]\nnum-clients = 5\nlocal-epochs = 1\n[methods.fedavg]\n[methods.elastic]\n",
-        "base.toml",
-    )
-    child = write_spec(
-        tmp_path, 'extends = "base.toml"\n[settings]\nlocal-epochs = 3\n[methods.fedlaw]\n'
+        title=None,
+        runs=None,
+        grid=None,
+        extends="base.toml",
+        settings={"local-epochs": 3},
+        methods={"fedlaw": {}},
     )
     spec = load_spec(child)
     assert spec.settings == {"num-clients": 5, "local-epochs": 3}
@@ -193,6 +185,12 @@ def test_a_bad_spec_is_refused_naming_the_key_and_the_fix(
     assert message in str(error.value)
 
 
+def test_the_spec_accepts_the_metrics_the_report_computes_and_no_other() -> None:
+    # The spec owns a column's metric names (it checks a spec file before any run); the report
+    # owns what each computes. Neither imports the other's table back.
+    assert tuple(METRICS) == METRIC_NAMES
+
+
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
 def test_every_committed_spec_gives_runs_the_app_accepts(path: Path) -> None:
     spec = load_spec(path)
@@ -205,7 +203,7 @@ def test_every_committed_spec_gives_runs_the_app_accepts(path: Path) -> None:
 def test_a_sweep_runs_each_run_once_and_a_second_call_runs_nothing(
     tmp_path: Path, fake_launch: FakeLaunch
 ) -> None:
-    spec = small_spec(tmp_path)
+    spec = load_spec(make_spec(tmp_path))
     run_spec(spec)
     assert sorted(call["run-name"] for call in fake_launch.calls) == sorted(
         r.name for r in spec.runs()
@@ -218,7 +216,7 @@ def test_a_sweep_runs_each_run_once_and_a_second_call_runs_nothing(
 def test_a_run_saved_with_the_step_that_server_lr_auto_stands_for_is_not_run_again(
     tmp_path: Path, fake_launch: FakeLaunch
 ) -> None:
-    spec = small_spec(tmp_path)
+    spec = load_spec(make_spec(tmp_path))
     for run in spec.runs():  # saved before "auto" existed: SGD's explicit step 1.0
         write_run(run.folder, {**run.settings, "server-lr": 1.0}, [0.1, 0.2, 0.3, 0.4])
     assert all(state(run) == "finished" for run in spec.runs())
@@ -233,7 +231,7 @@ def test_a_run_saved_before_the_reply_bounds_existed_ran_with_them_off(
     # The published evidence ran before update-clip-factor, direction-outlier-factor and
     # max-claim-factor existed, i.e. with them off: it matches a spec that turns them off, and
     # not one that leaves today's defaults (2, 2, 10) on.
-    spec = small_spec(tmp_path)
+    spec = load_spec(make_spec(tmp_path))
     newer = ("update-clip-factor", "direction-outlier-factor", "max-claim-factor")
     for run in spec.runs():
         write_run(run.folder, run.settings, [0.1, 0.2, 0.3, 0.4])
@@ -249,7 +247,7 @@ def test_a_run_saved_before_the_reply_bounds_existed_ran_with_them_off(
 def test_an_interrupted_run_resumes_from_its_checkpoint_and_a_failed_one_without_reruns(
     tmp_path: Path, fake_launch: FakeLaunch
 ) -> None:
-    spec = small_spec(tmp_path)
+    spec = load_spec(make_spec(tmp_path))
     interrupted, failed, *done = spec.runs()
     write_run(
         interrupted.folder, interrupted.settings, [0.1, 0.2], status="running", checkpoint=True
@@ -268,7 +266,7 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_a_failed_one_without
 def test_completed_runs_with_other_settings_stop_the_sweep_before_any_run(
     tmp_path: Path, fake_launch: FakeLaunch
 ) -> None:
-    spec = small_spec(tmp_path)
+    spec = load_spec(make_spec(tmp_path))
     first = spec.runs()[0]
     write_run(first.folder, {**first.settings, "learning-rate": 0.2}, [0.1, 0.2, 0.3, 0.4])
     with pytest.raises(SpecError, match=r"learning-rate': \(0.2, 0.05\).*--runs DIR"):
@@ -280,7 +278,15 @@ def test_ba_sweep_puts_a_spec_without_folders_under_the_app_and_names_itself_on_
     tmp_path: Path, fake_launch: FakeLaunch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     app = tmp_path / "my-app"
-    spec = write_spec(tmp_path, "[settings]\nnum-server-rounds = 2\n[methods.fedavg]\n", "cmp.toml")
+    spec = make_spec(
+        tmp_path,
+        "cmp.toml",
+        title=None,
+        runs=None,
+        grid=None,
+        settings={"num-server-rounds": 2},
+        methods={"fedavg": {}},
+    )
     assert sweep.main([str(spec), "--app", str(app)]) == 0
     assert fake_launch.app_dirs == [app]  # every run runs the app named
     run = app / "sweeps" / "cmp" / "runs" / "fedavg-seed0"
@@ -294,7 +300,7 @@ def test_ba_sweep_puts_a_spec_without_folders_under_the_app_and_names_itself_on_
 
 
 def test_a_run_another_process_holds_is_left_to_it(tmp_path: Path, fake_launch: FakeLaunch) -> None:
-    spec = small_spec(tmp_path)
+    spec = load_spec(make_spec(tmp_path))
     held = spec.runs()[0]
     lock = claim(held)
     assert lock is not None
@@ -309,53 +315,26 @@ def test_a_run_another_process_holds_is_left_to_it(tmp_path: Path, fake_launch: 
 
 # ----------------------------------------------------------------------------- the report
 def report_spec(tmp_path: Path) -> Spec:
-    columns = """
-[baseline]
-elastic = "fedavg"
-[[columns]]
-title = "last 2 (%)"
-metric = "last"
-rounds = 2
-scale = 100
-digits = 2
-[[columns]]
-title = "vs"
-metric = "last"
-rounds = 2
-scale = 100
-digits = 2
-vs = true
-[[columns]]
-title = "to 50 %"
-metric = "reach"
-target = 0.5
-digits = 1
-[[columns]]
-title = "gamma"
-metric = "values"
-key = "g"
-show = "range"
-digits = 1
-[[columns]]
-title = "paper"
-metric = "paper"
-digits = 1
-[[paper]]
-method = "fedavg"
-value = 55.0
-"""
-    return small_spec(tmp_path, columns)
+    columns = [
+        {"title": "last 2 (%)", "metric": "last", "rounds": 2, "scale": 100, "digits": 2},
+        {"title": "vs", "metric": "last", "rounds": 2, "scale": 100, "digits": 2, "vs": True},
+        {"title": "to 50 %", "metric": "reach", "target": 0.5, "digits": 1},
+        {"title": "gamma", "metric": "values", "key": "g", "show": "range", "digits": 1},
+        {"title": "paper", "metric": "paper", "digits": 1},
+    ]
+    return load_spec(
+        make_spec(
+            tmp_path,
+            baseline={"elastic": "fedavg"},
+            columns=columns,
+            paper=[{"method": "fedavg", "value": 55.0}],
+        )
+    )
 
 
 def test_a_median_column_pools_every_round_of_every_seed(tmp_path: Path) -> None:
-    columns = """
-[[columns]]
-title = "median"
-metric = "values"
-key = "g"
-show = "median"
-"""
-    spec = small_spec(tmp_path, columns)
+    column = {"title": "median", "metric": "values", "key": "g", "show": "median"}
+    spec = load_spec(make_spec(tmp_path, columns=[column]))
     rounds = {"0": [9.0, 1.0, 2.0, 7.0], "1": [9.0, 3.0, 4.0, 5.0], "2": [9.0, 6.0, 8.0, 10.0]}
     for run in spec.runs():
         extra = {"g": rounds[run.labels["seed"]]}
@@ -363,9 +342,8 @@ show = "median"
     data = [d for d in (read_run(run) for run in spec.runs()) if d is not None]
     # Rounds 1-3 of the three seeds: 1 2 7 3 4 5 6 8 10, whose median is 5 (round 0 left out).
     assert "| fedavg | 3 | 3 | 5.00 |" in table(spec, data)
-    wrong = columns.replace('metric = "values"', 'metric = "last"')
     with pytest.raises(SpecError, match="metric 'values' goes with show 'range' or 'median'"):
-        small_spec(tmp_path, wrong)
+        load_spec(make_spec(tmp_path, columns=[{**column, "metric": "last"}]))
 
 
 def test_the_table_shows_mean_and_sample_sd_over_seeds_and_seed_paired_differences(
@@ -451,8 +429,10 @@ def test_the_documented_user_spec_runs_and_reports(tmp_path: Path, flower_env: N
 def test_more_rounds_continue_a_finished_run_to_the_same_numbers_as_a_fresh_one(
     tmp_path: Path, flower_env: None
 ) -> None:
-    text = '[settings]\ndataset = "digits"\nnum-clients = 3\nlocal-epochs = 1\n[methods.elastic]\n'
-    path = write_spec(tmp_path, text)
+    settings = {"dataset": "digits", "num-clients": 3, "local-epochs": 1}
+    path = make_spec(
+        tmp_path, title=None, runs=None, grid=None, settings=settings, methods={"elastic": {}}
+    )
     extended = load_spec(path, runs_dir=tmp_path / "extended")
     extended.settings["num-server-rounds"] = 2
     run_spec(extended)
@@ -487,17 +467,16 @@ def write_scaled_run(settings: dict[str, Any]) -> None:
 def test_a_function_runtime_runs_each_run_with_settings_the_app_does_not_know(
     tmp_path: Path,
 ) -> None:
-    text = f"""
-runtime = "tests.test_runner:write_scaled_run"
-runs = "{tmp_path / "runs"}"
-name = "scale{{scale}}-seed{{seed}}"
-columns = [{{ title = "final", metric = "final", digits = 2 }}]
-[settings]
-num-server-rounds = 3
-[grid]
-scale = [0.1, 0.2]
-"""
-    spec = load_spec(write_spec(tmp_path, text))
+    path = make_spec(
+        tmp_path,
+        title=None,
+        runtime="tests.test_runner:write_scaled_run",
+        name="scale{scale}-seed{seed}",
+        columns=[{"title": "final", "metric": "final", "digits": 2}],
+        grid={"scale": [0.1, 0.2]},
+        methods=None,
+    )
+    spec = load_spec(path)
     assert [run.extra for run in spec.runs()] == [{"scale": 0.1}, {"scale": 0.2}]
     run_spec(spec)
     data = [d for d in (read_run(run) for run in spec.runs()) if d is not None]
@@ -511,14 +490,17 @@ scale = [0.1, 0.2]
 def test_a_spec_with_diagnostics_draws_their_figures_beside_its_table(
     tmp_path: Path, flower_env: None
 ) -> None:
-    text = f"""
-extends = "{REPO / "benchmarks" / "specs" / "diagnostics-digits.toml"}"
-runtime = "inprocess"
-[settings]
-num-server-rounds = 2
-num-clients = 3
-"""
-    spec = load_spec(write_spec(tmp_path, text), runs_dir=tmp_path / "runs")
+    path = make_spec(
+        tmp_path,
+        title=None,
+        runs=None,
+        grid=None,
+        methods=None,
+        extends=str(REPO / "benchmarks" / "specs" / "diagnostics-digits.toml"),
+        runtime="inprocess",
+        settings={"num-server-rounds": 2, "num-clients": 3},
+    )
+    spec = load_spec(path, runs_dir=tmp_path / "runs")
     run_spec(spec)
     data = [d for d in (read_run(run) for run in spec.runs()) if d is not None]
     assert [d.rounds[-1]["diag-clients"] for d in data] == [3, 3]

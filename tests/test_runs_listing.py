@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from beyond_averaging.server.inprocess import run_inprocess
-from beyond_averaging.server.launch import main as ba_run
-from beyond_averaging.server.recorder import RunRecorder
+from beyond_averaging.server.cli.main import main as ba_run
+from beyond_averaging.server.runs.recorder import RunRecorder
+from beyond_averaging.server.runtime.inprocess import run_inprocess
 from tests.deploy_helpers import REPO, read_metrics
 from tests.test_run_outcomes import LEAN as LEAN_RUN
 

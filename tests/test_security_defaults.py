@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from beyond_averaging.server.inprocess import run_inprocess
+from beyond_averaging.server.runtime.inprocess import run_inprocess
 from tests.deploy_helpers import REPO, published_ports
 
 SUPERLINK = "superlink"
@@ -85,7 +85,7 @@ def test_run_outputs_are_readable_by_their_owner_only(tmp_path: Path, umask_022:
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     files = {path.name: stat.S_IMODE(path.stat().st_mode) for path in run_dir.iterdir()}
     expected = {"metrics.jsonl", "summary.json", "checkpoint.pt", "final_model.pt", ".owner.lock"}
-    expected.add("curves.png")  # the run's accuracy and loss plot (server.runs.plot_run)
+    expected.add("curves.png")  # the run's accuracy and loss plot (server.runs.plots.plot_run)
     # Each reply's record, and the partition's label counts with their plot.
     expected |= {"clients.jsonl", "partitions.json", "partitions.png"}
     assert set(files) == expected
@@ -95,7 +95,7 @@ def test_run_outputs_are_readable_by_their_owner_only(tmp_path: Path, umask_022:
 def test_a_resumed_run_makes_an_older_world_readable_folder_private(
     tmp_path: Path, umask_022: None
 ) -> None:
-    from beyond_averaging.server.recorder import RunRecorder
+    from beyond_averaging.server.runs.recorder import RunRecorder
 
     old = tmp_path / "old"
     old.mkdir(mode=0o755)

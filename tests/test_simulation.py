@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from beyond_averaging.server.launch import LaunchError, launch, processes_with_environment
+from beyond_averaging.server.overrides import LaunchError
+from beyond_averaging.server.runtime.launch import launch
+from beyond_averaging.server.runtime.processes import processes_with_environment
 from tests.conftest import REPO, read_metrics
 
 pytestmark = pytest.mark.simulation

@@ -16,8 +16,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from beyond_averaging.server import supervise
-from beyond_averaging.server.supervise import FORGOTTEN, Supervisor
+from beyond_averaging.server.deploy import supervise
+from beyond_averaging.server.deploy.supervise import FORGOTTEN, Supervisor
 from tests.conftest import REPO
 
 
@@ -46,7 +46,7 @@ def run_until(supervisor: Supervisor, condition: object, timeout: float = 60.0) 
 def test_the_console_script_is_the_supervisors_main() -> None:
     data = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     module, function = data["project"]["scripts"]["ba-supernode"].split(":")
-    assert module == "beyond_averaging.server.supervise"
+    assert module == "beyond_averaging.server.deploy.supervise"
     assert getattr(supervise, function) is supervise.main
 
 
@@ -119,7 +119,7 @@ def test_sigterm_stops_the_supervisor_and_its_process_for_good(tmp_path: Path) -
     )
     # ba-supernode's main, with the stand-in in place of flower-supernode.
     program = (
-        "import sys\nfrom beyond_averaging.server import supervise\n"
+        "import sys\nfrom beyond_averaging.server.deploy import supervise\n"
         "supervise.flower_supernode = lambda: sys.executable\n"
         f"raise SystemExit(supervise.main([{str(script)!r}]))\n"
     )

@@ -1,4 +1,4 @@
-"""Experiment trackers (strategies/tracking.py, server/tracking.py).
+"""Experiment trackers (strategies/tracking.py, server/runs/tracking.py).
 
 What a run sends to TensorBoard, MLflow and W&B is read back with each tool's own reader
 (TensorBoard's EventAccumulator, MLflow's MlflowClient, W&B's offline run file through wandb's
@@ -25,7 +25,7 @@ from beyond_averaging import __version__, track
 from beyond_averaging.client.app import app as client_app
 from beyond_averaging.server.app import client_task
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.inprocess import InProcessGrid, run_inprocess
+from beyond_averaging.server.runtime.inprocess import InProcessGrid, run_inprocess
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.tracking import Tracker, TrackerUnavailableError
 from beyond_averaging.tasks.models import build_model

@@ -1,4 +1,4 @@
-"""Trigger unlearning (strategies/trigger_unlearning.py): Neural Cleanse's patch search and
+"""Trigger unlearning (strategies/defences/trigger_unlearning.py): Neural Cleanse's patch search and
 unlearning on the server's root set, as backdoor-defence for every rule."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from beyond_averaging.strategies import (
     FedLAW,
     TriggerUnlearning,
 )
-from beyond_averaging.strategies.trigger_unlearning import (
+from beyond_averaging.strategies.defences.trigger_unlearning import (
     InvertedTrigger,
     anomaly_index,
     invert_trigger,

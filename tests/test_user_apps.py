@@ -17,7 +17,7 @@ recipe; each may add or replace at most 3 lines of a file, measured by diffing t
 against the unpatched app. When a docs page changes, every test here uses the change.
 
 Default suite (seconds): the recipes are in the docs once, apply to both apps within the line
-budget, and each rule runs 2 rounds of both patched apps in process (server/inprocess.py).
+budget, and each rule runs 2 rounds of both patched apps in process (server/runtime/inprocess.py).
 
 Marked ``userapp`` (their own line of ``.ci/run``, through ``scripts/flower_matrix.py``): the
 library's wheel in a clean virtual environment per Flower release, installed with the release
@@ -52,9 +52,9 @@ import pytest
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore.constant import DEFAULT_SIMULATION_CONFIG
 
-from beyond_averaging.server import inprocess
-from beyond_averaging.server.flower_release import FlowerRelease
-from beyond_averaging.server.warm_executor import READY
+from beyond_averaging.server.deploy.flower_release import FlowerRelease
+from beyond_averaging.server.deploy.warm_executor import READY
+from beyond_averaging.server.runtime import inprocess
 from tests.flower_runtime import (
     FlowerInstall,
     FlowerLink,
@@ -186,8 +186,9 @@ RULES = (
     Rule("fedgma", "FedGMA", "fedgma-server", "fedgma-client"),
     Rule("fedgma-soft", "FedGMASoft", "fedgma-soft-server", None),
 )
-#: The line each rule logs every round about what it did (strategies/reporting.py), for round
-#: ``{round}``; its page's recipe shows one (test_each_rule_page_shows_the_line_its_rule_logs).
+#: The line each rule logs every round about what it did (strategies/replies/reporting.py), for
+#: round ``{round}``; its page's recipe shows one
+#: (test_each_rule_page_shows_the_line_its_rule_logs).
 ROUND_LINES = {
     "FedAvg": r"round {round}: FedAvg \| \d+/\d+ replies kept, \d+ clipped, \d+ dropped",
     "ElasticAggregation": r"round {round}: ElasticAggregation \| zeta mean \d\.\d{{4}}, "
@@ -575,7 +576,7 @@ def check_run(outcome: RunOutcome, rule: Rule) -> list[str]:
 
 
 #: The end of a real run's streamed log (flwr 1.39, quickstart with FedAvg), colour codes kept,
-#: with the rule's line of each round (strategies/reporting.py).
+#: with the rule's line of each round (strategies/replies/reporting.py).
 RECORDED_LOG = """\
 \x1b[92mINFO \x1b[0m:      Starting FedAvg strategy:
 \x1b[92mINFO \x1b[0m:      round 1: FedAvg | 4/4 replies kept, 0 clipped, 0 dropped

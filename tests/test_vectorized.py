@@ -30,7 +30,7 @@ from beyond_averaging.client.vectorized import (
 )
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import RunConfig, parse_run_config
-from beyond_averaging.server.inprocess import run_inprocess
+from beyond_averaging.server.runtime.inprocess import run_inprocess
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.tasks.federation import load_server_splits
 from beyond_averaging.tasks.models import build_model

@@ -27,9 +27,10 @@ import torch
 from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResultStatus
 
-from beyond_averaging.server import deploy, supervise, warm_executor
-from beyond_averaging.server.flower_release import FlowerRelease
-from beyond_averaging.server.warm_executor import ForkExecutor
+from beyond_averaging.server.deploy import local as deploy
+from beyond_averaging.server.deploy import supervise, warm_executor
+from beyond_averaging.server.deploy.flower_release import FlowerRelease
+from beyond_averaging.server.deploy.warm_executor import ForkExecutor
 
 #: Module state a child changes: a later child must not see the change.
 STATE = {"calls": 0}

@@ -1,0 +1,412 @@
+"""``ba-warm-executor``: a SuperNode's ClientApps forked from one warm, pre-imported process.
+
+Flower's default (``--isolation subprocess``) starts a fresh Python for every message a SuperNode
+handles: ``flower-superexec`` polls the SuperNode's Runtime API for a task and runs
+``flwr-clientapp --token ...`` as a new process. Each of those pays the interpreter's start and
+the imports of Flower and torch again, about 3-4 CPU-seconds per message on this project's
+machine, while the ClientApp's own data, model and training take a few hundredths
+(docs/results/deployment-grpc.md).
+
+This executor is Flower's own SuperExec loop (``run_superexec``: ask the Runtime API for a task,
+hand the task's token to an executor) with one difference, the executor: instead of
+``subprocess.Popen(["flwr-clientapp", ...])`` it forks itself. The parent imports Flower's
+ClientApp runtime, torch and the app (``--preload``) once, before the first task; each task's
+ClientApp then runs Flower's ``run_clientapp`` in a forked child, which exits when the message is
+answered. So:
+
+- **kept**: one process per message. A message's ClientApp cannot see what an earlier message's
+  left in memory (each child starts from the parent's state at the time it was forked, which
+  never runs a ClientApp), and a ClientApp that raises, hangs or is killed takes only its own
+  message down; the parent reaps it and kills one that outlives ``--task-timeout``.
+- **given up**: the child shares the parent's interpreter state as it was after the imports
+  (the modules, their module-level objects, the random generators, which :func:`_reset_child`
+  reseeds); a fresh interpreter would build its own. An app that changes global state at import
+  time sees the parent's import, not a new one; an app whose module changes on disk between
+  messages needs the executor restarted (``ba-supernode`` restarts it when it ends).
+- **never in the parent**: any torch operation or CUDA. A fork copies only the calling thread,
+  so a parent that had started OpenMP's thread pool or initialised CUDA would hand its children
+  a broken runtime. The parent only imports (torch starts no thread on import) and refuses to
+  start if CUDA was initialised by a preloaded module; each child initialises CUDA itself, once
+  per message, when its ClientApp first touches the GPU (docs/deployment.md, "Warm executor").
+
+``ba-supernode`` (server/deploy/supervise.py) starts one next to each SuperNode by default and
+starts it again when it ends; by hand, beside ``flower-supernode --isolation process``::
+
+    flower-supernode --insecure --superlink 127.0.0.1:9092 --isolation process --port 9094 \\
+        --node-config 'partition-id=0 num-partitions=2'
+    ba-warm-executor --insecure --runtime-api-address 127.0.0.1:9094 --preload pytorchexample.task
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from .flower_release import FlowerRelease
+
+if TYPE_CHECKING:
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult
+
+#: Imported by the parent before the first task: Flower's ClientApp runtime (what
+#: ``flwr-clientapp`` imports), torch, and this project's ClientApp. ``--preload`` adds more (a
+#: user's app, torchvision, ``torch._dynamo`` for apps that build ``torch.optim`` optimizers).
+DEFAULT_PRELOAD = (
+    "flwr.supernode.runtime.run_clientapp",
+    "flwr.supercore.tls",
+    "torch",
+    "beyond_averaging.client.app",
+)
+#: Seconds a ClientApp may run before the parent kills it (Flower's SuperNode then answers its
+#: message with an error reply; the server's own ``round-timeout`` is 600 s by default too).
+DEFAULT_TASK_TIMEOUT = 600.0
+#: The line the warm parent prints once its modules are imported (tests and logs look for it).
+READY = "ba-warm-executor: ready"
+#: Process names (Linux ``comm``, 15 characters at most) that ``ps``, ``top`` and the deployment
+#: benchmark see: the warm parent and a ClientApp forked from it.
+PARENT_NAME = "ba-warm-exec"
+CHILD_NAME = "ba-clientapp"
+
+
+def set_process_name(name: str) -> None:
+    """Name this process in ``/proc/self/comm`` (Linux; elsewhere nothing happens)."""
+    try:
+        with open("/proc/self/comm", "w", encoding="ascii") as comm:
+            comm.write(name[:15])
+    except OSError:  # not Linux, or /proc not mounted
+        pass
+
+
+def preload(modules: Sequence[str]) -> list[str]:
+    """Import ``modules`` into this (the parent) process; return the names that failed.
+
+    A module that is not installed is skipped with its name returned (a ClientApp that needs it
+    fails in its own message, as it would without preloading). CUDA must not be initialised
+    here: :func:`cuda_initialised` is checked by the caller.
+    """
+    missing = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def cuda_initialised() -> bool:
+    """Whether torch (if imported) has initialised CUDA in this process."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    return bool(torch.cuda.is_initialized())
+
+
+def _reset_child() -> None:
+    """What a forked child sets up before it runs a ClientApp.
+
+    Signal handlers go back to the defaults (the parent's run Flower's SuperExec exit handlers,
+    which would close the parent's client and stop the parent's other children);
+    ``run_clientapp`` installs its own. The random
+    generators that Python does not reseed after a fork (NumPy's global one, torch's) are reseeded
+    from the OS, as a fresh process would be: otherwise every message's ClientApp would draw the
+    same numbers. (Python's ``random`` reseeds itself after a fork.)
+    """
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):  # the ones Flower handles
+        signal.signal(signum, signal.SIG_DFL)
+    set_process_name(CHILD_NAME)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+
+
+def run_child(spec: ExecutionSpec) -> NoReturn:
+    """Run one task's ClientApp with Flower's ``run_clientapp`` and leave the process.
+
+    Always leaves with ``os._exit``: the parent's ``atexit`` handlers and its open client must
+    not run or be closed from here.
+    """
+    code = 1
+    try:
+        _reset_child()
+        from flwr.supercore.tls import validate_and_resolve_root_certificates
+        from flwr.supernode.runtime.run_clientapp import run_clientapp
+
+        run_clientapp(
+            runtime_api_address=spec.runtime_api_address,
+            token=spec.token,
+            insecure=spec.insecure,
+            certificates=validate_and_resolve_root_certificates(
+                spec.root_certificates_path, spec.insecure
+            ),
+            parent_pid=spec.parent_pid,
+            runtime_dependency_install=spec.runtime_dependency_install,
+        )
+        code = 0
+    except SystemExit as leaving:  # flwr_exit ends the ClientApp with sys.exit(code)
+        code = leaving.code if isinstance(leaving.code, int) else int(leaving.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
+
+@dataclass
+class _Child:
+    """A forked ClientApp: its task and when it must have ended."""
+
+    task_id: int
+    started: float
+    deadline: float
+
+
+class ForkExecutor:
+    """Flower's ``Executor`` interface (``flwr.supercore.superexec.executor``): ClientApp tasks
+    run in a child forked from this process; any other task type is started as Flower's
+    ``SubprocessExecutor`` starts it.
+
+    Parameters
+    ----------
+    task_timeout : float
+        Seconds a child may run before it is killed (SIGKILL).
+    say : callable, optional
+        Where the executor's own lines go (Flower's logger by default).
+    """
+
+    def __init__(self, task_timeout: float = DEFAULT_TASK_TIMEOUT, say: Any = None) -> None:
+        from flwr.supercore.superexec.executor import SubprocessExecutor
+
+        if task_timeout <= 0:
+            raise ValueError(f"task_timeout must be positive seconds, got {task_timeout!r}")
+        self.task_timeout = task_timeout
+        self.children: dict[int, _Child] = {}
+        self.fallback = SubprocessExecutor()
+        self.say = say if say is not None else _flower_log
+
+    def get_eligible_capacity(
+        self,
+        supported_task_types: set[TaskType],
+        *,
+        insecure: bool = False,
+        root_certificates_path: str | None = None,
+    ) -> tuple[set[TaskType], set[str]]:
+        """Every task type may be launched at once (a fork has no capacity gate)."""
+        del insecure, root_certificates_path
+        return supported_task_types, set()
+
+    def wait_for_capacity(
+        self,
+        task_type: TaskType | None = None,
+        *,
+        fab_hash: str | None = None,
+        insecure: bool = False,
+        root_certificates_path: str | None = None,
+    ) -> None:
+        """Return at once: launches are not gated."""
+        del task_type, fab_hash, insecure, root_certificates_path
+
+    def launch(self, spec: ExecutionSpec) -> LaunchResult:
+        """Fork a child for a ClientApp task (other task types: a subprocess, as Flower does)."""
+        from flwr.supercore.constant import TaskType
+        from flwr.supercore.superexec.executor import LaunchResult
+
+        if spec.task_type != TaskType.CLIENT_APP:
+            return self.fallback.launch(spec)
+        if cuda_initialised():
+            return LaunchResult.failed(
+                "CUDA is initialised in the warm executor's parent process, so a forked "
+                "ClientApp cannot use it: preload no module that touches the GPU at import"
+            )
+        for stream in (sys.stdout, sys.stderr):  # what is buffered would be written twice
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            self.children.clear()  # its siblings are not its to reap or stop
+            run_child(spec)
+        now = time.monotonic()
+        self.children[pid] = _Child(spec.task_id, now, now + self.task_timeout)
+        return LaunchResult.accepted()
+
+    def reconcile(self) -> None:
+        """Reap ended children (logging any that failed) and kill those past the timeout."""
+        now = time.monotonic()
+        for pid, child in list(self.children.items()):
+            try:
+                ended, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere
+                del self.children[pid]
+                continue
+            if ended:
+                del self.children[pid]
+                code = os.waitstatus_to_exitcode(status)
+                if code != 0:
+                    how = f"signal {-code}" if code < 0 else f"status {code}"
+                    self.say(
+                        f"the ClientApp of task {child.task_id} (pid {pid}) ended with {how} "
+                        f"after {now - child.started:.1f} s: that message fails, the others go on"
+                    )
+            elif now > child.deadline:
+                self.say(
+                    f"the ClientApp of task {child.task_id} (pid {pid}) ran past the task "
+                    f"timeout ({self.task_timeout:g} s): killed; its message fails"
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Stop every running child (the executor is shutting down)."""
+        for pid in list(self.children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        while self.children and time.monotonic() < deadline:
+            self.reconcile()
+            time.sleep(0.05)
+        for pid in list(self.children):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        self.children.clear()
+
+
+def _flower_log(line: str) -> None:
+    from logging import WARNING
+
+    from flwr.common.logger import log
+
+    log(WARNING, "ba-warm-executor: %s", line)
+
+
+def serve(
+    runtime_api_address: str,
+    *,
+    insecure: bool,
+    root_certificates: str | None,
+    task_timeout: float,
+    parent_pid: int | None = None,
+) -> None:
+    """Run Flower's SuperExec loop against a SuperNode's Runtime API with :class:`ForkExecutor`.
+
+    ``run_superexec`` builds its executor with the module's ``get_executor``; that one name is
+    pointed at a function that returns this process's :class:`ForkExecutor`, so everything else
+    (authentication, retries, signal handling, tracing) is Flower's own code of the installed
+    release. :meth:`server.deploy.flower_release.FlowerRelease.warm_executor_problem` names a
+    release that lacks the pieces.
+    """
+    from flwr.supercore.superexec import run_superexec as superexec
+
+    executor = ForkExecutor(task_timeout=task_timeout)
+
+    def fork_executor(*_args: object, **_kwargs: object) -> ForkExecutor:
+        return executor
+
+    superexec.get_executor = fork_executor  # type: ignore[attr-defined]
+    superexec.run_superexec(
+        runtime_api_address=runtime_api_address,
+        insecure=insecure,
+        root_certificates_path=root_certificates,
+        parent_pid=parent_pid,
+        runtime_dependency_install=False,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``ba-warm-executor``."""
+    parser = argparse.ArgumentParser(
+        prog="ba-warm-executor",
+        description="Run a SuperNode's ClientApps (flower-supernode --isolation process) in "
+        "processes forked from this one, which imports Flower, torch and the app once.",
+    )
+    parser.add_argument(
+        "--runtime-api-address",
+        default="127.0.0.1:9094",
+        help="the SuperNode's Runtime API (flower-supernode --host/--port; default 127.0.0.1:9094)",
+    )
+    security = parser.add_mutually_exclusive_group(required=True)
+    security.add_argument(
+        "--insecure",
+        action="store_true",
+        help="the Runtime API serves no TLS (a SuperNode started without --ssl-* flags)",
+    )
+    security.add_argument(
+        "--root-certificates",
+        metavar="CA_FILE",
+        help="the CA that signed the Runtime API's certificate (flower-supernode --ssl-*)",
+    )
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module to import before the first task, besides "
+        f"{', '.join(DEFAULT_PRELOAD)} (repeatable; e.g. your app's task module, torchvision, "
+        "torch._dynamo for apps that build torch.optim optimizers)",
+    )
+    parser.add_argument(
+        "--task-timeout",
+        type=float,
+        default=DEFAULT_TASK_TIMEOUT,
+        help=f"seconds a ClientApp may run before it is killed (default {DEFAULT_TASK_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--parent-pid", type=int, help="end when this process ends (as flower-superexec does)"
+    )
+    args = parser.parse_args(argv)
+    if args.task_timeout <= 0:
+        parser.error(f"--task-timeout must be positive seconds, got {args.task_timeout:g}")
+    problem = FlowerRelease.installed().warm_executor_problem()
+    if problem is not None:
+        print(f"ba-warm-executor: {problem}", file=sys.stderr)
+        return 2
+    set_process_name(PARENT_NAME)
+    missing = preload([*DEFAULT_PRELOAD, *args.preload])
+    for name in missing:
+        print(f"ba-warm-executor: --preload {name}: not importable here, skipped", file=sys.stderr)
+    if cuda_initialised():
+        print(
+            "ba-warm-executor: CUDA was initialised while preloading "
+            f"{', '.join(args.preload) or 'the default modules'}; a forked ClientApp could not "
+            "use the GPU: preload no module that touches CUDA at import",
+            file=sys.stderr,
+        )
+        return 2
+    # What the imports made is never freed: out of the collector's sight, a child's collections
+    # do not write to (and so copy) the pages it shares with this process (Python's gc docs).
+    gc.collect()
+    gc.freeze()
+    loaded = [name for name in [*DEFAULT_PRELOAD, *args.preload] if name not in missing]
+    print(
+        f"{READY} (pid {os.getpid()}, preloaded {', '.join(loaded)}); forking "
+        f"the ClientApps of the SuperNode's Runtime API at {args.runtime_api_address}",
+        file=sys.stderr,
+        flush=True,
+    )
+    serve(
+        args.runtime_api_address,
+        insecure=args.insecure,
+        root_certificates=args.root_certificates,
+        task_timeout=args.task_timeout,
+        parent_pid=args.parent_pid,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
