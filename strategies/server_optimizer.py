@@ -96,6 +96,7 @@ class ServerOptimizer:
         first += (1.0 - self.beta1) * grad
         second *= self.beta2
         second += (1.0 - self.beta2) * np.square(grad)
-        denominator = np.sqrt(second)
+        # out= keeps an array for a 0-d tensor too, where np.sqrt alone returns a NumPy scalar.
+        denominator = np.sqrt(second, out=np.empty_like(second))
         denominator += self.eps
         return np.divide(first, denominator, out=denominator)
