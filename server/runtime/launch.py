@@ -221,11 +221,23 @@ def launch_runtime(
             ray_address=ray_address,
             console=console,
         )
-    if ray_address is not None:
+    check_runtime(runtime, ray_address)
+    return launch_inprocess(app_dir, overrides, threads=client_cpus, console=console)
+
+
+def check_runtime(runtime: str, ray_address: str | None) -> None:
+    """Refuse a runtime that is not one, or ``ray_address`` with a runtime that uses no Ray;
+    ``ba-run`` calls it before it makes the run's folder, so a refused launch leaves none.
+
+    Raises
+    ------
+    LaunchError
+        The runtime is unknown, or given a Ray address it cannot use.
+    """
+    if runtime not in RUNTIMES:
+        raise LaunchError(f"runtime = {runtime!r}: choose one of {', '.join(RUNTIMES)}")
+    if ray_address is not None and runtime != "simulation":
         raise LaunchError(
             f"--ray-address = {ray_address!r} runs Flower's simulation on a Ray cluster; the "
             f"{runtime!r} runtime uses no Ray: drop --ray-address or use --runtime simulation"
         )
-    if runtime == "inprocess":
-        return launch_inprocess(app_dir, overrides, threads=client_cpus, console=console)
-    raise LaunchError(f"runtime = {runtime!r}: choose one of {', '.join(RUNTIMES)}")
