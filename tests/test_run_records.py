@@ -365,6 +365,17 @@ def test_a_bad_value_is_refused_in_one_line_with_exit_2_before_anything_starts(
     assert not runs.exists()
 
 
+def test_the_readme_default_run_logs_no_warning(tmp_path: Path) -> None:
+    # The README's run, shortened: digits, Dirichlet 0.5, 10 clients, every other option its
+    # default. Its clients disagree from round 1 (label skew), which turns the direction check
+    # off as the docs describe: a note, not a warning, for a user who changed nothing.
+    settings = {"num-server-rounds": 2, "run-name": "default", "output-dir": str(tmp_path)}
+    assert ba_run_inprocess(settings) == 0
+    log = (tmp_path / "default" / "log.txt").read_text(encoding="utf-8")
+    assert "direction check" in log  # the note is there, and said at INFO
+    assert [line for line in log.splitlines() if "WARNING" in line] == []
+
+
 def test_a_refused_ray_address_leaves_no_run_folder(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
