@@ -31,12 +31,14 @@ running and exits 0 even when the run failed. :func:`launch`
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 import threading
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from beyond_averaging.server.overrides import (
     LaunchError,
@@ -119,14 +121,15 @@ def run_command(
     timeout: float | None,
     console: RunConsole | None,
 ) -> int:
-    """Run ``command`` to its end (its output through ``console`` when given); its exit code.
+    """Run ``command`` to its end (its output through ``console`` when given, else to standard
+    output, without colour codes off a terminal); its exit code.
 
     Raises
     ------
     LaunchError
         It ran past ``timeout`` seconds (it is killed).
     """
-    if console is None:
+    if console is None and is_terminal(sys.stdout):
         try:
             return subprocess.run(
                 list(command), env=dict(env), cwd=cwd, timeout=timeout, check=False
@@ -142,7 +145,9 @@ def run_command(
         stdin=subprocess.DEVNULL,
     )
     assert process.stdout is not None
-    relay = threading.Thread(target=console.lines, args=(process.stdout,), daemon=True)
+    # Off a terminal (ba-sweep's log in a file), Flower's colour codes are left out.
+    target = console.lines if console is not None else _plain_lines
+    relay = threading.Thread(target=target, args=(process.stdout,), daemon=True)
     relay.start()
     try:
         process.wait(timeout=timeout)
@@ -185,11 +190,52 @@ def launch_inprocess(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        with flower_logs_to(console) if console is not None else nullcontext():
+        with flower_logs_to(console) if console is not None else plain_flower_logs():
             run_inprocess(app_dir, parse_overrides([*overrides, *extra]))
     except Exception as error:  # the ServerApp has written a failed summary when it got that far
         return completed_run(settings, f"the run raised {type(error).__name__}: {error}")
     return completed_run(settings, "the run returned")
+
+
+#: The colour codes Flower's console handler writes (SGR: ``ESC [ ... m``).
+ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def is_terminal(stream: IO[str]) -> bool:
+    """Whether ``stream`` is a terminal as rich decides it (``FORCE_COLOR``, ``TTY_COMPATIBLE``
+    honoured), the one test every console of the app uses."""
+    from rich.console import Console
+
+    return Console(file=stream).is_terminal
+
+
+def _plain_lines(stream: IO[bytes]) -> None:
+    """Copy a child's output to this process's standard output without colour codes."""
+    for raw in stream:
+        text = raw.decode("utf-8", errors="replace")
+        sys.stdout.write(ANSI_CODES.sub("", text))
+        sys.stdout.flush()
+
+
+@contextmanager
+def plain_flower_logs() -> Iterator[None]:
+    """Inside, Flower's console handlers write no colour codes to a stream that is not a
+    terminal (Flower colours its log always); their setting is restored afterwards."""
+    from flwr.supercore.logger import FLOWER_LOGGER, ConsoleHandler
+
+    plain = [
+        handler
+        for handler in FLOWER_LOGGER.handlers
+        if isinstance(handler, ConsoleHandler) and handler.colored
+        if not is_terminal(handler.stream)
+    ]
+    for handler in plain:
+        handler.colored = False
+    try:
+        yield
+    finally:
+        for handler in plain:
+            handler.colored = True
 
 
 #: ``ba-run --runtime`` choices; the first is the default.
