@@ -288,8 +288,12 @@ def _closest(error: Mapping[str, Any]) -> str | None:
             meant = tomllib.loads(f"v = {value.strip()}")["v"]
         except tomllib.TOMLDecodeError:
             return None
-        wanted = {"int_type": int, "float_type": (int, float), "bool_type": bool}[kind]
-        if isinstance(meant, wanted) and not (kind != "bool_type" and isinstance(meant, bool)):
+        fits = {
+            "int_type": isinstance(meant, int) and not isinstance(meant, bool),
+            "float_type": isinstance(meant, int | float) and not isinstance(meant, bool),
+            "bool_type": isinstance(meant, bool),
+        }
+        if fits[kind]:
             return f"{value.strip()} (without quotes)"
     if kind == "int_type" and isinstance(value, float):
         return repr(round(value))
