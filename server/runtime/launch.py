@@ -31,7 +31,6 @@ running and exits 0 even when the run failed. :func:`launch`
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -48,7 +47,7 @@ from beyond_averaging.server.overrides import (
 )
 from beyond_averaging.server.runs.folder import FINISHED_STATUSES, SUMMARY_FILE, read_summary
 
-from .processes import flower_environment
+from .processes import ANSI_CODES, flower_environment
 from .simulation import CONNECTION, simulation_superlink
 from .staging import stage_app
 
@@ -195,10 +194,6 @@ def launch_inprocess(
     except Exception as error:  # the ServerApp has written a failed summary when it got that far
         return completed_run(settings, f"the run raised {type(error).__name__}: {error}")
     return completed_run(settings, "the run returned")
-
-
-#: The colour codes Flower's console handler writes (SGR: ``ESC [ ... m``).
-ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def is_terminal(stream: IO[str]) -> bool:
