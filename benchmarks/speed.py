@@ -101,6 +101,16 @@ def time_ba_run(output_dir: Path) -> dict[str, Any]:
     }
 
 
+def time_refusal(output_dir: Path) -> dict[str, Any]:
+    """Wall seconds from the start of ``ba-run -c 'strategy="fedprox"'`` (a value that is not
+    allowed) to its exit, in a fresh process; its exit code and whether a run folder appeared."""
+    bad = run_config_argument({"output-dir": str(output_dir), "strategy": "fedprox"})
+    with Stopwatch() as clock:
+        done = subprocess.run([str(Path(sys.executable).parent / "ba-run"), "-c", bad], cwd=REPO)
+    folders = [p.name for p in output_dir.glob("fedprox-*")]
+    return {"refusal-seconds": clock.wall, "exit-code": done.returncode, "run-folders": folders}
+
+
 def yardstick_seconds(setting: str, device: torch.device, rounds: int) -> tuple[float, float]:
     """Median wall and CPU seconds of one round of all clients' local training as one vmapped
     SGD loop."""
@@ -205,7 +215,10 @@ def report(rows: Sequence[Row], ba_run: dict[str, Any] | None, device: str) -> s
             f"{ba_run['warm-seconds']:.1f} s warm ({ba_run['cold-seconds']:.1f} s the first "
             f"time; {ba_run['warm-cpu-seconds']:.1f} CPU seconds warm, which is the wall time "
             "it needs on an otherwise idle core), final test accuracy "
-            f"{ba_run['final-accuracy']:.4f} after round {ba_run['rounds']}.\n"
+            f"{ba_run['final-accuracy']:.4f} after round {ba_run['rounds']}. A value that is not "
+            f"allowed (`ba-run -c 'strategy=\"fedprox\"'`) was refused in "
+            f"{ba_run['refusal-seconds']:.2f} s from the command's start (exit code "
+            f"{ba_run['exit-code']}, run folders left: {len(ba_run['run-folders'])}).\n"
         )
     return "\n".join(text)
 
@@ -221,7 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads / CPUs per client")
     parser.add_argument("--ba-run", action="store_true", help="also time the default ba-run")
     parser.add_argument("--publish", action="store_true", help="also write docs/results/speed.md")
+    parser.add_argument("--refusal", action="store_true", help="only time a refused bad value")
     args = parser.parse_args(argv)
+    if args.refusal:
+        with tempfile.TemporaryDirectory(prefix="speed-refusal-") as runs:
+            print(f"[speed] {time_refusal(Path(runs))}", flush=True)
+        return 0
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     rows: list[Row] = []

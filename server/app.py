@@ -43,7 +43,7 @@ from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import LIBRARY_VERSION_KEY, ClientTask
 
 from .bounded_pull import bound_reply_bytes
-from .config import RunConfig, parse_run_config
+from .config import ConfigError, RunConfig, parse_run_config
 from .rounds import RoundOutcome, run_rounds
 from .strategy_factory import ServerResources, build_strategy
 
@@ -398,7 +398,14 @@ def main(grid: Grid, context: Context) -> None:
 
     With ``resume-from = <run folder>`` the run continues in that folder from its checkpoint.
     """
-    config = parse_run_config(context.run_config)  # stops the run before round 1 on bad input
+    try:  # stops the run before round 1 on bad input
+        config = parse_run_config(context.run_config)
+    except ConfigError as error:
+        # One ERROR line per bad key, ahead of Flower's traceback: what a `flwr run` user reads
+        # (ba-run refuses the same values itself, before anything starts).
+        for problem in error.problems:
+            log(ERROR, "invalid run configuration: %s", problem)
+        raise
     check_fab_version(grid.run.fab_version)
     if config.server_optimizer == "adam" and config.resolved_server_lr >= 0.5:
         log(

@@ -8,7 +8,9 @@ turns every problem into one :class:`ConfigError` that names the key, the value 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,7 +21,15 @@ def _kebab(name: str) -> str:
 
 
 class ConfigError(ValueError):
-    """The run configuration is invalid; the message names each bad key, its value and the fix."""
+    """The run configuration is invalid; the message names each bad key, its value and the fix.
+
+    ``problems``: one line per bad key (or relation between keys), for a caller that reports
+    them in its own words (``ba-run`` on one line).
+    """
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems) or (message,)
 
 
 DatasetChoice = Literal[
@@ -239,18 +249,97 @@ class RunConfig(BaseModel):
         return self.model_dump(by_alias=True)
 
 
-def _describe(error: Mapping[str, Any]) -> str:
-    location = ".".join(_kebab(str(part)) for part in error.get("loc", ()))
+#: pydantic's bound errors: the context key of each and how a user reads the bound.
+_BOUNDS = {
+    "greater_than_equal": ("ge", ">="),
+    "greater_than": ("gt", ">"),
+    "less_than_equal": ("le", "<="),
+    "less_than": ("lt", "<"),
+}
+
+
+def _allowed(error: Mapping[str, Any]) -> str:
+    """What one pydantic error says is allowed, as a user reads it (``>= 1``, not "greater than
+    or equal to 1")."""
+    context = error.get("ctx") or {}
+    bound = _BOUNDS.get(str(error.get("type")))
+    if bound is not None and bound[0] in context:
+        return f"{bound[1]} {context[bound[0]]!r}"
+    return str(error.get("msg", "invalid")).removeprefix("Input should be ")
+
+
+def _closest(error: Mapping[str, Any]) -> str | None:
+    """The allowed value nearest to what was given: the closest choice by spelling (difflib),
+    the bound a number crossed, or the given text as the TOML value it was meant to be
+    (``"3"`` for ``3``, quotes dropped); None where nothing is near."""
     value = error.get("input")
-    message = str(error.get("msg", "invalid"))
+    context = error.get("ctx") or {}
+    kind = str(error.get("type"))
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", str(context.get("expected", "")))
+        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.0)
+        return repr(close[0]) if close else None
+    bound = _BOUNDS.get(kind)
+    if bound is not None and bound[0] in context:
+        limit = context[bound[0]]
+        return repr(limit) if kind.endswith("_equal") else f"a value just {bound[1]} {limit!r}"
+    if isinstance(value, str) and kind in ("int_type", "float_type", "bool_type"):
+        try:  # the value was quoted where a number or a boolean was meant
+            meant = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            return None
+        fits = {
+            "int_type": isinstance(meant, int) and not isinstance(meant, bool),
+            "float_type": isinstance(meant, int | float) and not isinstance(meant, bool),
+            "bool_type": isinstance(meant, bool),
+        }
+        if fits[kind]:
+            return f"{value.strip()} (without quotes)"
+    if kind == "int_type" and isinstance(value, float):
+        return repr(round(value))
+    if kind == "bool_type" and value in (0, 1):
+        return "true" if value else "false"
+    if kind == "string_type" and not isinstance(value, str):
+        return f'"{value}" (in quotes)'
+    return None
+
+
+def _describe(errors: Sequence[Mapping[str, Any]]) -> str:
+    """One line for the errors of one key (a union such as ``server-lr``'s gives one error per
+    alternative): the key, the value, what is allowed and the closest allowed value."""
+    error = errors[0]
+    location = _kebab(str(error["loc"][0])) if error.get("loc") else ""
+    value = error.get("input")
     if error.get("type") == "extra_forbidden":
         known = [f.alias or n for n, f in RunConfig.model_fields.items()]
         close = difflib.get_close_matches(location, known, n=1, cutoff=0.6)
         hint = f": did you mean '{close[0]}'?" if close else ""
         return f"unknown key '{location}' (value {value!r}): not a run option of this app{hint}"
     if not location:  # a relation between keys, already phrased with names and values
-        return message.removeprefix("Value error, ")
-    return f"key '{location}' = {value!r} is not allowed: {message}"
+        return str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    allowed = " or ".join(dict.fromkeys(_allowed(e) for e in errors))
+    closest = next((c for e in errors if (c := _closest(e)) is not None), None)
+    line = f"key '{location}' = {value!r} is not allowed: allowed is {allowed}"
+    return line + (f"; the closest allowed value is {closest}" if closest else "")
+
+
+def _problems(err: ValidationError) -> list[str]:
+    by_key: dict[str, list[Mapping[str, Any]]] = {}
+    for error in err.errors():
+        # the relations' errors name no key: each its own line
+        where = str(error["loc"][0]) if error.get("loc") else f"relation {len(by_key)}"
+        by_key.setdefault(where, []).append(error)
+    return [_describe(errors) for errors in by_key.values()]
+
+
+def config_problems(run_config: Mapping[str, Any]) -> list[str]:
+    """Every problem of ``run_config`` as :class:`RunConfig` finds it, one line per key (the
+    relations between keys included); empty when the configuration is valid."""
+    try:
+        RunConfig.model_validate(dict(run_config))
+    except ValidationError as err:
+        return _problems(err)
+    return []
 
 
 def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
@@ -259,17 +348,18 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     Raises
     ------
     ConfigError
-        One message listing every bad key with its value and what is allowed, and the list of
-        known keys when a key is unknown.
+        One message listing every bad key with its value, what is allowed and the closest allowed
+        value, and the list of known keys when a key is unknown; its ``problems`` hold the
+        lines.
     """
     try:
         return RunConfig.model_validate(dict(run_config))
     except ValidationError as err:
-        problems = [_describe(e) for e in err.errors()]
-        hint = ""
-        if any(e.get("type") == "extra_forbidden" for e in err.errors()):
-            known = ", ".join(sorted(f.alias or n for n, f in RunConfig.model_fields.items()))
-            hint = f"\nKnown keys: {known}"
-        raise ConfigError(
-            "Invalid run configuration:\n  - " + "\n  - ".join(problems) + hint
-        ) from None
+        problems = _problems(err)
+    hint = ""
+    if any(line.startswith("unknown key '") for line in problems):
+        known = ", ".join(sorted(f.alias or n for n, f in RunConfig.model_fields.items()))
+        hint = f"\nKnown keys: {known}"
+    raise ConfigError(
+        "Invalid run configuration:\n  - " + "\n  - ".join(problems) + hint, problems=problems
+    )

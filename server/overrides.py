@@ -6,12 +6,16 @@
 - :func:`parse_overrides`: ``-c`` values (``key=value`` pairs in Flower's ``--run-config``
   syntax, and TOML files), merged in order, the later winning;
 - :func:`check_keys`: an unknown key refused, naming the closest known one;
+- :func:`check_values`: every value checked by :class:`~beyond_averaging.server.config.RunConfig`
+  (the ServerApp's own check, relations between keys included), so that a bad value is refused
+  before any process starts, not by the ServerApp after the SuperLink and Ray;
 - :func:`run_settings`: the fused settings of a launch, with the run name and absolute output
   folder it adds where the configuration gives none;
 - :func:`run_config_argument`: settings written back as one ``--run-config`` value.
 
 :class:`LaunchError` is what a launch raises when a run cannot be started (here: options that
-cannot be read) or did not complete (:mod:`beyond_averaging.server.runtime.launch`).
+cannot be read) or did not complete (:mod:`beyond_averaging.server.runtime.launch`);
+:class:`OptionsError`, the kind of it for options that are not valid (``ba-run`` exits 2).
 """
 
 from __future__ import annotations
@@ -24,9 +28,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .config import config_problems
+
 
 class LaunchError(RuntimeError):
     """The run could not be started, or did not complete."""
+
+
+class OptionsError(LaunchError):
+    """The run's options are not valid (an unknown key, a value out of range): nothing started.
+
+    ``ba-run`` exits with :data:`CONFIG_EXIT_CODE` for it, as a command line tool does for a bad
+    argument.
+    """
+
+
+#: ``ba-run``'s exit code for options refused before anything starts (argparse's for bad usage).
+CONFIG_EXIT_CODE = 2
 
 
 def toml_value(value: Any) -> str:
@@ -107,19 +125,45 @@ def check_keys(overrides: Mapping[str, Any], known: Sequence[str], where: str) -
         hint = f": did you mean '{close[0]}'?" if close else ""
         problems.append(f"unknown run-config key '{key}'{hint}")
     if problems:
-        raise LaunchError(
+        raise OptionsError(
             "; ".join(problems) + f" (the app's keys are those of {where}; docs/configuration.md)"
+        )
+
+
+def check_values(settings: Mapping[str, Any]) -> None:
+    """Refuse settings that :class:`~beyond_averaging.server.config.RunConfig` refuses: the same
+    check the ServerApp makes, made here before any process starts.
+
+    Raises
+    ------
+    OptionsError
+        One line: each bad key with its value, what is allowed and the closest allowed value
+        (relations between keys in their own words), ``; ``-separated.
+    """
+    problems = config_problems(settings)
+    if problems:
+        raise OptionsError(
+            "invalid run configuration: " + "; ".join(problems) + " (docs/configuration.md)"
         )
 
 
 def run_settings(app_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     """The fused settings of a launch and the overrides it adds: a run name and an absolute
     output folder when the configuration gives none, so the launcher knows where the summary
-    will be."""
+    will be.
+
+    Raises
+    ------
+    OptionsError
+        An unknown key (:func:`check_keys`) or a value :func:`check_values` refuses.
+    LaunchError
+        The app or a ``-c`` file cannot be read.
+    """
     defaults = app_defaults(app_dir)
     given = parse_overrides(overrides)
     check_keys(given, list(defaults), f"[tool.flwr.app.config] in {app_dir / 'pyproject.toml'}")
     settings = defaults | given
+    check_values(settings)
     extra: list[str] = []
     run_name = str(settings.get("run-name") or "")
     if not run_name:
@@ -130,8 +174,5 @@ def run_settings(app_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, Any
     if not output_dir.is_absolute():
         output_dir = app_dir / output_dir
         extra.append(f'output-dir="{output_dir}"')
-    num_clients = settings.get("num-clients")
-    if not isinstance(num_clients, int) or num_clients < 1:
-        raise LaunchError(f"num-clients = {num_clients!r}: allowed is an integer >= 1")
     settings.update(parse_overrides(extra))
     return settings, extra

@@ -30,11 +30,11 @@ def test_override_with_an_int_for_a_float_option_is_accepted() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "allowed"),
     [
-        ("local-epochs", -1, "greater than or equal to 1"),
-        ("fraction-train", 0.0, "greater than 0"),
+        ("local-epochs", -1, "allowed is >= 1"),
+        ("fraction-train", 0.0, "allowed is > 0.0"),
         ("dataset", "cifar10", "'digits', 'fashion-mnist'"),
-        ("elastic-tau", 1.5, "less than or equal to 1"),
-        ("gma-threshold", -0.1, "greater than or equal to 0"),
+        ("elastic-tau", 1.5, "allowed is <= 1.0"),
+        ("gma-threshold", -0.1, "allowed is >= 0.0"),
         ("fedlaw-learn", "gamma", "'both', 'shrink' or 'clients'"),
         ("device", "tpu", "'auto', 'cpu' or 'cuda'"),
         ("batch-size", 1.5, "valid integer"),
@@ -51,6 +51,28 @@ def test_bad_value_error_names_key_value_and_what_is_allowed(
     assert f"'{key}'" in message
     assert repr(value) in message
     assert allowed in message
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "closest"),
+    [
+        ("tracker", "tensorbord", "the closest allowed value is 'tensorboard'"),
+        ("partition", "dirchlet", "the closest allowed value is 'dirichlet'"),
+        ("num-server-rounds", 0, "the closest allowed value is 1"),
+        ("dirichlet-alpha", 0.0, "the closest allowed value is a value just > 0.0"),
+        ("local-epochs", "3", "the closest allowed value is 3 (without quotes)"),
+        ("server-lr", "aut", "the closest allowed value is 'auto'"),
+        ("server-lr", -1.0, "the closest allowed value is 0.0"),
+    ],
+)
+def test_a_bad_value_is_one_line_ending_with_the_closest_allowed_value(
+    key: str, value: object, closest: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_run_config({key: value})
+    (line,) = caught.value.problems  # one line for the key, a union's alternatives included
+    assert line.startswith(f"key '{key}' = {value!r} is not allowed: allowed is ")
+    assert line.endswith(closest)
 
 
 def test_unknown_key_is_named_with_the_list_of_known_keys() -> None:

@@ -71,6 +71,26 @@ def test_server_lr_auto_is_recorded_as_auto_and_a_bad_word_is_refused() -> None:
         parse_run_config({"server-lr": "fast"})
 
 
+def test_the_server_app_under_flwr_run_logs_a_bad_value_as_one_error_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    from beyond_averaging.server.app import main as server_app_main
+
+    # What `flwr run` hands the ServerApp: the app's run config with a value ba-run would refuse.
+    context = SimpleNamespace(run_config={"strategy": "fedprox", "num-server-rounds": 0})
+    with caplog.at_level("ERROR", logger="flwr"), pytest.raises(ConfigError):
+        server_app_main(None, context)  # type: ignore[arg-type]  # stops before the grid
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert sorted(errors) == [  # one line per key
+        "invalid run configuration: key 'num-server-rounds' = 0 is not allowed: allowed is >= 1; "
+        "the closest allowed value is 1",
+        "invalid run configuration: key 'strategy' = 'fedprox' is not allowed: allowed is "
+        "'fedavg', 'elastic', 'fedlaw' or 'fedgma'; the closest allowed value is 'fedlaw'",
+    ]
+
+
 def test_fedadam_with_default_settings_learns(tmp_path: Path) -> None:
     # With server-lr 1.0 this run stayed at chance (test accuracy 0.10 after 15 rounds, 0.11
     # after 3); with Flower's eta 0.1 it learns (0.96 after 15 rounds).

@@ -234,3 +234,35 @@ def test_a_stale_ray_cluster_file_does_not_hold_up_the_simulation(
     log = (tmp_path / "stale" / "log.txt").read_text(encoding="utf-8")
     assert "round 1/1 | test accuracy" in log
     assert "\x1b" not in log
+
+
+# --- colour codes off a terminal ------------------------------------------------------------
+def test_a_runs_output_off_a_terminal_carries_no_colour_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import logging
+
+    from flwr.supercore.logger import FLOWER_LOGGER, ConsoleHandler
+
+    from beyond_averaging.server.runtime.launch import plain_flower_logs, run_command
+
+    # ba-sweep's log in a file: `flwr run`'s coloured lines (simulation) reach it plain ...
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    coloured = "print('\\x1b[92mINFO \\x1b[0m:      round 1/2')"
+    assert run_command([sys.executable, "-c", coloured], os.environ, tmp_path, 60, None) == 0
+    assert capsys.readouterr().out == "INFO :      round 1/2\n"
+    # ... and so do Flower's own records in this process (the in-process runtime).
+    stream = io.StringIO()
+    handler = ConsoleHandler(timestamps=False, json=False, colored=True)
+    handler.setStream(stream)
+    FLOWER_LOGGER.addHandler(handler)
+    try:
+        with plain_flower_logs():
+            FLOWER_LOGGER.log(logging.INFO, "round 1/2")
+        assert "\x1b" not in stream.getvalue()
+        assert "round 1/2" in stream.getvalue()
+        assert handler.colored  # Flower's setting is back for what runs after
+    finally:
+        FLOWER_LOGGER.removeHandler(handler)

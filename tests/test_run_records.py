@@ -316,7 +316,7 @@ def test_an_unknown_key_is_refused_with_the_closest_key_before_anything_starts(
     options.write_text("local-epoch = 3\n", encoding="utf-8")
     for runtime in launcher.RUNTIMES:
         for given in (["-c", "num-server-round=3"], ["-c", str(options)]):
-            assert ba_run(["--app", str(REPO), "--runtime", runtime, *given]) == 1
+            assert ba_run(["--app", str(REPO), "--runtime", runtime, *given]) == 2
             error = capsys.readouterr().err
             wanted = "num-server-rounds" if "round" in given[1] else "local-epochs"
             assert f"did you mean '{wanted}'?" in error
@@ -325,6 +325,66 @@ def test_an_unknown_key_is_refused_with_the_closest_key_before_anything_starts(
     assert "cannot read the file" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="did you mean 'dirichlet-alpha'"):
         parse_run_config({"dirichlet-alfa": 0.3})  # a Flower app run without ba-run
+
+
+@pytest.mark.parametrize(
+    ("given", "line"),
+    [
+        (
+            'strategy="fedav"',
+            "key 'strategy' = 'fedav' is not allowed: allowed is 'fedavg', 'elastic', 'fedlaw' or "
+            "'fedgma'; the closest allowed value is 'fedavg'",
+        ),
+        (
+            "num-server-rounds=0",
+            "key 'num-server-rounds' = 0 is not allowed: allowed is >= 1; the closest allowed "
+            "value is 1",
+        ),
+        (  # a relation between keys (RunConfig's model validator), checked as early
+            "min-train-replies=11 num-clients=10",
+            "min-train-replies = 11 exceeds num-clients = 10",
+        ),
+    ],
+)
+def test_a_bad_value_is_refused_in_one_line_with_exit_2_before_anything_starts(
+    given: str,
+    line: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    refuse_to_start(monkeypatch)
+    runs = tmp_path / "runs"
+    for runtime in launcher.RUNTIMES:
+        overrides = f'{given} output-dir="{runs}"'
+        assert ba_run(["--app", str(REPO), "--runtime", runtime, "-c", overrides]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("ba-run: error: invalid run configuration: ")
+        assert line in error
+        assert error.count("\n") == 1  # one line, no traceback
+    assert not runs.exists()
+
+
+def test_the_readme_default_run_logs_no_warning(tmp_path: Path) -> None:
+    # The README's run, shortened: digits, Dirichlet 0.5, 10 clients, every other option its
+    # default. Its clients disagree from round 1 (label skew), which turns the direction check
+    # off as the docs describe: a note, not a warning, for a user who changed nothing.
+    settings = {"num-server-rounds": 2, "run-name": "default", "output-dir": str(tmp_path)}
+    assert ba_run_inprocess(settings) == 0
+    log = (tmp_path / "default" / "log.txt").read_text(encoding="utf-8")
+    assert "direction check" in log  # the note is there, and said at INFO
+    assert [line for line in log.splitlines() if "WARNING" in line] == []
+
+
+def test_a_refused_ray_address_leaves_no_run_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse_to_start(monkeypatch)
+    runs = tmp_path / "runs"
+    given = ["--runtime", "inprocess", "--ray-address", "127.0.0.1:1"]
+    assert ba_run(["--app", str(REPO), *given, "-c", f'output-dir="{runs}"']) == 1
+    assert "the 'inprocess' runtime uses no Ray" in capsys.readouterr().err
+    assert not runs.exists()
 
 
 # --- smaller -------------------------------------------------------------------------------

@@ -169,7 +169,17 @@ def test_a_spec_extends_another_merging_settings_and_replacing_methods(tmp_path:
             "metric 'lst' is unknown: did you mean 'last'?",
         ),
         ('[[columns]]\ntitle = "x"\nrounds = "10"', "rounds = '10' must be a int"),
-        ('[[columns]]\ntitle = "x"\nvs = true', "add a [baseline] table"),
+        ('[[columns]]\ntitle = "x"\nvs = true', "add a [baseline] table (each line reads <"),
+        (  # docs/benchmarks.md once showed this form; the labels it names are those that exist
+            '[methods.fedavg]\n[methods.elastic]\n[baseline]\nmethod = "its baseline"',
+            "[baseline] method = \"its baseline\": 'method' and 'its baseline' are not [methods] "
+            'labels (the labels: fedavg, elastic); each line reads <method label> = "<its '
+            'baseline\'s label>", e.g. elastic = "fedavg"',
+        ),
+        (
+            '[methods.fedavg]\n[methods.elastic]\n[baseline]\nelastic = "fedav"',
+            "'fedav' is not a [methods] label",
+        ),
         ('name = "run-{moddel}"', "use {axis} or {run-config-key} fields"),
         ('name = "same"\n[grid]\nseed = [0, 1]', "gives several runs the name ['same']"),
         ('runtime = "ray"', "runtime = 'ray': choose one of"),
@@ -518,3 +528,26 @@ def test_the_spec_docs_benchmarks_shows_is_the_committed_file() -> None:
     page = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     shown = page.split("```toml\n", 1)[1].split("```", 1)[0]
     assert shown == (REPO / "benchmarks" / "specs" / "elastic-vs-fedavg.toml").read_text("utf-8")
+
+
+def test_git_ignores_what_ba_sweep_writes_by_default_in_the_checkout() -> None:
+    import shutil
+    import subprocess
+
+    from beyond_averaging.server.sweep.spec import Layout
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    layout = Layout(REPO)
+    written = [
+        layout.runs.format(stem="my-comparison") + "/fedavg-seed0/summary.json",
+        layout.report.format(stem="my-comparison"),
+    ]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *written],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split()
+    assert ignored == written

@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from beyond_averaging.server.overrides import (
+    CONFIG_EXIT_CODE,
     LaunchError,
+    OptionsError,
     app_defaults,
     parse_overrides,
     run_config_argument,
@@ -46,7 +48,7 @@ from beyond_averaging.server.overrides import (
 )
 from beyond_averaging.server.runs.folder import LOG_FILE, RUN_PLOT_FILE, SUMMARY_FILE, read_summary
 from beyond_averaging.server.runs.provenance import COMMAND_LINE_ENV
-from beyond_averaging.server.runtime.launch import RUNTIMES, launch_runtime
+from beyond_averaging.server.runtime.launch import RUNTIMES, check_runtime, launch_runtime
 
 from .status import STATUS_EXIT_CODES, print_alarms, print_status
 
@@ -256,23 +258,24 @@ def resume_overrides(run_dir: Path) -> list[str]:
 
 def run_and_report(args: argparse.Namespace) -> int:
     """One run from the command line: check it, run it under a :class:`RunConsole`, report it."""
-    from beyond_averaging.server.runtime.watch import RunConsole
-
     try:
         overrides = list(args.run_config)
         if args.resume is not None:
             overrides = [*resume_overrides(args.resume), *overrides]
         app_dir = args.app.resolve()
+        check_runtime(args.runtime, args.ray_address)
         settings, extra = run_settings(app_dir, overrides)
         overrides = [run_config_argument(parse_overrides([*overrides, *extra]))]
         folder = run_folder(settings)
         if not settings.get("resume-from"):
             claim_run_folder(folder, args.overwrite)
-    except LaunchError as error:  # nothing has started, nothing is written
+    except LaunchError as error:  # nothing has started, nothing is written, no run folder
         print(f"ba-run: error: {error}", file=sys.stderr)
-        return 1
-    rounds = settings.get("num-server-rounds")  # validated by the ServerApp; here a bar's total
-    total = rounds if isinstance(rounds, int) and rounds > 0 else 0
+        return CONFIG_EXIT_CODE if isinstance(error, OptionsError) else 1
+    total = int(settings["num-server-rounds"])  # checked by run_settings: the bar's total
+    # imports torch (seconds): only once the options are checked, so a refusal comes at once
+    from beyond_averaging.server.runtime.watch import RunConsole
+
     with RunConsole(folder, total, resumed=bool(settings.get("resume-from"))) as console:
         try:
             run_dir = launch_runtime(

@@ -45,6 +45,7 @@ from typing import Any
 from beyond_averaging.server.overrides import LaunchError, run_config_argument
 from beyond_averaging.server.runs.folder import read_summary
 from beyond_averaging.server.runtime.processes import (
+    ANSI_CODES,
     LAUNCH_MARKER,
     descendants,
     flower_environment,
@@ -568,7 +569,8 @@ def run_app(
         raise LaunchError(
             f"run {settings['run-name']!r} did not complete (status {status!r}, "
             f"error {summary.get('error')!r}); flwr run exited {completed.returncode}:\n"
-            f"{(completed.stdout + completed.stderr)[-3000:]}{extra}"
+            # an error message, printed or logged anywhere: Flower's colour codes left out
+            f"{ANSI_CODES.sub('', completed.stdout + completed.stderr)[-3000:]}{extra}"
         )
     return run_dir
 

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from beyond_averaging.server.overrides import (
     LaunchError,
@@ -46,7 +47,7 @@ from beyond_averaging.server.overrides import (
 )
 from beyond_averaging.server.runs.folder import FINISHED_STATUSES, SUMMARY_FILE, read_summary
 
-from .processes import flower_environment
+from .processes import ANSI_CODES, flower_environment
 from .simulation import CONNECTION, simulation_superlink
 from .staging import stage_app
 
@@ -119,14 +120,15 @@ def run_command(
     timeout: float | None,
     console: RunConsole | None,
 ) -> int:
-    """Run ``command`` to its end (its output through ``console`` when given); its exit code.
+    """Run ``command`` to its end (its output through ``console`` when given, else to standard
+    output, without colour codes off a terminal); its exit code.
 
     Raises
     ------
     LaunchError
         It ran past ``timeout`` seconds (it is killed).
     """
-    if console is None:
+    if console is None and is_terminal(sys.stdout):
         try:
             return subprocess.run(
                 list(command), env=dict(env), cwd=cwd, timeout=timeout, check=False
@@ -142,7 +144,9 @@ def run_command(
         stdin=subprocess.DEVNULL,
     )
     assert process.stdout is not None
-    relay = threading.Thread(target=console.lines, args=(process.stdout,), daemon=True)
+    # Off a terminal (ba-sweep's log in a file), Flower's colour codes are left out.
+    target = console.lines if console is not None else _plain_lines
+    relay = threading.Thread(target=target, args=(process.stdout,), daemon=True)
     relay.start()
     try:
         process.wait(timeout=timeout)
@@ -185,11 +189,48 @@ def launch_inprocess(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        with flower_logs_to(console) if console is not None else nullcontext():
+        with flower_logs_to(console) if console is not None else plain_flower_logs():
             run_inprocess(app_dir, parse_overrides([*overrides, *extra]))
     except Exception as error:  # the ServerApp has written a failed summary when it got that far
         return completed_run(settings, f"the run raised {type(error).__name__}: {error}")
     return completed_run(settings, "the run returned")
+
+
+def is_terminal(stream: IO[str]) -> bool:
+    """Whether ``stream`` is a terminal as rich decides it (``FORCE_COLOR``, ``TTY_COMPATIBLE``
+    honoured), the one test every console of the app uses."""
+    from rich.console import Console
+
+    return Console(file=stream).is_terminal
+
+
+def _plain_lines(stream: IO[bytes]) -> None:
+    """Copy a child's output to this process's standard output without colour codes."""
+    for raw in stream:
+        text = raw.decode("utf-8", errors="replace")
+        sys.stdout.write(ANSI_CODES.sub("", text))
+        sys.stdout.flush()
+
+
+@contextmanager
+def plain_flower_logs() -> Iterator[None]:
+    """Inside, Flower's console handlers write no colour codes to a stream that is not a
+    terminal (Flower colours its log always); their setting is restored afterwards."""
+    from flwr.supercore.logger import FLOWER_LOGGER, ConsoleHandler
+
+    plain = [
+        handler
+        for handler in FLOWER_LOGGER.handlers
+        if isinstance(handler, ConsoleHandler) and handler.colored
+        if not is_terminal(handler.stream)
+    ]
+    for handler in plain:
+        handler.colored = False
+    try:
+        yield
+    finally:
+        for handler in plain:
+            handler.colored = True
 
 
 #: ``ba-run --runtime`` choices; the first is the default.
@@ -221,11 +262,23 @@ def launch_runtime(
             ray_address=ray_address,
             console=console,
         )
-    if ray_address is not None:
+    check_runtime(runtime, ray_address)
+    return launch_inprocess(app_dir, overrides, threads=client_cpus, console=console)
+
+
+def check_runtime(runtime: str, ray_address: str | None) -> None:
+    """Refuse a runtime that is not one, or ``ray_address`` with a runtime that uses no Ray;
+    ``ba-run`` calls it before it makes the run's folder, so a refused launch leaves none.
+
+    Raises
+    ------
+    LaunchError
+        The runtime is unknown, or given a Ray address it cannot use.
+    """
+    if runtime not in RUNTIMES:
+        raise LaunchError(f"runtime = {runtime!r}: choose one of {', '.join(RUNTIMES)}")
+    if ray_address is not None and runtime != "simulation":
         raise LaunchError(
             f"--ray-address = {ray_address!r} runs Flower's simulation on a Ray cluster; the "
             f"{runtime!r} runtime uses no Ray: drop --ray-address or use --runtime simulation"
         )
-    if runtime == "inprocess":
-        return launch_inprocess(app_dir, overrides, threads=client_cpus, console=console)
-    raise LaunchError(f"runtime = {runtime!r}: choose one of {', '.join(RUNTIMES)}")

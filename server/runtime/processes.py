@@ -7,12 +7,14 @@ are stopped.
 - :func:`write_connection`: ``$FLWR_HOME/config.toml`` naming one SuperLink, the default (the
   simulation's ``ba-local``, the local deployment's ``ba-deploy``);
 - :func:`stop_process_tree`: a process and every process below it stopped by PID, never by name
-  (:func:`descendants` from ``ps``; :data:`LAUNCH_MARKER` finds those re-parented away).
+  (:func:`descendants` from ``ps``; :data:`LAUNCH_MARKER` finds those re-parented away);
+- :data:`ANSI_CODES`: the terminal codes their output carries, for what is shown off a terminal.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +24,9 @@ from collections.abc import Mapping
 from contextlib import suppress
 from pathlib import Path
 
+#: Colour and cursor codes (CSI sequences) and OSC sequences (e.g. hyperlinks): Flower colours
+#: its log always, and rich its bars; the consoles leave them out off a terminal.
+ANSI_CODES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 #: Environment entry every process of one launch inherits, so that all of them can be stopped.
 LAUNCH_MARKER = "BA_LAUNCH_ID"
 

@@ -18,7 +18,6 @@ simulation runtime, Flower's log records in process) and ``ba-run``'s own messag
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,8 +29,8 @@ from typing import IO, Any, TextIO
 from beyond_averaging.server.runs.checkpoint import private_file
 from beyond_averaging.server.runs.folder import LOG_FILE, METRICS_FILE, read_metrics
 
-#: Colour and cursor codes (CSI sequences) and OSC sequences (e.g. hyperlinks).
-ANSI_CODES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+from .processes import ANSI_CODES
+
 #: Seconds between two reads of the run's metrics.
 POLL_SECONDS = 0.5
 #: Rounds whose mean duration estimates the time left.

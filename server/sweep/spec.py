@@ -20,6 +20,10 @@ from beyond_averaging.server.runtime.launch import RUNTIMES
 
 SPEC_KEYS = ["title", "description", "extends", "runtime", "runs", "report", "name"]
 SPEC_KEYS += ["settings", "grid", "methods", "baseline", "columns", "paper", "plot"]
+#: How a ``[baseline]`` line reads (a row's method label, then its baseline's), for the errors.
+BASELINE_FORM = (
+    'each line reads <method label> = "<its baseline\'s label>", e.g. elastic = "fedavg"'
+)
 MERGED_KEYS = ("settings", "grid", "plot")
 #: The run configuration's keys (a function runtime's own settings are the others).
 RUN_KEYS = frozenset(field.alias or name for name, field in RunConfig.model_fields.items())
@@ -241,7 +245,7 @@ def _column(spec: Spec, entry: Any) -> Column:
     if (column.metric == "values") != (column.show in POOLED_SHOWS):
         raise spec.fail(f"{where}: metric 'values' goes with show 'range' or 'median'")
     if column.vs and not spec.baseline:
-        raise spec.fail(f"{where} has vs = true: add a [baseline] table (method = its baseline)")
+        raise spec.fail(f"{where} has vs = true: add a [baseline] table ({BASELINE_FORM})")
     return column
 
 
@@ -300,12 +304,15 @@ def load_spec(path: Path | str, runs_dir: Path | None = None, layout: Layout | N
         spec.axes.append(_axis(spec, METHOD_AXIS, values))
     # Default run names: every axis label (the method's last), then the seed.
     spec.name = spec.name or "-".join([*(f"{{{a.name}}}" for a in spec.axes), "seed{seed}"])
-    method_labels = set(methods)
     spec.baseline = {str(k): str(v) for k, v in data.get("baseline", {}).items()}
     for row, base in spec.baseline.items():
-        if row not in method_labels or base not in method_labels:
+        strangers = [repr(label) for label in dict.fromkeys((row, base)) if label not in methods]
+        if strangers:
+            names = " and ".join(strangers)
+            verb = "is not a [methods] label" if len(strangers) == 1 else "are not [methods] labels"
             raise spec.fail(
-                f"baseline {row} = {base}: both must be [methods] labels {sorted(method_labels)}"
+                f'[baseline] {row} = "{base}": {names} {verb} (the labels: '
+                f"{', '.join(methods)}); {BASELINE_FORM}"
             )
     if "columns" in data:
         spec.columns = [_column(spec, entry) for entry in data["columns"]]

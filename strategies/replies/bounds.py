@@ -26,7 +26,7 @@ import dataclasses
 import math
 import secrets
 from collections.abc import Mapping, Sequence
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any, Protocol
 
 import numpy as np
@@ -354,12 +354,16 @@ class InfluenceBounds:
     def _decide_direction_check(self, median_cosine: float) -> bool:
         """On the first round the direction check runs, whether it runs at all in this run: not
         where the clients disagree from the start (median cosine below HETEROGENEITY_COSINE, as
-        under label skew), with a warning; kept in the checkpoint (docs/reliability.md)."""
+        under label skew); kept in the checkpoint (docs/reliability.md). Said at INFO with the
+        default factor (the check is on by default and going off under skew is what the docs
+        describe: a user who changed nothing sees no warning), at WARNING when the user chose a
+        factor of their own, asking for a check that cannot work here."""
         if self.direction_check is None:
             self.direction_check = median_cosine >= HETEROGENEITY_COSINE
             if not self.direction_check:
+                chosen = self.options.direction_outlier_factor != DEFAULT_DIRECTION_OUTLIER_FACTOR
                 log(
-                    WARNING,
+                    WARNING if chosen else INFO,
                     "the clients' updates disagree from the first round (median cosine with the "
                     "others' mean %.2f < %.2f), as under strong label skew: the direction check "
                     "cannot tell a reply pointing against the rest from an honest one here and is "
