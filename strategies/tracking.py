@@ -13,7 +13,8 @@ the extra, when the tracker is opened (before round 1). Where each writes, for a
   --backend-store-uri sqlite:///<dir>/.mlflow/mlflow.db``): the configuration as parameters, the
   metrics per round, files as artifacts;
 - ``wandb``: offline unless ``WANDB_MODE`` says otherwise, in ``<dir>/<run>/wandb/``
-  (``wandb sync <dir>/<run>/wandb/offline-run-*`` uploads it later).
+  (``wandb sync <dir>/<run>/wandb/offline-run-*`` uploads it later): the configuration, the
+  metrics per round, and the files given as the run's files (in its ``files`` records).
 
 Only finite numbers are sent as metrics (lists such as FedLAW's per-client weights stay in the
 run's own records). A tracker that fails while the run goes on (a tracking server gone) logs a
@@ -263,10 +264,13 @@ class WandbTracker(Tracker):
         self.run.log(dict(metrics), step=step)
 
     def _artifacts(self, paths: list[Path]) -> None:
-        # Files in the run's files folder go with it (``wandb sync``); wandb.save would link
-        # them instead, and warn about each link.
+        # Copied into the run's files folder, then saved from there: wandb.save of the file
+        # where it is would link it (and warn about each link), and a file only copied there is
+        # in no ``files`` record, so the run's Files tab (and ``wandb sync``) leaves it out.
         for path in paths:
-            shutil.copy2(path, Path(self.run.dir) / path.name)
+            copy = Path(self.run.dir) / path.name
+            shutil.copy2(path, copy)
+            self.run.save(str(copy), base_path=self.run.dir, policy="now")
 
     def _close(self, status: str) -> None:
         self.run.summary["status"] = status

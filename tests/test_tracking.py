@@ -24,7 +24,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from beyond_averaging import __version__, track
 from beyond_averaging.client.app import app as client_app
 from beyond_averaging.server.app import client_task
+from beyond_averaging.server.cli.main import main as ba_run
 from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.overrides import run_config_argument
 from beyond_averaging.server.runtime.inprocess import InProcessGrid, run_inprocess
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.tracking import Tracker, TrackerUnavailableError
@@ -131,6 +133,45 @@ def test_wandb_runs_offline_beside_the_run_with_every_rounds_metrics(
     assert config["num-server-rounds"] == 2
     [files] = list((run / "wandb").glob("offline-run-*/files"))
     assert (files / "summary.json").is_file()
+
+
+def test_a_wandb_offline_run_records_the_run_folders_files_for_wandb_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started with ``ba-run`` (which writes log.txt), offline as the docs' ``wandb sync`` needs:
+    the run's ``files`` records name the run folder's files, and the offline run's files folder
+    holds them as the run folder does at the run's end."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    settings = {**SETTINGS, "output-dir": str(tmp_path), "tracker": "wandb"}
+    code = ba_run(
+        ["--app", str(REPO), "--runtime", "inprocess", "-c", run_config_argument(settings)]
+    )
+    assert code == 0
+    run = tmp_path / "r"
+    recorded = {
+        file.path
+        for record in wandb_records(run)
+        if record.WhichOneof("record_type") == "files"
+        for file in record.files.files
+    }
+    expected = {
+        "log.txt",
+        "metrics.jsonl",
+        "metrics.csv",
+        "curves.png",
+        "partitions.png",
+        "clients.jsonl",
+        "summary.json",
+        "final_model.pt",
+    }
+    assert expected <= recorded, sorted(expected - recorded)
+    [files] = list((run / "wandb").glob("offline-run-*/files"))
+    for name in expected - {"log.txt"}:
+        assert (files / name).read_bytes() == (run / name).read_bytes(), name
+    # ba-run's closing lines reach log.txt after the tracker's run has ended: a prefix of it.
+    kept = (files / "log.txt").read_text(encoding="utf-8")
+    assert "round 2" in kept.lower()
+    assert (run / "log.txt").read_text(encoding="utf-8").startswith(kept)
 
 
 def test_a_missing_tracker_package_stops_the_run_before_round_1_naming_the_extra(

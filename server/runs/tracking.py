@@ -4,8 +4,8 @@
 a run folder, before round 1, and records the resolved configuration as its parameters. The
 :class:`RunTracking` it returns observes the :class:`~server.runs.recorder.RunRecorder`: each line
 ``metrics.jsonl`` gets is sent as the round's metrics, and when the run ends its files go along as
-artifacts (MLflow, W&B): the summary, the metrics, the per-client records, the partitions, the final
-model and any plot in the folder.
+artifacts (MLflow, W&B): the summary, the metrics (JSON lines and table), the per-client records,
+the partitions, the final model, the console log and any plot in the folder.
 """
 
 from __future__ import annotations
@@ -17,10 +17,26 @@ from typing import Any
 from beyond_averaging.server.config import RunConfig
 from beyond_averaging.strategies.tracking import Tracker, open_tracker
 
-from .folder import CLIENTS_FILE, METRICS_FILE, MODEL_FILE, PARTITIONS_FILE, SUMMARY_FILE
+from .folder import (
+    CLIENTS_FILE,
+    LOG_FILE,
+    METRICS_CSV_FILE,
+    METRICS_FILE,
+    MODEL_FILE,
+    PARTITIONS_FILE,
+    SUMMARY_FILE,
+)
 
 #: The run's files a tracker keeps at the end (those that exist), plus every ``*.png``.
-RUN_ARTIFACTS = (SUMMARY_FILE, METRICS_FILE, CLIENTS_FILE, PARTITIONS_FILE, MODEL_FILE)
+RUN_ARTIFACTS = (
+    SUMMARY_FILE,
+    METRICS_FILE,
+    METRICS_CSV_FILE,
+    CLIENTS_FILE,
+    PARTITIONS_FILE,
+    MODEL_FILE,
+    LOG_FILE,
+)
 
 
 class RunTracking:
