@@ -36,11 +36,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from functools import wraps
-from logging import WARNING
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast, get_args
 
+from flwr.app import Context
 from flwr.common import log
+
+from .arguments import accepted_keywords as _accepted_keywords
 
 TrackerName = Literal["none", "tensorboard", "mlflow", "wandb"]
 TRACKERS: tuple[str, ...] = get_args(TrackerName)
@@ -101,6 +104,8 @@ class Tracker(ABC):
 
     def __init__(self) -> None:
         self.failed = False
+        #: Where the tracker writes, for a reader of the log: a folder, a URI, a run's URL.
+        self.where = ""
 
     def _guarded(self, action: str, call: Callable[[], None]) -> None:
         if self.failed:
@@ -165,6 +170,8 @@ class TensorBoardTracker(Tracker):
 
         self.directory = Path(directory)
         self.writer = SummaryWriter(log_dir=str(self.directory))
+        folder = self.directory.resolve()
+        self.where = f"{folder} (tensorboard --logdir {folder.parent})"
 
     def _params(self, params: Mapping[str, Any]) -> None:
         rows = "\n".join(f"| {key} | {value} |" for key, value in sorted(params.items()))
@@ -216,6 +223,7 @@ class MLflowTracker(Tracker):
             experiment_id = found.experiment_id
         self.run_id: str = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         self.uri = uri
+        self.where = f"{uri}, experiment {experiment!r}, run {self.run_id}"
 
     def _params(self, params: Mapping[str, Any]) -> None:
         entries = [
@@ -255,6 +263,10 @@ class WandbTracker(Tracker):
             mode=os.environ.get("WANDB_MODE") or "offline",
             # No console capture (it would rewrap Flower's log) and no system-metrics sampler.
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+        )
+        folder = Path(self.run.dir).parent  # the run's own folder, holding files/ and its log
+        self.where = (
+            f"{folder} (offline: wandb sync {folder})" if self.run.offline else str(self.run.url)
         )
 
     def _params(self, params: Mapping[str, Any]) -> None:
@@ -326,15 +338,40 @@ StrategyT = TypeVar("StrategyT")
 
 
 def strategy_params(strategy: object) -> dict[str, Any]:
-    """A strategy's settings: its class and its public attributes that are numbers or text."""
+    """A strategy's options: ``class`` (its class's name) and each attribute that is a number or
+    text and named as a keyword argument its class takes (``fraction_train``), so not its state
+    (``last_aggregation_seconds`` changes every round and is no option)."""
+    klass: type = type(strategy)
+    options = _accepted_keywords(klass)
     return {
-        "strategy": type(strategy).__name__,
+        "class": klass.__name__,
         **{
             key: value
             for key, value in sorted(vars(strategy).items())
-            if not key.startswith("_") and isinstance(value, int | float | str | bool)
+            if key in options and isinstance(value, int | float | str | bool)
         },
     }
+
+
+def _run_params(strategy: object, context: Context | None, run_id: int | None) -> dict[str, Any]:
+    """What :func:`track` records as the run's configuration: the app's run config (``lr``,
+    ``local-epochs``, as ``context.run_config`` holds it), ``flower-run-id``, and the strategy's
+    options (:func:`strategy_params`) as ``strategy/<name>``."""
+    params: dict[str, Any] = dict(context.run_config) if context is not None else {}
+    if run_id is not None:
+        params["flower-run-id"] = run_id
+    params.update({f"strategy/{k}": v for k, v in strategy_params(strategy).items()})
+    return params
+
+
+def _grid_run_id(grid: Any) -> int | None:
+    """The Flower run id a grid serves, or None where it cannot tell (a grid of another kind,
+    or one not yet given its run)."""
+    try:
+        run_id = grid.run.run_id
+    except Exception:  # a tracker's record never stops the run it records
+        return None
+    return run_id if isinstance(run_id, int) else None
 
 
 def track(
@@ -345,6 +382,7 @@ def track(
     run_name: str = "",
     uri: str = "",
     project: str = DEFAULT_PROJECT,
+    context: Context | None = None,
 ) -> StrategyT:
     """Send every round of ``strategy`` to an experiment tracker; return the same strategy.
 
@@ -353,8 +391,9 @@ def track(
     where the strategy keeps them, its ``aggregation_metrics`` of the round
     (``aggregation/<key>``); after each ``aggregate_evaluate`` the clients' evaluation metrics
     (``evaluate/<key>``); and the ``evaluate_fn`` given to ``start`` (``server/<key>``, round 0
-    too). ``start`` records the strategy's settings first and closes the tracker's run when it
-    returns (``failed`` when it raises).
+    too). ``start`` first records the run's configuration (:func:`_run_params`: the app's run
+    config, Flower's run id, the strategy's options) and closes the tracker's run when it
+    returns (``failed`` when it raises). One INFO line says where the tracker writes.
 
     Parameters
     ----------
@@ -366,6 +405,10 @@ def track(
     directory, run_name, uri, project
         Where a tracker opened by name writes (:func:`open_tracker`); ``run_name`` empty:
         ``<strategy class>-<UTC time>``.
+    context : flwr.app.Context, optional
+        The ServerApp's context (``main(grid, context)``): its ``run_config`` is recorded as the
+        run's configuration and its ``run_id`` as ``flower-run-id``. Without it the run config is
+        not recorded (track cannot see it), and the run id is the one ``start``'s grid serves.
 
     Raises
     ------
@@ -383,6 +426,16 @@ def track(
             return strategy
         tracker = opened
     sink = tracker
+    log(
+        INFO,
+        "track: %s's rounds go to %s at %s%s",
+        type(strategy).__name__,
+        sink.name or type(sink).__name__,
+        sink.where or "(a tracker that does not say where)",
+        ""
+        if context is not None
+        else "; pass track(..., context=context) to record the app's run config",
+    )
     target = cast(Any, strategy)
     aggregate_train, aggregate_evaluate, start = (
         target.aggregate_train,
@@ -421,7 +474,8 @@ def track(
                 return metrics
 
             call.arguments["evaluate_fn"] = tracked_evaluate_fn
-        sink.log_params(strategy_params(strategy))
+        run_id = context.run_id if context is not None else _grid_run_id(call.arguments.get("grid"))
+        sink.log_params(_run_params(strategy, context, run_id))
         try:
             result = start(*call.args, **call.kwargs)
         except BaseException:

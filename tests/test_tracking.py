@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from beyond_averaging import __version__, track
@@ -258,6 +258,79 @@ def test_track_sends_a_flower_apps_rounds_to_tensorboard(tmp_path: Path) -> None
     losses = {e.step: e.value for e in events.Scalars("train/train-loss")}
     assert sorted(losses) == [1, 2]
     assert all(np.isfinite(list(losses.values())))
+
+
+def start_tracked(strategy: Any, rounds: int = 1) -> InProcessGrid:
+    """Start ``strategy`` by hand on an in-process grid of this project's ClientApp, as a user's
+    ServerApp does; the grid it ran on."""
+    config = parse_run_config({**SETTINGS, "seed": 1})
+    grid = InProcessGrid(client_app, config.num_clients, {})
+    model = build_model(config.model, (1, 8, 8), 10, seed=config.seed)
+    task = ConfigRecord({**client_task(config).to_config(), LIBRARY_VERSION_KEY: __version__})
+    strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=rounds, train_config=task)
+    return grid
+
+
+def test_track_records_the_apps_run_config_flowers_run_id_and_the_strategys_options(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user's ServerApp passes its ``context``: the tracker's configuration is what the app
+    was run with (its pyproject's run config), Flower's run id and the strategy's options, not
+    the strategy's per-round state."""
+    from mlflow import MlflowClient
+
+    context = Context(
+        run_id=4242,
+        node_id=0,
+        node_config={},
+        state=RecordDict(),
+        run_config={"learning-rate": 0.05, "local-epochs": 2, "batch-size": 32},
+    )
+    strategy = FedAvg(fraction_evaluate=0.0, min_train_nodes=3, min_available_nodes=3)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        track(strategy, "mlflow", directory=tmp_path, run_name="mine", context=context)
+    start_tracked(strategy)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / '.mlflow' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("beyond-averaging")
+    assert experiment is not None
+    [found] = client.search_runs([experiment.experiment_id])
+    params = found.data.params
+    assert params["learning-rate"] == "0.05"
+    assert params["local-epochs"] == "2"
+    assert params["batch-size"] == "32"
+    assert params["flower-run-id"] == "4242"
+    assert params["strategy/class"] == "FedAvg"
+    assert params["strategy/fraction_evaluate"] == "0.0"
+    assert params["strategy/min_train_nodes"] == "3"
+    assert params["strategy/update_norm_factor"] == "10.0"  # an option left at its default
+    assert not [key for key in params if "seconds" in key]  # last_aggregation_seconds: state
+    [record] = [r for r in caplog.records if r.getMessage().startswith("track:")]
+    assert record.levelno == logging.INFO
+    line = record.getMessage()
+    assert "mlflow" in line
+    assert found.info.run_id in line
+    assert str(tmp_path / ".mlflow" / "mlflow.db") in line
+    assert "context=context" not in line
+
+
+def test_without_its_context_track_records_the_grids_run_id_and_says_how_to_add_the_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy = FedAvg(fraction_evaluate=0.0, min_train_nodes=3, min_available_nodes=3)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        track(strategy, "tensorboard", directory=tmp_path, run_name="mine")
+    grid = start_tracked(strategy)
+    events = EventAccumulator(str(tmp_path / "mine" / "tensorboard"))
+    events.Reload()
+    [config] = events.Tensors("config/text_summary")
+    table = config.tensor_proto.string_val[0].decode()
+    assert f"| flower-run-id | {grid.run.run_id} |" in table
+    assert "| strategy/class | FedAvg |" in table
+    assert "| strategy/min_train_nodes | 3 |" in table
+    assert "last_aggregation_seconds" not in table
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("track:")]
+    assert str(tmp_path / "mine" / "tensorboard") in line
+    assert "track(..., context=context)" in line
 
 
 def test_a_resumed_run_may_add_a_tracker_which_gets_the_rounds_kept_and_the_new_ones(

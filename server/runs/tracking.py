@@ -1,7 +1,8 @@
 """A run's experiment tracker (run option ``tracker``), fed by the run's recorder.
 
 :func:`open_run_tracker` opens the tracker the configuration names (:mod:`strategies.tracking`) for
-a run folder, before round 1, and records the resolved configuration as its parameters. The
+a run folder, before round 1, logs where it writes and records the resolved configuration as its
+parameters. The
 :class:`RunTracking` it returns observes the :class:`~server.runs.recorder.RunRecorder`: each line
 ``metrics.jsonl`` gets is sent as the round's metrics, and when the run ends its files go along as
 artifacts (MLflow, W&B): the summary, the metrics (JSON lines and table), the per-client records,
@@ -11,8 +12,11 @@ the partitions, the final model, the console log and any plot in the folder.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from logging import INFO
 from pathlib import Path
 from typing import Any
+
+from flwr.common import log
 
 from beyond_averaging.server.config import RunConfig
 from beyond_averaging.strategies.tracking import Tracker, open_tracker
@@ -74,5 +78,6 @@ def open_run_tracker(config: RunConfig, directory: Path, run_name: str) -> RunTr
     )
     if tracker is None:
         return None
+    log(INFO, "tracker %s writes to %s", tracker.name, tracker.where)
     tracker.log_params(config.to_run_config())
     return RunTracking(tracker)
