@@ -342,7 +342,10 @@ def strategy_params(strategy: object) -> dict[str, Any]:
     text and named as a keyword argument its class takes (``fraction_train``), so not its state
     (``last_aggregation_seconds`` changes every round and is no option)."""
     klass: type = type(strategy)
-    options = _accepted_keywords(klass)
+    try:
+        options = _accepted_keywords(klass)
+    except (TypeError, ValueError):  # a constructor inspect cannot read: its class alone
+        options = frozenset()
     return {
         "class": klass.__name__,
         **{
