@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.task_identity import TaskIdentity
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from beyond_averaging import __version__, track
@@ -27,7 +29,7 @@ from beyond_averaging.server.app import client_task
 from beyond_averaging.server.cli.main import main as ba_run
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.overrides import run_config_argument
-from beyond_averaging.server.runtime.inprocess import InProcessGrid, run_inprocess
+from beyond_averaging.server.runtime.inprocess import RUN_ID, InProcessGrid, run_inprocess
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.tracking import Tracker, TrackerUnavailableError
 from beyond_averaging.tasks.models import build_model
@@ -221,6 +223,16 @@ def test_a_failing_tracker_warns_once_and_is_not_called_again(
     assert "tracking server gone" in warnings[0]
 
 
+@pytest.fixture
+def server_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flower's task identity as a ServerApp process holds it before ``main`` runs (the grid's
+    messages need it): a strategy started by hand, with no run_inprocess before it in this
+    process, would otherwise fail on its first message."""
+    for name, value in (("_run_id", RUN_ID), ("_node_id", SUPERLINK_NODE_ID), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
+@pytest.mark.usefixtures("server_process")
 def test_track_sends_a_flower_apps_rounds_to_tensorboard(tmp_path: Path) -> None:
     """A library user's app: this package's FedAvg started by hand on a Grid, with an
     ``evaluate_fn``, after one call to ``track``."""
@@ -271,6 +283,7 @@ def start_tracked(strategy: Any, rounds: int = 1) -> InProcessGrid:
     return grid
 
 
+@pytest.mark.usefixtures("server_process")
 def test_track_records_the_apps_run_config_flowers_run_id_and_the_strategys_options(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -313,6 +326,7 @@ def test_track_records_the_apps_run_config_flowers_run_id_and_the_strategys_opti
     assert "context=context" not in line
 
 
+@pytest.mark.usefixtures("server_process")
 def test_without_its_context_track_records_the_grids_run_id_and_says_how_to_add_the_config(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
