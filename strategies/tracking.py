@@ -13,7 +13,8 @@ the extra, when the tracker is opened (before round 1). Where each writes, for a
   --backend-store-uri sqlite:///<dir>/.mlflow/mlflow.db``): the configuration as parameters, the
   metrics per round, files as artifacts;
 - ``wandb``: offline unless ``WANDB_MODE`` says otherwise, in ``<dir>/<run>/wandb/``
-  (``wandb sync <dir>/<run>/wandb/offline-run-*`` uploads it later).
+  (``wandb sync <dir>/<run>/wandb/offline-run-*`` uploads it later): the configuration, the
+  metrics per round, and the files given as the run's files (in its ``files`` records).
 
 Only finite numbers are sent as metrics (lists such as FedLAW's per-client weights stay in the
 run's own records). A tracker that fails while the run goes on (a tracking server gone) logs a
@@ -35,11 +36,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from functools import wraps
-from logging import WARNING
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast, get_args
 
+from flwr.app import Context
 from flwr.common import log
+
+from .arguments import accepted_keywords as _accepted_keywords
 
 TrackerName = Literal["none", "tensorboard", "mlflow", "wandb"]
 TRACKERS: tuple[str, ...] = get_args(TrackerName)
@@ -100,6 +104,8 @@ class Tracker(ABC):
 
     def __init__(self) -> None:
         self.failed = False
+        #: Where the tracker writes, for a reader of the log: a folder, a URI, a run's URL.
+        self.where = ""
 
     def _guarded(self, action: str, call: Callable[[], None]) -> None:
         if self.failed:
@@ -164,6 +170,8 @@ class TensorBoardTracker(Tracker):
 
         self.directory = Path(directory)
         self.writer = SummaryWriter(log_dir=str(self.directory))
+        folder = self.directory.resolve()
+        self.where = f"{folder} (tensorboard --logdir {folder.parent})"
 
     def _params(self, params: Mapping[str, Any]) -> None:
         rows = "\n".join(f"| {key} | {value} |" for key, value in sorted(params.items()))
@@ -215,6 +223,7 @@ class MLflowTracker(Tracker):
             experiment_id = found.experiment_id
         self.run_id: str = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         self.uri = uri
+        self.where = f"{uri}, experiment {experiment!r}, run {self.run_id}"
 
     def _params(self, params: Mapping[str, Any]) -> None:
         entries = [
@@ -255,6 +264,10 @@ class WandbTracker(Tracker):
             # No console capture (it would rewrap Flower's log) and no system-metrics sampler.
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
+        folder = Path(self.run.dir).parent  # the run's own folder, holding files/ and its log
+        self.where = (
+            f"{folder} (offline: wandb sync {folder})" if self.run.offline else str(self.run.url)
+        )
 
     def _params(self, params: Mapping[str, Any]) -> None:
         self.run.config.update(dict(params), allow_val_change=True)
@@ -263,10 +276,13 @@ class WandbTracker(Tracker):
         self.run.log(dict(metrics), step=step)
 
     def _artifacts(self, paths: list[Path]) -> None:
-        # Files in the run's files folder go with it (``wandb sync``); wandb.save would link
-        # them instead, and warn about each link.
+        # Copied into the run's files folder, then saved from there: wandb.save of the file
+        # where it is would link it (and warn about each link), and a file only copied there is
+        # in no ``files`` record, so the run's Files tab (and ``wandb sync``) leaves it out.
         for path in paths:
-            shutil.copy2(path, Path(self.run.dir) / path.name)
+            copy = Path(self.run.dir) / path.name
+            shutil.copy2(path, copy)
+            self.run.save(str(copy), base_path=self.run.dir, policy="now")
 
     def _close(self, status: str) -> None:
         self.run.summary["status"] = status
@@ -322,15 +338,43 @@ StrategyT = TypeVar("StrategyT")
 
 
 def strategy_params(strategy: object) -> dict[str, Any]:
-    """A strategy's settings: its class and its public attributes that are numbers or text."""
+    """A strategy's options: ``class`` (its class's name) and each attribute that is a number or
+    text and named as a keyword argument its class takes (``fraction_train``), so not its state
+    (``last_aggregation_seconds`` changes every round and is no option)."""
+    klass: type = type(strategy)
+    try:
+        options = _accepted_keywords(klass)
+    except (TypeError, ValueError):  # a constructor inspect cannot read: its class alone
+        options = frozenset()
     return {
-        "strategy": type(strategy).__name__,
+        "class": klass.__name__,
         **{
             key: value
             for key, value in sorted(vars(strategy).items())
-            if not key.startswith("_") and isinstance(value, int | float | str | bool)
+            if key in options and isinstance(value, int | float | str | bool)
         },
     }
+
+
+def _run_params(strategy: object, context: Context | None, run_id: int | None) -> dict[str, Any]:
+    """What :func:`track` records as the run's configuration: the app's run config (``lr``,
+    ``local-epochs``, as ``context.run_config`` holds it), ``flower-run-id``, and the strategy's
+    options (:func:`strategy_params`) as ``strategy/<name>``."""
+    params: dict[str, Any] = dict(context.run_config) if context is not None else {}
+    if run_id is not None:
+        params["flower-run-id"] = run_id
+    params.update({f"strategy/{k}": v for k, v in strategy_params(strategy).items()})
+    return params
+
+
+def _grid_run_id(grid: Any) -> int | None:
+    """The Flower run id a grid serves, or None where it cannot tell (a grid of another kind,
+    or one not yet given its run)."""
+    try:
+        run_id = grid.run.run_id
+    except Exception:  # a tracker's record never stops the run it records
+        return None
+    return run_id if isinstance(run_id, int) else None
 
 
 def track(
@@ -341,6 +385,7 @@ def track(
     run_name: str = "",
     uri: str = "",
     project: str = DEFAULT_PROJECT,
+    context: Context | None = None,
 ) -> StrategyT:
     """Send every round of ``strategy`` to an experiment tracker; return the same strategy.
 
@@ -349,8 +394,9 @@ def track(
     where the strategy keeps them, its ``aggregation_metrics`` of the round
     (``aggregation/<key>``); after each ``aggregate_evaluate`` the clients' evaluation metrics
     (``evaluate/<key>``); and the ``evaluate_fn`` given to ``start`` (``server/<key>``, round 0
-    too). ``start`` records the strategy's settings first and closes the tracker's run when it
-    returns (``failed`` when it raises).
+    too). ``start`` first records the run's configuration (:func:`_run_params`: the app's run
+    config, Flower's run id, the strategy's options) and closes the tracker's run when it
+    returns (``failed`` when it raises). One INFO line says where the tracker writes.
 
     Parameters
     ----------
@@ -362,6 +408,10 @@ def track(
     directory, run_name, uri, project
         Where a tracker opened by name writes (:func:`open_tracker`); ``run_name`` empty:
         ``<strategy class>-<UTC time>``.
+    context : flwr.app.Context, optional
+        The ServerApp's context (``main(grid, context)``): its ``run_config`` is recorded as the
+        run's configuration and its ``run_id`` as ``flower-run-id``. Without it the run config is
+        not recorded (track cannot see it), and the run id is the one ``start``'s grid serves.
 
     Raises
     ------
@@ -379,6 +429,16 @@ def track(
             return strategy
         tracker = opened
     sink = tracker
+    log(
+        INFO,
+        "track: %s's rounds go to %s at %s%s",
+        type(strategy).__name__,
+        sink.name or type(sink).__name__,
+        sink.where or "(a tracker that does not say where)",
+        ""
+        if context is not None
+        else "; pass track(..., context=context) to record the app's run config",
+    )
     target = cast(Any, strategy)
     aggregate_train, aggregate_evaluate, start = (
         target.aggregate_train,
@@ -417,7 +477,8 @@ def track(
                 return metrics
 
             call.arguments["evaluate_fn"] = tracked_evaluate_fn
-        sink.log_params(strategy_params(strategy))
+        run_id = context.run_id if context is not None else _grid_run_id(call.arguments.get("grid"))
+        sink.log_params(_run_params(strategy, context, run_id))
         try:
             result = start(*call.args, **call.kwargs)
         except BaseException:

@@ -85,6 +85,7 @@ def test_run_outputs_are_readable_by_their_owner_only(tmp_path: Path, umask_022:
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     files = {path.name: stat.S_IMODE(path.stat().st_mode) for path in run_dir.iterdir()}
     expected = {"metrics.jsonl", "summary.json", "checkpoint.pt", "final_model.pt", ".owner.lock"}
+    expected.add("metrics.csv")  # the rounds as a table, private as the JSON lines are
     expected.add("curves.png")  # the run's accuracy and loss plot (server.runs.plots.plot_run)
     # Each reply's record, and the partition's label counts with their plot.
     expected |= {"clients.jsonl", "partitions.json", "partitions.png"}

@@ -18,14 +18,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.task_identity import TaskIdentity
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from beyond_averaging import __version__, track
 from beyond_averaging.client.app import app as client_app
 from beyond_averaging.server.app import client_task
+from beyond_averaging.server.cli.main import main as ba_run
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.runtime.inprocess import InProcessGrid, run_inprocess
+from beyond_averaging.server.overrides import run_config_argument
+from beyond_averaging.server.runtime.inprocess import RUN_ID, InProcessGrid, run_inprocess
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.tracking import Tracker, TrackerUnavailableError
 from beyond_averaging.tasks.models import build_model
@@ -133,6 +137,45 @@ def test_wandb_runs_offline_beside_the_run_with_every_rounds_metrics(
     assert (files / "summary.json").is_file()
 
 
+def test_a_wandb_offline_run_records_the_run_folders_files_for_wandb_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started with ``ba-run`` (which writes log.txt), offline as the docs' ``wandb sync`` needs:
+    the run's ``files`` records name the run folder's files, and the offline run's files folder
+    holds them as the run folder does at the run's end."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    settings = {**SETTINGS, "output-dir": str(tmp_path), "tracker": "wandb"}
+    code = ba_run(
+        ["--app", str(REPO), "--runtime", "inprocess", "-c", run_config_argument(settings)]
+    )
+    assert code == 0
+    run = tmp_path / "r"
+    recorded = {
+        file.path
+        for record in wandb_records(run)
+        if record.WhichOneof("record_type") == "files"
+        for file in record.files.files
+    }
+    expected = {
+        "log.txt",
+        "metrics.jsonl",
+        "metrics.csv",
+        "curves.png",
+        "partitions.png",
+        "clients.jsonl",
+        "summary.json",
+        "final_model.pt",
+    }
+    assert expected <= recorded, sorted(expected - recorded)
+    [files] = list((run / "wandb").glob("offline-run-*/files"))
+    for name in expected - {"log.txt"}:
+        assert (files / name).read_bytes() == (run / name).read_bytes(), name
+    # ba-run's closing lines reach log.txt after the tracker's run has ended: a prefix of it.
+    kept = (files / "log.txt").read_text(encoding="utf-8")
+    assert "round 2" in kept.lower()
+    assert (run / "log.txt").read_text(encoding="utf-8").startswith(kept)
+
+
 def test_a_missing_tracker_package_stops_the_run_before_round_1_naming_the_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -180,6 +223,16 @@ def test_a_failing_tracker_warns_once_and_is_not_called_again(
     assert "tracking server gone" in warnings[0]
 
 
+@pytest.fixture
+def server_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flower's task identity as a ServerApp process holds it before ``main`` runs (the grid's
+    messages need it): a strategy started by hand, with no run_inprocess before it in this
+    process, would otherwise fail on its first message."""
+    for name, value in (("_run_id", RUN_ID), ("_node_id", SUPERLINK_NODE_ID), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
+@pytest.mark.usefixtures("server_process")
 def test_track_sends_a_flower_apps_rounds_to_tensorboard(tmp_path: Path) -> None:
     """A library user's app: this package's FedAvg started by hand on a Grid, with an
     ``evaluate_fn``, after one call to ``track``."""
@@ -217,6 +270,81 @@ def test_track_sends_a_flower_apps_rounds_to_tensorboard(tmp_path: Path) -> None
     losses = {e.step: e.value for e in events.Scalars("train/train-loss")}
     assert sorted(losses) == [1, 2]
     assert all(np.isfinite(list(losses.values())))
+
+
+def start_tracked(strategy: Any, rounds: int = 1) -> InProcessGrid:
+    """Start ``strategy`` by hand on an in-process grid of this project's ClientApp, as a user's
+    ServerApp does; the grid it ran on."""
+    config = parse_run_config({**SETTINGS, "seed": 1})
+    grid = InProcessGrid(client_app, config.num_clients, {})
+    model = build_model(config.model, (1, 8, 8), 10, seed=config.seed)
+    task = ConfigRecord({**client_task(config).to_config(), LIBRARY_VERSION_KEY: __version__})
+    strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=rounds, train_config=task)
+    return grid
+
+
+@pytest.mark.usefixtures("server_process")
+def test_track_records_the_apps_run_config_flowers_run_id_and_the_strategys_options(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user's ServerApp passes its ``context``: the tracker's configuration is what the app
+    was run with (its pyproject's run config), Flower's run id and the strategy's options, not
+    the strategy's per-round state."""
+    from mlflow import MlflowClient
+
+    context = Context(
+        run_id=4242,
+        node_id=0,
+        node_config={},
+        state=RecordDict(),
+        run_config={"learning-rate": 0.05, "local-epochs": 2, "batch-size": 32},
+    )
+    strategy = FedAvg(fraction_evaluate=0.0, min_train_nodes=3, min_available_nodes=3)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        track(strategy, "mlflow", directory=tmp_path, run_name="mine", context=context)
+    start_tracked(strategy)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / '.mlflow' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("beyond-averaging")
+    assert experiment is not None
+    [found] = client.search_runs([experiment.experiment_id])
+    params = found.data.params
+    assert params["learning-rate"] == "0.05"
+    assert params["local-epochs"] == "2"
+    assert params["batch-size"] == "32"
+    assert params["flower-run-id"] == "4242"
+    assert params["strategy/class"] == "FedAvg"
+    assert params["strategy/fraction_evaluate"] == "0.0"
+    assert params["strategy/min_train_nodes"] == "3"
+    assert params["strategy/update_norm_factor"] == "10.0"  # an option left at its default
+    assert not [key for key in params if "seconds" in key]  # last_aggregation_seconds: state
+    [record] = [r for r in caplog.records if r.getMessage().startswith("track:")]
+    assert record.levelno == logging.INFO
+    line = record.getMessage()
+    assert "mlflow" in line
+    assert found.info.run_id in line
+    assert str(tmp_path / ".mlflow" / "mlflow.db") in line
+    assert "context=context" not in line
+
+
+@pytest.mark.usefixtures("server_process")
+def test_without_its_context_track_records_the_grids_run_id_and_says_how_to_add_the_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy = FedAvg(fraction_evaluate=0.0, min_train_nodes=3, min_available_nodes=3)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        track(strategy, "tensorboard", directory=tmp_path, run_name="mine")
+    grid = start_tracked(strategy)
+    events = EventAccumulator(str(tmp_path / "mine" / "tensorboard"))
+    events.Reload()
+    [config] = events.Tensors("config/text_summary")
+    table = config.tensor_proto.string_val[0].decode()
+    assert f"| flower-run-id | {grid.run.run_id} |" in table
+    assert "| strategy/class | FedAvg |" in table
+    assert "| strategy/min_train_nodes | 3 |" in table
+    assert "last_aggregation_seconds" not in table
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("track:")]
+    assert str(tmp_path / "mine" / "tensorboard") in line
+    assert "track(..., context=context)" in line
 
 
 def test_a_resumed_run_may_add_a_tracker_which_gets_the_rounds_kept_and_the_new_ones(

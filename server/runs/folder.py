@@ -12,6 +12,8 @@ ServerApp never got as far as writing it, or a copy of the folder lost it). It n
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -23,6 +25,9 @@ from typing import Any
 SUMMARY_FILE = "summary.json"
 #: One JSON line per round (round 0: the initial model).
 METRICS_FILE = "metrics.jsonl"
+#: The same rounds as a table (:func:`metrics_csv`): what a spreadsheet or ``pandas.read_csv``
+#: opens.
+METRICS_CSV_FILE = "metrics.csv"
 #: One JSON line per train reply.
 CLIENTS_FILE = "clients.jsonl"
 #: Everything needed to continue the run (:mod:`beyond_averaging.server.runs.checkpoint`).
@@ -69,17 +74,86 @@ def read_rounds(path: Path) -> list[dict[str, Any]]:
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:
-    """:func:`read_rounds` of a run folder's ``metrics.jsonl``.
+    """The rounds of a run folder: :func:`read_rounds` of its ``metrics.jsonl``, or, in a folder
+    that kept only the table (a copy that lost the JSON lines), :func:`read_csv_rounds` of its
+    ``metrics.csv``.
 
     Raises
     ------
     FileNotFoundError
-        The folder holds no ``metrics.jsonl``.
+        The folder holds neither ``metrics.jsonl`` nor ``metrics.csv``.
     """
     path = Path(folder) / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: pass the folder of a run (runs/<name>)")
-    return read_rounds(path)
+    if path.is_file():
+        return read_rounds(path)
+    table = Path(folder) / METRICS_CSV_FILE
+    if table.is_file():
+        return read_csv_rounds(table)
+    raise FileNotFoundError(
+        f"{path} does not exist (nor {METRICS_CSV_FILE}): pass the folder of a run (runs/<name>)"
+    )
+
+
+# --- metrics.csv ---------------------------------------------------------------------------
+def csv_columns(rounds: Sequence[Mapping[str, Any]], first: Sequence[str] = ()) -> list[str]:
+    """The columns of a ``metrics.csv``: ``first`` (an existing table's header), then every
+    other key of ``rounds`` in the order first seen."""
+    columns = dict.fromkeys(first)
+    for entry in rounds:
+        columns.update(dict.fromkeys(key for key in entry if key not in columns))
+    return list(columns)
+
+
+def csv_cell(value: Any) -> str:
+    """A metric as a CSV cell: text as it is, anything else (numbers, booleans, null, lists such
+    as FedLAW's per-client weights) as JSON text."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def csv_rows(rounds: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """``rounds`` as CSV lines under ``columns`` (no header); a key a round lacks is empty."""
+    stream = io.StringIO()
+    writer = csv.writer(stream, lineterminator="\n")
+    for entry in rounds:
+        writer.writerow([csv_cell(entry[key]) if key in entry else "" for key in columns])
+    return stream.getvalue()
+
+
+def metrics_csv(rounds: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """A whole ``metrics.csv``: the header ``columns``, then one line per round."""
+    return csv_rows([{key: key for key in columns}], columns) + csv_rows(rounds, columns)
+
+
+def _parse_cell(cell: str) -> Any:
+    # JSON's NaN/Infinity are not taken: the JSON lines hold non-finite numbers as text
+    # ("nan", "inf"), so the table's cell stays that text too.
+    def refuse(constant: str) -> Any:
+        raise ValueError(constant)
+
+    try:
+        return json.loads(cell, parse_constant=refuse)
+    except ValueError:
+        return cell
+
+
+def read_csv_header(path: Path) -> list[str]:
+    """The columns of the ``metrics.csv`` at ``path``; [] when it is missing or empty."""
+    with (
+        suppress(OSError, StopIteration, csv.Error),
+        Path(path).open(encoding="utf-8", newline="") as stream,
+    ):
+        return next(csv.reader(stream))
+    return []
+
+
+def read_csv_rounds(path: Path) -> list[dict[str, Any]]:
+    """The rounds of a ``metrics.csv``, one dict per row as ``metrics.jsonl`` holds it: an
+    empty cell is a key the round lacks, a JSON cell its value, any other its text."""
+    with Path(path).open(encoding="utf-8", newline="") as stream:
+        return [
+            {key: _parse_cell(cell) for key, cell in row.items() if cell and key}
+            for row in csv.DictReader(stream)
+        ]
 
 
 def curve(rounds: Sequence[Mapping[str, Any]], key: str, first: int = 1) -> dict[int, float]:

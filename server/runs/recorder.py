@@ -1,6 +1,10 @@
 """Where a run's results land: ``<output-dir>/<run-name>/``.
 
 - ``metrics.jsonl``: one JSON line per round (round 0 is the initial model);
+- ``metrics.csv``: the same rounds as a table, one column per key in the order first seen (a
+  round's missing keys empty, lists as JSON text), for a spreadsheet or ``pandas.read_csv``; a
+  key first logged mid-run rewrites it with the wider header, and a resumed run rewrites it from
+  the rounds it keeps, its columns in the order they had;
 - ``clients.jsonl``: one JSON line per train reply (:meth:`RunRecorder.log_clients`: node,
   partition, weight, train loss, update norm, trust, kept, clipped or dropped and why);
 - ``checkpoint.pt``: everything needed to continue the run, rewritten after every round
@@ -59,10 +63,15 @@ from .checkpoint import atomic_torch_save, private_file
 from .folder import (
     CLIENTS_FILE,
     FINAL_STATUSES,
+    METRICS_CSV_FILE,
     METRICS_FILE,
     MODEL_FILE,
     OWNER_LOCK_FILE,
     SUMMARY_FILE,
+    csv_columns,
+    csv_rows,
+    metrics_csv,
+    read_csv_header,
     read_rounds,
     read_summary,
 )
@@ -227,6 +236,14 @@ class RunRecorder:
             self.metrics_path,
             "".join(json.dumps(entry, sort_keys=True) + "\n" for entry in self.rounds),
         )
+        self.csv_path = self.directory / METRICS_CSV_FILE
+        # A resumed run's table keeps its columns' order (the JSON lines hold keys sorted, not
+        # in the order the run first logged them); columns no kept round has are dropped.
+        kept = csv_columns(self.rounds)
+        earlier = read_csv_header(self.csv_path) if resume_round is not None else []
+        #: ``metrics.csv``'s header: every key of the rounds so far, in the order first seen.
+        self.csv_columns = csv_columns(self.rounds, [key for key in earlier if key in kept])
+        self._write_csv()
         self.clients_path = self.directory / CLIENTS_FILE
         _keep_rounds(self.clients_path, resume_round)
         #: Told of every round and of the final status (:class:`RunObserver`).
@@ -245,9 +262,21 @@ class RunRecorder:
         _append_whole(self.metrics_path, (json.dumps(record, sort_keys=True) + "\n").encode())
         self.alarm_details.update(alarms or {})
         self.rounds.append(record)
+        columns = csv_columns([record], self.csv_columns)
+        if columns == self.csv_columns:
+            _append_whole(self.csv_path, csv_rows([record], columns).encode())
+        else:  # a new key: the header must name it, so the table is written again, wider
+            self.csv_columns = columns
+            self._write_csv()
         self.write_summary("running")  # the summary's final metrics and alarms follow the rounds
         for observer in self.observers:
             observer.on_round(record)
+
+    def _write_csv(self) -> None:
+        """Replace ``metrics.csv`` with every round so far under :attr:`csv_columns` (empty
+        before the first round)."""
+        text = metrics_csv(self.rounds, self.csv_columns) if self.csv_columns else ""
+        _atomic_write_text(self.csv_path, text)
 
     def log_clients(self, records: Sequence[Mapping[str, Any]]) -> None:
         """Append one JSON line per train reply of a round to ``clients.jsonl``."""

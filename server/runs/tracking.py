@@ -1,26 +1,46 @@
 """A run's experiment tracker (run option ``tracker``), fed by the run's recorder.
 
 :func:`open_run_tracker` opens the tracker the configuration names (:mod:`strategies.tracking`) for
-a run folder, before round 1, and records the resolved configuration as its parameters. The
+a run folder, before round 1, logs where it writes and records the resolved configuration as its
+parameters. The
 :class:`RunTracking` it returns observes the :class:`~server.runs.recorder.RunRecorder`: each line
 ``metrics.jsonl`` gets is sent as the round's metrics, and when the run ends its files go along as
-artifacts (MLflow, W&B): the summary, the metrics, the per-client records, the partitions, the final
-model and any plot in the folder.
+artifacts (MLflow, W&B): the summary, the metrics (JSON lines and table), the per-client records,
+the partitions, the final model, the console log and any plot in the folder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from logging import INFO
 from pathlib import Path
 from typing import Any
+
+from flwr.common import log
 
 from beyond_averaging.server.config import RunConfig
 from beyond_averaging.strategies.tracking import Tracker, open_tracker
 
-from .folder import CLIENTS_FILE, METRICS_FILE, MODEL_FILE, PARTITIONS_FILE, SUMMARY_FILE
+from .folder import (
+    CLIENTS_FILE,
+    LOG_FILE,
+    METRICS_CSV_FILE,
+    METRICS_FILE,
+    MODEL_FILE,
+    PARTITIONS_FILE,
+    SUMMARY_FILE,
+)
 
 #: The run's files a tracker keeps at the end (those that exist), plus every ``*.png``.
-RUN_ARTIFACTS = (SUMMARY_FILE, METRICS_FILE, CLIENTS_FILE, PARTITIONS_FILE, MODEL_FILE)
+RUN_ARTIFACTS = (
+    SUMMARY_FILE,
+    METRICS_FILE,
+    METRICS_CSV_FILE,
+    CLIENTS_FILE,
+    PARTITIONS_FILE,
+    MODEL_FILE,
+    LOG_FILE,
+)
 
 
 class RunTracking:
@@ -58,5 +78,6 @@ def open_run_tracker(config: RunConfig, directory: Path, run_name: str) -> RunTr
     )
     if tracker is None:
         return None
+    log(INFO, "tracker %s writes to %s", tracker.name, tracker.where)
     tracker.log_params(config.to_run_config())
     return RunTracking(tracker)
