@@ -125,8 +125,9 @@ def test_ba_run_inprocess_fails_with_the_configuration_error(
             f'strategy="nope" output-dir="{tmp_path}"',
         ]
     )
-    assert code == 1
+    assert code == 2  # a value that is not allowed, refused before the run starts
     assert "strategy" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # and no run folder
 
 
 # --- the Grid ---------------------------------------------------------------------------

@@ -43,7 +43,10 @@ def test_fedavg_simulation_beats_the_initial_model_and_records_every_round(
 
 
 def test_invalid_run_config_fails_the_launch_with_the_key_named(tmp_path: Path) -> None:
-    with pytest.raises(LaunchError, match=r"did not complete"):
+    # Refused before any process starts (the merged options are validated first), naming the key.
+    with pytest.raises(
+        LaunchError, match=r"key 'local-epochs' = 0 is not allowed: allowed is >= 1"
+    ):
         launch(
             REPO,
             [f'output-dir="{tmp_path}" run-name="bad" local-epochs=0 num-clients=2'],
