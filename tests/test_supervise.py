@@ -109,6 +109,35 @@ def test_a_process_that_cannot_join_is_started_again_after_a_doubling_delay(
     assert delays == [0.1, 0.2, 0.2, 0.2]
 
 
+def test_a_process_that_ignores_the_stop_is_killed_after_the_exit_grace(tmp_path: Path) -> None:
+    # A SuperNode told to stop while it retries a SuperLink that is gone has kept running; the
+    # supervisor must not wait for it for ever.
+    started = tmp_path / "started"
+    command = stand_in(
+        tmp_path,
+        f"""
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open({str(started)!r}, "w").close()
+        time.sleep(600)
+        """,
+    )
+    said: list[str] = []
+    supervisor = Supervisor(command, exit_grace=0.5, say=said.append, output=io.BytesIO())
+    thread = threading.Thread(target=supervisor.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60.0
+    while not started.is_file():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    supervisor.stop()
+    thread.join(timeout=30.0)
+    assert not thread.is_alive()  # run() returned: the process was killed, not waited for
+    assert supervisor.child is not None
+    assert supervisor.child.returncode == -signal.SIGKILL
+    assert any("told to stop: killing it" in line for line in said)
+
+
 def test_sigterm_stops_the_supervisor_and_its_process_for_good(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     script = tmp_path / "node.py"

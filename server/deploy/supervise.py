@@ -16,7 +16,8 @@ In containers, compose.yaml's ``restart: unless-stopped`` starts the process aga
 registers anew (a new node id; the partition is the node's ``--node-config``, so the federation
 is the same). ``ba-supernode`` is that policy for a local process: it runs ``flower-supernode``
 with the given arguments and starts it again whenever it ends, whatever its exit status, until
-``ba-supernode`` itself is told to stop (SIGTERM or SIGINT, passed on to the SuperNode). It
+``ba-supernode`` itself is told to stop (SIGTERM or SIGINT, passed on to the SuperNode, whose
+process group is killed if it still runs ``--exit-grace`` seconds later). It
 passes the SuperNode's output through and watches it for the SuperLink's "this node is unknown"
 answers (:data:`FORGOTTEN`): a SuperNode that has not ended ``--exit-grace`` seconds after one is
 stopped (its process group: the SuperExec and ClientApps it started go too) and started again.
@@ -42,6 +43,7 @@ Options before ``--`` are this wrapper's; everything else goes to ``flower-super
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import signal
@@ -132,9 +134,12 @@ class Supervisor:
         self.forgotten = threading.Event()
         self.child: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self._stopped_at = math.inf
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Stop for good: pass ``signum`` to the running process group and start no other."""
+        """Stop for good: pass ``signum`` to the running process group and start no other; a
+        group still running ``exit_grace`` seconds later is killed (:meth:`_wait`)."""
+        self._stopped_at = time.monotonic()
         self.stopping.set()
         self._signal_child(signum)
 
@@ -160,6 +165,16 @@ class Supervisor:
         while True:
             with suppress(subprocess.TimeoutExpired):
                 return child.wait(timeout=0.5)
+            if time.monotonic() - self._stopped_at > self.exit_grace:
+                # Told to stop and still running: a SuperNode given SIGTERM while it retries a
+                # SuperLink that is gone (ba-deploy killed with SIGKILL, both told at once) was
+                # seen to keep retrying, and this process would have waited for it for ever.
+                self.say(
+                    f"{self.name} (pid {child.pid}) still running {self.exit_grace:g} s after "
+                    "it was told to stop: killing it"
+                )
+                self._signal_child(signal.SIGKILL)
+                return child.wait()
             if self.forgotten.is_set() and not self.stopping.is_set():
                 with suppress(subprocess.TimeoutExpired):
                     return child.wait(timeout=self.exit_grace)
