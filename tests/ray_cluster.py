@@ -250,6 +250,11 @@ class RayCluster:
         for pid in running:
             with suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+        # SIGKILL is not instant: a loaded machine was seen to leave one Ray process running just
+        # after it, so wait (briefly) until the kernel has ended them all.
+        deadline = time.monotonic() + 10.0
+        while running and alive(set(running)) and time.monotonic() < deadline:
+            time.sleep(0.1)
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
 
