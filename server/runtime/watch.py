@@ -33,8 +33,10 @@ from beyond_averaging.server.runs.folder import LOG_FILE, METRICS_FILE, read_met
 
 from .processes import ANSI_CODES
 
-#: Seconds between two reads of the run's metrics.
-POLL_SECONDS = 0.5
+#: Seconds between two checks of the run's metrics (a ``stat``; read only when they grew). The
+#: ServerApp logs a round's line just before it appends the round to ``metrics.jsonl``, so the
+#: bar catches up with the log one poll later: at 0.5 s it lagged a round behind at times.
+POLL_SECONDS = 0.1
 #: A line as Python's ``warnings`` module prints it: ``<file>:<line>: <Category>: <message>``;
 #: the line after it echoes the source line that warned, indented.
 WARNING_LINE = re.compile(
