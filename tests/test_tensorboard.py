@@ -1,0 +1,164 @@
+"""TensorBoard's dashboards of a run (``tracker = "tensorboard"``), read by TensorBoard's code.
+
+HParams through the HParams plugin itself (the session groups its dashboard lists: the run's
+options, its status, each metric's final value), images, histograms and scalars through
+TensorBoard's ``EventAccumulator``; every expected value comes from the run's own files
+(summary.json, metrics.jsonl, clients.jsonl, the PNG files), not from the tracker's code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tensorboard import context
+from tensorboard.backend import experiment_id
+from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins import base_plugin
+from tensorboard.plugins.hparams import hparams_plugin, metadata
+from werkzeug.test import EnvironBuilder
+
+from beyond_averaging.strategies.tracking import open_tracker
+from tests.test_tracking import run_with
+
+
+def session_groups(logdir: Path) -> list[dict[str, Any]]:
+    """The session groups TensorBoard's HParams dashboard shows for ``logdir``, as its plugin
+    answers the dashboard's request (every status, metrics included)."""
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+    tb_context = base_plugin.TBContext(
+        logdir=str(logdir), multiplexer=multiplexer, data_provider=provider
+    )
+    route = hparams_plugin.HParamsPlugin(tb_context).get_plugin_apps()["/session_groups"]
+    request = {
+        "startIndex": 0,
+        "sliceSize": 100,
+        "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
+        "colParams": [],
+        "aggregationType": "AGGREGATION_AVG",
+        "includeMetrics": True,
+    }
+    environ = EnvironBuilder(
+        method="POST", data=json.dumps(request), content_type="application/json"
+    ).get_environ()
+    context.set_in_environ(environ, context.RequestContext())
+    environ[experiment_id.WSGI_ENVIRON_KEY] = ""
+    statuses: list[str] = []
+    body = b"".join(route(environ, lambda status, headers: statuses.append(status)))
+    assert statuses[0].startswith("200"), body.decode()
+    groups: list[dict[str, Any]] = json.loads(body)["sessionGroups"]
+    return groups
+
+
+def events(run: Path) -> EventAccumulator:
+    """Every event the run's TensorBoard folder holds (no sampling of images or histograms)."""
+    accumulator = EventAccumulator(
+        str(run / "tensorboard"), size_guidance={"images": 0, "histograms": 0, "scalars": 0}
+    )
+    accumulator.Reload()
+    return accumulator
+
+
+@pytest.fixture(scope="module")
+def tensorboard_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One in-process run (3 clients, 2 rounds) with ``tracker = "tensorboard"``: the output
+    folder and the run's folder."""
+    output = tmp_path_factory.mktemp("tensorboard")
+    run, _ = run_with("tensorboard", output)
+    return output, run
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_the_hparams_dashboard_lists_the_runs_options_status_and_final_metrics(
+    tensorboard_run: tuple[Path, Path],
+) -> None:
+    output, run = tensorboard_run
+    [group] = session_groups(output)
+    summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    assert set(group["hparams"]) == set(summary["config"])  # every option, no more
+    assert group["hparams"]["strategy"] == "fedavg"
+    assert group["hparams"]["num-server-rounds"] == 2
+    assert group["hparams"]["diagnostics"] is False
+    [session] = group["sessions"]
+    assert session["name"] == "r/tensorboard"
+    assert session["status"] == "STATUS_SUCCESS"
+    final = jsonl(run / "metrics.jsonl")[-1]
+    metrics = {m["name"]["tag"]: m for m in session["metricValues"]}
+    for key in ("test-accuracy", "test-loss"):
+        assert metrics[key]["value"] == pytest.approx(final[key], rel=1e-6), key
+        assert metrics[key]["trainingStep"] == 2, key
+
+
+def test_the_runs_figures_are_images_at_the_round_they_were_written_after(
+    tensorboard_run: tuple[Path, Path],
+) -> None:
+    _, run = tensorboard_run
+    recorded = events(run)
+    assert sorted(recorded.Tags()["images"]) == ["figures/curves", "figures/partitions"]
+    [partitions] = recorded.Images("figures/partitions")
+    [curves] = recorded.Images("figures/curves")
+    assert partitions.step == 0  # drawn before the first round
+    assert curves.step == 2  # drawn once the last round ran
+    assert partitions.encoded_image_string == (run / "partitions.png").read_bytes()
+    assert curves.encoded_image_string == (run / "curves.png").read_bytes()
+    assert curves.width > curves.height > 100
+
+
+def test_each_round_has_histograms_of_its_clients_figures_and_counts_of_their_fates(
+    tensorboard_run: tuple[Path, Path],
+) -> None:
+    _, run = tensorboard_run
+    recorded = events(run)
+    clients = jsonl(run / "clients.jsonl")
+    assert {c["round"] for c in clients} == {1, 2}
+    for figure in ("update-norm", "direction-cosine", "weight", "train-loss"):
+        histograms = {h.step: h.histogram_value for h in recorded.Histograms(f"clients/{figure}")}
+        # A round whose replies lack a figure (null in clients.jsonl) has no histogram of it.
+        rounds = sorted({c["round"] for c in clients if c[figure] is not None})
+        assert sorted(histograms) == rounds, figure
+        for step, histogram in histograms.items():
+            values = [c[figure] for c in clients if c["round"] == step and c[figure] is not None]
+            assert histogram.num == len(values), (figure, step)
+            assert histogram.sum == pytest.approx(sum(values)), (figure, step)
+            assert histogram.min == pytest.approx(min(values)), (figure, step)
+            assert histogram.max == pytest.approx(max(values)), (figure, step)
+    assert "clients/trust" not in recorded.Tags()["histograms"]  # FedAvg has no trust
+    for status in ("kept", "clipped", "dropped"):
+        counts = {s.step: s.value for s in recorded.Scalars(f"clients/{status}")}
+        expected = {
+            r: sum(c["status"] == status for c in clients if c["round"] == r) for r in (1, 2)
+        }
+        assert counts == expected, status
+    assert {s.step: s.value for s in recorded.Scalars("clients/kept")} == {1: 3, 2: 3}
+    assert len(recorded.Histograms("clients/update-norm")) == 2  # both rounds, 3 replies each
+    assert all(h.histogram_value.num == 3 for h in recorded.Histograms("clients/update-norm"))
+
+
+def test_a_failed_runs_session_ends_failed_and_every_option_is_an_hparam(tmp_path: Path) -> None:
+    """Options that are neither numbers nor text (None, a list) are HParams as their JSON."""
+    tracker = open_tracker("tensorboard", tmp_path / "run", run_name="run")
+    assert tracker is not None
+    tracker.log_params({"lr": 0.1, "name": "x", "on": True, "off": None, "sizes": [1, 2]})
+    tracker.close("failed")
+    assert not tracker.failed
+    recorded = events(tmp_path / "run")
+    start_info = metadata.parse_session_start_info_plugin_data(
+        recorded.SummaryMetadata(metadata.SESSION_START_INFO_TAG).plugin_data.content
+    )
+    hparams = dict(start_info.hparams)
+    assert hparams["lr"].number_value == 0.1
+    assert hparams["name"].string_value == "x"
+    assert hparams["on"].bool_value is True
+    assert hparams["off"].string_value == "null"
+    assert hparams["sizes"].string_value == "[1, 2]"
+    [group] = session_groups(tmp_path)
+    assert group["sessions"][0]["status"] == "STATUS_FAILURE"
