@@ -199,10 +199,10 @@ class Tracker(ABC):
         """A round's per-client records (``clients.jsonl``'s lines of round ``step``): their
         figures as histograms and how many replies were kept, clipped and dropped
         (:func:`client_figures`). TensorBoard only; the others keep ``clients.jsonl`` whole."""
-        if records:
-            histograms, counts = client_figures(records)
+        if records:  # counted inside the guard: a foreign strategy's records may be anything
             self._guarded(
-                f"record round {step}'s clients", lambda: self._clients(step, histograms, counts)
+                f"record round {step}'s clients",
+                lambda: self._clients(step, *client_figures(records)),
             )
 
     def log_images(self, step: int, paths: Iterable[Path]) -> None:
@@ -564,9 +564,11 @@ def track(
     where the strategy keeps them, its ``aggregation_metrics`` of the round
     (``aggregation/<key>``); after each ``aggregate_evaluate`` the clients' evaluation metrics
     (``evaluate/<key>``); and the ``evaluate_fn`` given to ``start`` (``server/<key>``, round 0
-    too). ``start`` first records the run's configuration (:func:`_run_params`: the app's run
-    config, Flower's run id, the strategy's options) and closes the tracker's run when it
-    returns (``failed`` when it raises). One INFO line says where the tracker writes.
+    too). A strategy of this package also sends each round's per-reply records
+    (``last_client_records``; TensorBoard: ``clients/<figure>`` histograms and counts).
+    ``start`` first records the run's configuration (:func:`_run_params`: the app's run config,
+    Flower's run id, the strategy's options) and closes the tracker's run when it returns
+    (``failed`` when it raises). One INFO line says where the tracker writes.
 
     Parameters
     ----------
@@ -627,6 +629,8 @@ def track(
                 **numeric_metrics(figures, "aggregation/"),
             },
         )
+        # This package's strategies keep the round's per-reply records (clients.jsonl's lines).
+        sink.log_clients(server_round, getattr(strategy, "last_client_records", None) or [])
         return arrays, metrics
 
     @wraps(aggregate_evaluate)

@@ -21,8 +21,14 @@ from tensorboard.plugins import base_plugin
 from tensorboard.plugins.hparams import hparams_plugin, metadata
 from werkzeug.test import EnvironBuilder
 
+from beyond_averaging import track
+from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.tracking import open_tracker
-from tests.test_tracking import run_with
+from tests.test_tracking import (
+    run_with,
+    server_process,  # noqa: F401  (a fixture, by usefixtures)
+    start_tracked,
+)
 
 
 def session_groups(logdir: Path) -> list[dict[str, Any]]:
@@ -162,3 +168,16 @@ def test_a_failed_runs_session_ends_failed_and_every_option_is_an_hparam(tmp_pat
     assert hparams["sizes"].string_value == "[1, 2]"
     [group] = session_groups(tmp_path)
     assert group["sessions"][0]["status"] == "STATUS_FAILURE"
+
+
+@pytest.mark.usefixtures("server_process")
+def test_track_sends_a_package_strategys_clients_as_histograms(tmp_path: Path) -> None:
+    """A library user's app with this package's FedAvg: its per-reply records reach
+    TensorBoard as they do from ba-run."""
+    strategy = FedAvg(fraction_evaluate=0.0, min_train_nodes=3, min_available_nodes=3)
+    track(strategy, "tensorboard", directory=tmp_path, run_name="mine")
+    start_tracked(strategy, rounds=2)
+    recorded = events(tmp_path / "mine")
+    norms = {h.step: h.histogram_value.num for h in recorded.Histograms("clients/update-norm")}
+    assert norms == {1: 3, 2: 3}
+    assert {s.step: s.value for s in recorded.Scalars("clients/kept")} == {1: 3, 2: 3}
