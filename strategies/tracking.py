@@ -111,11 +111,11 @@ CLIENT_FIGURES = (
 #: :meth:`Tracker.log_clients`.
 CLIENT_STATUSES = ("kept", "clipped", "dropped")
 #: The section (tag prefix) of the per-client histograms and counts, and of the figures.
-CLIENTS_SECTION = "clients/"
-FIGURES_SECTION = "figures/"
+_CLIENTS_SECTION = "clients/"
+_FIGURES_SECTION = "figures/"
 
 
-def client_figures(
+def _client_figures(
     records: Sequence[Mapping[str, Any]],
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """A round's per-client records (``clients.jsonl`` lines) as histogram values and counts.
@@ -139,9 +139,9 @@ def client_figures(
             and math.isfinite(value)
         ]
         if values:
-            histograms[f"{CLIENTS_SECTION}{figure}"] = values
+            histograms[f"{_CLIENTS_SECTION}{figure}"] = values
     counts = {
-        f"{CLIENTS_SECTION}{status}": float(sum(r.get("status") == status for r in records))
+        f"{_CLIENTS_SECTION}{status}": float(sum(r.get("status") == status for r in records))
         for status in CLIENT_STATUSES
     }
     return histograms, counts
@@ -198,11 +198,11 @@ class Tracker(ABC):
     def log_clients(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
         """A round's per-client records (``clients.jsonl``'s lines of round ``step``): their
         figures as histograms and how many replies were kept, clipped and dropped
-        (:func:`client_figures`). TensorBoard only; the others keep ``clients.jsonl`` whole."""
+        (:func:`_client_figures`). TensorBoard only; the others keep ``clients.jsonl`` whole."""
         if records:  # counted inside the guard: a foreign strategy's records may be anything
             self._guarded(
                 f"record round {step}'s clients",
-                lambda: self._clients(step, *client_figures(records)),
+                lambda: self._clients(step, *_client_figures(records)),
             )
 
     def log_images(self, step: int, paths: Iterable[Path]) -> None:
@@ -240,18 +240,18 @@ class Tracker(ABC):
 
 #: A PNG file's first bytes, and the colour type in its header to TensorBoard's colour space
 #: (grey 1, grey and alpha 2, RGB or a palette 3, RGBA 4).
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PNG_COLORSPACE = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_COLORSPACE = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}
 #: A run's final status as TensorBoard's HParams dashboard names it; any other (interrupted:
 #: HParams has no word for it, and it is no failure of the run) is unknown there.
-HPARAMS_STATUS = {
+_HPARAMS_STATUS = {
     "completed": "STATUS_SUCCESS",
     "completed-with-alarms": "STATUS_SUCCESS",
     "failed": "STATUS_FAILURE",
 }
 
 
-def hparam_value(value: Any) -> bool | int | float | str:
+def _hparam_value(value: Any) -> bool | int | float | str:
     """A configuration value as an HParams value, which is a number, a boolean or text: any
     other (None, a list) as its JSON text, so that every option is in the HParams table."""
     if isinstance(value, bool | int | float | str):
@@ -259,17 +259,17 @@ def hparam_value(value: Any) -> bool | int | float | str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def png_image(path: Path) -> tuple[int, int, int, bytes] | None:
+def _png_image(path: Path) -> tuple[int, int, int, bytes] | None:
     """A PNG file's width, height, TensorBoard colour space and bytes; None for another file.
 
     Read from the PNG header (its IHDR chunk), so that showing a figure needs no image library:
     TensorBoard stores and serves the encoded bytes as they are.
     """
     data = path.read_bytes()
-    if len(data) < 26 or data[:8] != PNG_SIGNATURE or data[12:16] != b"IHDR":
+    if len(data) < 26 or data[:8] != _PNG_SIGNATURE or data[12:16] != b"IHDR":
         return None
     width, height = struct.unpack(">II", data[16:24])
-    return width, height, PNG_COLORSPACE.get(data[25], 3), data
+    return width, height, _PNG_COLORSPACE.get(data[25], 3), data
 
 
 class TensorBoardTracker(Tracker):
@@ -308,7 +308,7 @@ class TensorBoardTracker(Tracker):
         # No experiment summary beside it: TensorBoard takes the first one it finds for every
         # run under --logdir, hiding the options of runs it does not list; from the sessions
         # alone it lists every run's options, and each scalar's last value as a metric.
-        hparams = {str(key): hparam_value(value) for key, value in params.items()}
+        hparams = {str(key): _hparam_value(value) for key, value in params.items()}
         self._summary(self.hparams.hparams_pb(hparams))
 
     def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -330,14 +330,14 @@ class TensorBoardTracker(Tracker):
     def _images(self, step: int, paths: list[Path]) -> None:
         summary = self.proto.Summary
         for path in paths:
-            image = png_image(path)
+            image = _png_image(path)
             if image is None:
                 continue
             width, height, colorspace, data = image
             picture = summary.Image(
                 height=height, width=width, colorspace=colorspace, encoded_image_string=data
             )
-            tag = f"{FIGURES_SECTION}{path.stem}"
+            tag = f"{_FIGURES_SECTION}{path.stem}"
             self._summary(summary(value=[summary.Value(tag=tag, image=picture)]), step)
         self.writer.flush()
 
@@ -345,7 +345,7 @@ class TensorBoardTracker(Tracker):
         self.writer.add_text("status", status, 0)
         data, metadata = self.hparams_data, self.hparams_metadata
         end = data.SessionEndInfo(
-            status=self.hparams_api.Status.Value(HPARAMS_STATUS.get(status, "STATUS_UNKNOWN")),
+            status=self.hparams_api.Status.Value(_HPARAMS_STATUS.get(status, "STATUS_UNKNOWN")),
             end_time_secs=time.time(),
         )
         value = self.proto.Summary.Value(  # as summary_v2 writes a session's start: null tensor
