@@ -260,12 +260,16 @@ def _hparam_value(value: Any) -> bool | int | float | str:
 
 
 def _png_image(path: Path) -> tuple[int, int, int, bytes] | None:
-    """A PNG file's width, height, TensorBoard colour space and bytes; None for another file.
+    """A PNG file's width, height, TensorBoard colour space and bytes; None for another file
+    or one that cannot be read.
 
     Read from the PNG header (its IHDR chunk), so that showing a figure needs no image library:
     TensorBoard stores and serves the encoded bytes as they are.
     """
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError:  # gone since it was listed: one figure missing never turns the tracker off
+        return None
     if len(data) < 26 or data[:8] != _PNG_SIGNATURE or data[12:16] != b"IHDR":
         return None
     width, height = struct.unpack(">II", data[16:24])

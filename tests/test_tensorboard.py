@@ -9,6 +9,8 @@ TensorBoard's ``EventAccumulator``; every expected value comes from the run's ow
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from tensorboard.plugins.hparams import hparams_plugin, metadata
 from werkzeug.test import EnvironBuilder
 
 from beyond_averaging import track
+from beyond_averaging.server.runs.tracking import RunTracking
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.tracking import open_tracker
 from tests.test_tracking import (
@@ -181,3 +184,49 @@ def test_track_sends_a_package_strategys_clients_as_histograms(tmp_path: Path) -
     norms = {h.step: h.histogram_value.num for h in recorded.Histograms("clients/update-norm")}
     assert norms == {1: 3, 2: 3}
     assert {s.step: s.value for s in recorded.Scalars("clients/kept")} == {1: 3, 2: 3}
+
+
+def tiny_png(width: int, height: int) -> bytes:
+    """A valid RGB PNG of ``width`` x ``height`` black pixels, built by hand (PNG's spec)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    pixels = zlib.compress(b"".join(b"\x00" + b"\x00" * 3 * width for _ in range(height)))
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+    )
+
+
+def test_a_line_being_written_waits_and_a_damaged_line_or_file_is_skipped(tmp_path: Path) -> None:
+    """What the run tracking reads from the folder never turns the tracker off: a line of
+    clients.jsonl cut mid-write is read once whole, a damaged line and a file named .png that
+    is none are left out, and the rest still reaches TensorBoard."""
+    tracker = open_tracker("tensorboard", tmp_path, run_name="run")
+    assert tracker is not None
+    tracking = RunTracking(tracker, tmp_path)
+    clients = tmp_path / "clients.jsonl"
+    tracking.on_round({"round": 0, "test-accuracy": 0.1})
+    (tmp_path / "dot.png").write_bytes(tiny_png(3, 2))
+    (tmp_path / "notes.png").write_text("not an image, " * 8, encoding="utf-8")
+    line = '{{"round": {}, "status": "kept", "update-norm": {}}}\n'
+    late = line.format(2, 4.0)
+    clients.write_text(
+        line.format(1, 1.0) + "{damaged\n" + line.format(1, 2.0) + late[:10], encoding="utf-8"
+    )
+    tracking.on_round({"round": 1, "test-accuracy": 0.2})
+    with clients.open("a", encoding="utf-8") as file:
+        file.write(late[10:])
+    tracking.on_round({"round": 2, "test-accuracy": 0.3})
+    tracking.on_end(tmp_path, "completed")
+    assert not tracker.failed
+    recorded = events(tmp_path)
+    norms = {h.step: h.histogram_value for h in recorded.Histograms("clients/update-norm")}
+    assert sorted(norms) == [1, 2]
+    assert (norms[1].num, norms[1].sum) == (2, 3.0)
+    assert (norms[2].num, norms[2].sum) == (1, 4.0)
+    assert recorded.Tags()["images"] == ["figures/dot"]
+    [dot] = recorded.Images("figures/dot")
+    assert (dot.step, dot.width, dot.height) == (1, 3, 2)

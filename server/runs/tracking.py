@@ -92,7 +92,7 @@ class RunTracking:
             with (self.directory / CLIENTS_FILE).open("rb") as file:
                 file.seek(self.clients_read)
                 data = file.read()
-        except FileNotFoundError:
+        except OSError:  # none yet, or unreadable: the tracker goes without, never the run
             return
         whole = data[: data.rfind(b"\n") + 1]  # a line being appended waits for the next call
         self.clients_read += len(whole)
@@ -111,7 +111,7 @@ class RunTracking:
         for path in sorted(self.directory.glob("*.png")):
             try:
                 stat = path.stat()
-            except FileNotFoundError:  # replaced meanwhile: shown once it is there
+            except OSError:  # replaced meanwhile: shown once it is there again
                 continue
             stamp = (stat.st_size, stat.st_mtime_ns)
             if self.figures.get(path.name) != stamp:
