@@ -7,7 +7,10 @@ the extra, when the tracker is opened (before round 1). Where each writes, for a
 ``<dir>/<run>``:
 
 - ``tensorboard``: event files in ``<dir>/<run>/tensorboard/`` (``tensorboard --logdir <dir>``
-  shows every run);
+  shows every run): the metrics per round as scalars, the configuration as a text table and as
+  the run's HParams session (its last value of each scalar, the final test accuracy among them,
+  is the session's metric there), the run's figures as images (:meth:`Tracker.log_images`) and
+  each round's per-client figures as histograms (:meth:`Tracker.log_clients`);
 - ``mlflow``: the tracking URI given, else a local store shared by the runs of ``<dir>``
   (``sqlite:///<dir>/.mlflow/mlflow.db``, artifacts in ``<dir>/.mlflow/artifacts``; ``mlflow ui
   --backend-store-uri sqlite:///<dir>/.mlflow/mlflow.db``): the configuration as parameters, the
@@ -28,12 +31,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import os
 import shutil
+import struct
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import wraps
 from logging import INFO, WARNING
@@ -92,6 +97,56 @@ def numeric_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, f
     }
 
 
+#: The per-client figures of a round's ``clients.jsonl`` lines that :meth:`Tracker.log_clients`
+#: sends as histograms (one value per reply that has the figure).
+CLIENT_FIGURES = (
+    "update-norm",
+    "update-scale",
+    "direction-cosine",
+    "trust",
+    "weight",
+    "train-loss",
+)
+#: A reply's fate in ``clients.jsonl`` (``status``), counted per round by
+#: :meth:`Tracker.log_clients`.
+CLIENT_STATUSES = ("kept", "clipped", "dropped")
+#: The section (tag prefix) of the per-client histograms and counts, and of the figures.
+_CLIENTS_SECTION = "clients/"
+_FIGURES_SECTION = "figures/"
+
+
+def _client_figures(
+    records: Sequence[Mapping[str, Any]],
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """A round's per-client records (``clients.jsonl`` lines) as histogram values and counts.
+
+    Returns
+    -------
+    histograms : dict
+        ``clients/<figure>`` (:data:`CLIENT_FIGURES`) to the finite values the replies have;
+        a figure no reply has (``trust`` without FLTrust) is left out.
+    counts : dict
+        ``clients/<status>`` (:data:`CLIENT_STATUSES`) to the number of replies with it, zeros
+        included, so that a count's curve does not skip the rounds where it is 0.
+    """
+    histograms: dict[str, list[float]] = {}
+    for figure in CLIENT_FIGURES:
+        values = [
+            float(value)
+            for record in records
+            if isinstance(value := record.get(figure), int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+        ]
+        if values:
+            histograms[f"{_CLIENTS_SECTION}{figure}"] = values
+    counts = {
+        f"{_CLIENTS_SECTION}{status}": float(sum(r.get("status") == status for r in records))
+        for status in CLIENT_STATUSES
+    }
+    return histograms, counts
+
+
 class Tracker(ABC):
     """One run in an experiment tracker.
 
@@ -140,6 +195,24 @@ class Tracker(ABC):
         if files:
             self._guarded("store the run's files", lambda: self._artifacts(files))
 
+    def log_clients(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """A round's per-client records (``clients.jsonl``'s lines of round ``step``): their
+        figures as histograms and how many replies were kept, clipped and dropped
+        (:func:`_client_figures`). TensorBoard only; the others keep ``clients.jsonl`` whole."""
+        if records:  # counted inside the guard: a foreign strategy's records may be anything
+            self._guarded(
+                f"record round {step}'s clients",
+                lambda: self._clients(step, *_client_figures(records)),
+            )
+
+    def log_images(self, step: int, paths: Iterable[Path]) -> None:
+        """Show the PNG figures in ``paths`` that exist as of ``step`` (the round they were
+        written after), tagged ``figures/<file stem>``. TensorBoard only; the others keep the
+        figures as files (:meth:`log_artifacts`)."""
+        files = [Path(path) for path in paths if Path(path).is_file()]
+        if files:
+            self._guarded("show the run's figures", lambda: self._images(step, files))
+
     def close(self, status: str = "completed") -> None:
         """End the tracker's run with the run's final status and flush everything."""
         self._guarded("close its run", lambda: self._close(status))
@@ -153,13 +226,61 @@ class Tracker(ABC):
     def _artifacts(self, paths: list[Path]) -> None:
         return None
 
+    def _clients(
+        self, step: int, histograms: Mapping[str, list[float]], counts: Mapping[str, float]
+    ) -> None:
+        return None
+
+    def _images(self, step: int, paths: list[Path]) -> None:
+        return None
+
     @abstractmethod
     def _close(self, status: str) -> None: ...
 
 
+#: A PNG file's first bytes, and the colour type in its header to TensorBoard's colour space
+#: (grey 1, grey and alpha 2, RGB or a palette 3, RGBA 4).
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_COLORSPACE = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}
+#: A run's final status as TensorBoard's HParams dashboard names it; any other (interrupted:
+#: HParams has no word for it, and it is no failure of the run) is unknown there.
+_HPARAMS_STATUS = {
+    "completed": "STATUS_SUCCESS",
+    "completed-with-alarms": "STATUS_SUCCESS",
+    "failed": "STATUS_FAILURE",
+}
+
+
+def _hparam_value(value: Any) -> bool | int | float | str:
+    """A configuration value as an HParams value, which is a number, a boolean or text: any
+    other (None, a list) as its JSON text, so that every option is in the HParams table."""
+    if isinstance(value, bool | int | float | str):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _png_image(path: Path) -> tuple[int, int, int, bytes] | None:
+    """A PNG file's width, height, TensorBoard colour space and bytes; None for another file
+    or one that cannot be read.
+
+    Read from the PNG header (its IHDR chunk), so that showing a figure needs no image library:
+    TensorBoard stores and serves the encoded bytes as they are.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError:  # gone since it was listed: one figure missing never turns the tracker off
+        return None
+    if len(data) < 26 or data[:8] != _PNG_SIGNATURE or data[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height, _PNG_COLORSPACE.get(data[25], 3), data
+
+
 class TensorBoardTracker(Tracker):
     """Event files in ``directory`` (torch's ``SummaryWriter``): a scalar per metric and round,
-    the configuration as a text table."""
+    the configuration as a text table and as the run's HParams session (TensorBoard's
+    ``summary_v2.hparams_pb``; its end, with the run's status, at :meth:`close`), the run's
+    figures as images and each round's per-client figures as histograms."""
 
     name = "tensorboard"
 
@@ -172,18 +293,71 @@ class TensorBoardTracker(Tracker):
         self.writer = SummaryWriter(log_dir=str(self.directory))
         folder = self.directory.resolve()
         self.where = f"{folder} (tensorboard --logdir {folder.parent})"
+        # TensorBoard's own protos and HParams helpers (no type information: imported as Any).
+        self.proto: Any = importlib.import_module("tensorboard.compat.proto.summary_pb2")
+        self.hparams: Any = importlib.import_module("tensorboard.plugins.hparams.summary_v2")
+        self.hparams_data: Any = importlib.import_module(
+            "tensorboard.plugins.hparams.plugin_data_pb2"
+        )
+        self.hparams_api: Any = importlib.import_module("tensorboard.plugins.hparams.api_pb2")
+        self.hparams_metadata: Any = importlib.import_module("tensorboard.plugins.hparams.metadata")
+
+    def _summary(self, summary: Any, step: int | None = None) -> None:
+        """Write one of TensorBoard's own summary protos, which the writer has no call for."""
+        cast(Any, self.writer.file_writer).add_summary(summary, step)
 
     def _params(self, params: Mapping[str, Any]) -> None:
         rows = "\n".join(f"| {key} | {value} |" for key, value in sorted(params.items()))
         self.writer.add_text("config", f"| option | value |\n|---|---|\n{rows}", 0)
+        # No experiment summary beside it: TensorBoard takes the first one it finds for every
+        # run under --logdir, hiding the options of runs it does not list; from the sessions
+        # alone it lists every run's options, and each scalar's last value as a metric.
+        hparams = {str(key): _hparam_value(value) for key, value in params.items()}
+        self._summary(self.hparams.hparams_pb(hparams))
 
     def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def _clients(
+        self, step: int, histograms: Mapping[str, list[float]], counts: Mapping[str, float]
+    ) -> None:
+        import numpy as np
+
+        for key, values in histograms.items():
+            self.writer.add_histogram(key, np.asarray(values, dtype=np.float64), step)
+        for key, value in counts.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def _images(self, step: int, paths: list[Path]) -> None:
+        summary = self.proto.Summary
+        for path in paths:
+            image = _png_image(path)
+            if image is None:
+                continue
+            width, height, colorspace, data = image
+            picture = summary.Image(
+                height=height, width=width, colorspace=colorspace, encoded_image_string=data
+            )
+            tag = f"{_FIGURES_SECTION}{path.stem}"
+            self._summary(summary(value=[summary.Value(tag=tag, image=picture)]), step)
+        self.writer.flush()
+
     def _close(self, status: str) -> None:
         self.writer.add_text("status", status, 0)
+        data, metadata = self.hparams_data, self.hparams_metadata
+        end = data.SessionEndInfo(
+            status=self.hparams_api.Status.Value(_HPARAMS_STATUS.get(status, "STATUS_UNKNOWN")),
+            end_time_secs=time.time(),
+        )
+        value = self.proto.Summary.Value(  # as summary_v2 writes a session's start: null tensor
+            tag=metadata.SESSION_END_INFO_TAG,
+            metadata=metadata.create_summary_metadata(data.HParamsPluginData(session_end_info=end)),
+            tensor=metadata.NULL_TENSOR,
+        )
+        self._summary(self.proto.Summary(value=[value]))
         self.writer.close()
 
 
@@ -394,9 +568,11 @@ def track(
     where the strategy keeps them, its ``aggregation_metrics`` of the round
     (``aggregation/<key>``); after each ``aggregate_evaluate`` the clients' evaluation metrics
     (``evaluate/<key>``); and the ``evaluate_fn`` given to ``start`` (``server/<key>``, round 0
-    too). ``start`` first records the run's configuration (:func:`_run_params`: the app's run
-    config, Flower's run id, the strategy's options) and closes the tracker's run when it
-    returns (``failed`` when it raises). One INFO line says where the tracker writes.
+    too). A strategy of this package also sends each round's per-reply records
+    (``last_client_records``; TensorBoard: ``clients/<figure>`` histograms and counts).
+    ``start`` first records the run's configuration (:func:`_run_params`: the app's run config,
+    Flower's run id, the strategy's options) and closes the tracker's run when it returns
+    (``failed`` when it raises). One INFO line says where the tracker writes.
 
     Parameters
     ----------
@@ -457,6 +633,8 @@ def track(
                 **numeric_metrics(figures, "aggregation/"),
             },
         )
+        # This package's strategies keep the round's per-reply records (clients.jsonl's lines).
+        sink.log_clients(server_round, getattr(strategy, "last_client_records", None) or [])
         return arrays, metrics
 
     @wraps(aggregate_evaluate)

@@ -16,7 +16,7 @@ from flwr.app import ConfigRecord, Message
 
 from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.runs.partitions import record_partitions
+from beyond_averaging.server.runs.partitions import draw_label_counts, record_partitions
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.runtime.inprocess import run_inprocess
 from beyond_averaging.strategies import ContractStrategy, FedAvg
@@ -230,3 +230,14 @@ def test_without_matplotlib_the_label_counts_are_saved_and_a_note_says_why_not_p
     assert ((counts > 0).sum(axis=1) <= 2).all()  # classes-per-client = 2 labels each at most
     assert not (tmp_path / "partitions.png").exists()
     assert "pip install 'beyond-averaging[bench]'" in caplog.text
+
+
+def test_the_partitions_figure_leaves_room_above_its_tallest_bar() -> None:
+    import matplotlib.pyplot as plt
+
+    counts = np.array([[50, 30], [10, 90], [40, 40]])  # clients of 80, 100 and 80 samples
+    figure = draw_label_counts(counts, "digits, dirichlet partition of 3 clients")
+    bottom, top = figure.axes[0].get_ylim()
+    assert bottom == 0
+    assert top >= 110  # a tenth of the tallest bar (100) at least between it and the frame
+    plt.close(figure)

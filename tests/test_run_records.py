@@ -16,6 +16,7 @@ Runs use the in-process runtime (the real ServerApp and ClientApp, a few seconds
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -39,7 +40,13 @@ from beyond_averaging.server.overrides import parse_overrides, run_config_argume
 from beyond_averaging.server.runs import provenance
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.runtime import launch as launcher
-from beyond_averaging.server.runtime.watch import eta_seconds, round_figures, strip_ansi
+from beyond_averaging.server.runtime.watch import (
+    RunConsole,
+    eta_seconds,
+    round_figures,
+    strip_ansi,
+    warning_line,
+)
 from tests.deploy_helpers import REPO, read_metrics
 from tests.test_run_outcomes import LEAN as LEAN_RUN
 
@@ -123,16 +130,89 @@ def test_on_a_terminal_a_progress_bar_shows_rounds_eta_accuracy_loss_and_replies
     assert ESC not in log
     assert "rounds | ETA" not in log  # the bar is the terminal's, not the log's
     assert "round 3/3 | test accuracy" in log
+    # The bar's final state is drawn before the closing lines, not under them.
+    assert screen.rindex("3/3 rounds") < screen.index("ba-run: run completed")
 
 
-def test_the_time_left_is_the_mean_of_the_last_rounds_times_the_rounds_left() -> None:
+def test_the_closing_line_lists_every_file_the_run_wrote_tracker_folders_included(
+    tmp_path: Path,
+) -> None:
+    done = ba_run_process(settings_for(tmp_path, "files", tracker="tensorboard"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    listed = re.search(r"ba-run: in the run folder: (.*)\n", done.stdout)
+    assert listed is not None, done.stdout
+    names = listed.group(1).split(", ")
+    for name in (
+        "clients.jsonl",
+        "curves.png",
+        "log.txt",
+        "metrics.csv",
+        "metrics.jsonl",
+        "partitions.png",
+        "summary.json",
+        "tensorboard/",
+    ):
+        assert name in names
+    on_disk = sorted(p.name for p in (tmp_path / "files").iterdir() if not p.name.startswith("."))
+    assert [name.rstrip("/") for name in names] == on_disk
+
+
+def test_status_prints_the_accuracy_to_four_digits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "rounded"
+    run_dir.mkdir()
+    summary = {
+        "status": "completed",
+        "rounds-completed": 2,
+        "config": {"num-server-rounds": 2},
+        "final": {"round": 2, "test-accuracy": 0.912345678},
+        "updated-at": "2026-01-01T00:00:00+00:00",
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    assert ba_run(["--status", str(run_dir)]) == 0
+    assert "2 of 2 rounds, test accuracy 0.9123, updated" in capsys.readouterr().out
+
+
+def test_the_time_left_leaves_out_the_first_rounds_warm_up_and_shows_once_round_2_ends() -> None:
     rounds = [{"round": 0, "round-seconds": 100.0}]  # the initial evaluation is no round
-    rounds += [{"round": r, "round-seconds": s} for r, s in enumerate([9, 2, 4, 6, 8, 10], 1)]
-    # The last 5 trained rounds took 2, 4, 6, 8, 10 s: 6 s each, 4 rounds left of 10.
-    assert eta_seconds(rounds, 10) == pytest.approx(24.0)
-    assert eta_seconds(rounds[:1], 10) is None
+    rounds += [{"round": r, "round-seconds": s} for r, s in enumerate([30, 2, 4, 6, 8], 1)]
+    # Round 1's 30 s are Ray's warm-up: rounds 2-5 took 2, 4, 6, 8 s, 5 s each; 5 of 10 left.
+    assert eta_seconds(rounds, 10) == pytest.approx(25.0)
+    assert eta_seconds(rounds[:2], 10) is None  # round 1 alone says nothing of the rest
+    assert eta_seconds(rounds[:3], 10) == pytest.approx(8 * 2.0)
+    # After a resume at round 3, round 4 is the launch's warm-up: round 5's 8 s remain.
+    assert eta_seconds(rounds, 10, first_round=4) == pytest.approx(5 * 8.0)
     entry = {"test-accuracy": 0.91234, "test-loss": 0.3, "replies-valid": 7, "replies-sent": 9}
     assert round_figures(entry) == "acc 0.9123 | loss 0.3000 | replies kept 7/9"
+
+
+RAY_WARNING = (
+    "/venv/lib/python3.11/site-packages/ray/_private/worker.py:2053: FutureWarning: Tip: In "
+    "future versions of Ray, Ray will no longer override accelerator visible devices env var"
+)
+
+
+def test_a_child_processs_python_warning_is_one_log_line_above_the_bar(tmp_path: Path) -> None:
+    assert warning_line(RAY_WARNING) == (
+        "WARNING :   FutureWarning: Tip: In future versions of Ray, Ray will no longer override "
+        "accelerator visible devices env var (worker.py:2053)"
+    )
+    assert warning_line("INFO :      round 1/3 | test accuracy 0.5") is None
+    screen = io.StringIO()
+    with RunConsole(tmp_path / "run", 3, stream=screen, terminal=False) as console:
+        for text in (RAY_WARNING, "  warnings.warn(", "INFO :      [ROUND 1]", "  indented"):
+            console.line(text)
+        console.line("50%\r100% done")  # a child's progress meter redraws its line
+    lines = screen.getvalue().splitlines()
+    assert lines == [
+        "WARNING :   FutureWarning: Tip: In future versions of Ray, Ray will no longer override "
+        "accelerator visible devices env var (worker.py:2053)",
+        "INFO :      [ROUND 1]",
+        "  indented",  # only the line under a warning is its source echo
+        "100% done",
+    ]
+    assert (tmp_path / "run" / "log.txt").read_text(encoding="utf-8").splitlines() == lines
 
 
 def test_colour_codes_of_flower_and_rich_are_removed() -> None:

@@ -21,7 +21,7 @@ from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.overrides import parse_overrides
 from beyond_averaging.server.runs.folder import CHECKPOINT_FILE
 from beyond_averaging.server.sweep import run as sweep
-from beyond_averaging.server.sweep.report import METRICS, read_run, table
+from beyond_averaging.server.sweep.report import METRICS, draw, read_run, table
 from beyond_averaging.server.sweep.run import claim, run_spec, state
 from beyond_averaging.server.sweep.spec import METRIC_NAMES
 from tests.factories import make_spec
@@ -340,6 +340,30 @@ def report_spec(tmp_path: Path) -> Spec:
             paper=[{"method": "fedavg", "value": 55.0}],
         )
     )
+
+
+def test_the_sweep_figure_is_titled_and_its_band_is_one_sample_sd_over_seeds_as_it_says(
+    tmp_path: Path,
+) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+
+    spec = report_spec(tmp_path)
+    curves = {"0": [0.1, 0.3, 0.5, 0.6], "1": [0.1, 0.2, 0.4, 0.5], "2": [0.1, 0.3, 0.6, 0.7]}
+    for run in spec.runs():
+        write_run(run.folder, run.settings, curves[run.labels["seed"]])
+    data = [d for d in (read_run(run) for run in spec.runs()) if d is not None]
+    figure = draw(spec, data)
+    assert figure.get_suptitle() == f"{spec.title}: test accuracy (%)"
+    (axis,) = figure.axes
+    legend = [text.get_text() for text in axis.get_legend().get_texts()]
+    assert "band: mean ± 1 sample sd over seeds" in legend
+    assert "dotted: the paper's number" in legend  # fedavg's 55.0 is drawn
+    # Round 3's accuracies over the seeds, in %: 60, 50, 70: mean 60, sample sd 10.
+    (band, *_) = [c for c in axis.collections if isinstance(c, PolyCollection)]
+    heights = np.asarray(band.get_paths()[0].vertices, dtype=np.float64)[:, 1]
+    assert float(heights.max()) == pytest.approx(60.0 + statistics.stdev([60.0, 50.0, 70.0]))
+    plt.close(figure)
 
 
 def test_a_median_column_pools_every_round_of_every_seed(tmp_path: Path) -> None:

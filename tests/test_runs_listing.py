@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from beyond_averaging.server.cli.main import main as ba_run
+from beyond_averaging.server.runs.plots import data_split, draw_run
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.runtime.inprocess import run_inprocess
 from tests.deploy_helpers import REPO, read_metrics
@@ -184,6 +185,24 @@ def test_every_finished_run_has_its_accuracy_and_loss_plot(runs_dir: Path) -> No
         assert plot.read_bytes()[:8] == PNG_MAGIC
         assert plot.stat().st_mode & 0o777 == 0o600
     assert not (runs_dir / "dead" / "curves.png").exists()
+
+
+def test_a_runs_figure_names_round_once_and_titles_its_skew_and_clients(runs_dir: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure = draw_run(runs_dir / "fedavg")
+    top, bottom = figure.axes
+    # The panels share x: the top one shows no tick labels, so it names no axis either.
+    assert top.get_xlabel() == ""
+    assert bottom.get_xlabel() == "round"
+    # LEAN: 3 clients on digits, under the default Dirichlet 0.5 split.
+    assert top.get_title() == "fedavg: fedavg on digits\nDirichlet 0.5, 3 clients"
+    plt.close(figure)
+    assert data_split({"partition": "iid", "num-clients": 8}) == "IID, 8 clients"
+    classes = {"partition": "classes", "classes-per-client": 2, "num-clients": 5}
+    assert data_split(classes) == "2 classes per client, 5 clients"
+    synthetic = {"dataset": "synthetic", "synthetic-alpha": 1.0, "synthetic-beta": 0.5}
+    assert data_split({**synthetic, "num-clients": 30}) == "synthetic(1.0, 0.5), 30 clients"
 
 
 def test_a_run_without_matplotlib_completes_with_a_note_and_no_plot(

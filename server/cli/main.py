@@ -46,7 +46,7 @@ from beyond_averaging.server.overrides import (
     run_config_argument,
     run_settings,
 )
-from beyond_averaging.server.runs.folder import LOG_FILE, RUN_PLOT_FILE, SUMMARY_FILE, read_summary
+from beyond_averaging.server.runs.folder import SUMMARY_FILE, read_summary
 from beyond_averaging.server.runs.provenance import COMMAND_LINE_ENV
 from beyond_averaging.server.runtime.launch import RUNTIMES, check_runtime, launch_runtime
 
@@ -298,6 +298,7 @@ def run_and_report(args: argparse.Namespace) -> int:
 
 def report(run_dir: Path, console: RunConsole) -> int:
     """The last lines of a run that ran every round; its exit code."""
+    console.finish()  # the bar's final state above the closing lines, not below them
     summary = read_summary(run_dir)
     final = summary.get("final") or {}
     status = str(summary.get("status"))
@@ -305,9 +306,9 @@ def report(run_dir: Path, console: RunConsole) -> int:
     accuracy = final.get("test-accuracy")
     shown = f"{accuracy:.4f}" if isinstance(accuracy, int | float) else str(accuracy)
     console.line(f"ba-run: final test accuracy {shown} after round {final.get('round')}")
-    kept = [name for name in (LOG_FILE, RUN_PLOT_FILE) if (run_dir / name).is_file()]
+    kept = run_files(run_dir)
     if kept:
-        console.line(f"ba-run: also in the run folder: {', '.join(kept)}")
+        console.line(f"ba-run: in the run folder: {', '.join(kept)}")
     print_alarms(summary, lambda text: console.line(text, error=True))
     if status == "completed-with-alarms":
         console.line(
@@ -316,6 +317,21 @@ def report(run_dir: Path, console: RunConsole) -> int:
             error=True,
         )
     return STATUS_EXIT_CODES.get(status, 1)
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """What the run folder holds, by name, folders (a tracker's ``tensorboard/``, ``wandb/``)
+    marked with a trailing ``/``; the hidden owner lock left out. Read from the folder, not
+    from a list of the files a run may write, so that a new file or tracker is never missed."""
+    try:
+        entries = sorted(Path(run_dir).iterdir(), key=lambda entry: entry.name)
+    except OSError:
+        return []
+    return [
+        entry.name + ("/" if entry.is_dir() else "")
+        for entry in entries
+        if not entry.name.startswith(".")
+    ]
 
 
 def stopped_run(folder: Path) -> str:

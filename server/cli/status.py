@@ -49,10 +49,13 @@ def print_status(run_dir: Path) -> int:
     final = summary.get("final") or {}
     line = f"ba-run: {run_dir}: {status.status}"
     if summary:
+        accuracy = final.get("test-accuracy")
+        # four digits, as the progress bar and ba-run's closing line show it
+        shown = f"{accuracy:.4f}" if isinstance(accuracy, int | float) else str(accuracy)
         line += (
             f", {summary.get('rounds-completed', 0)} of "
             f"{(summary.get('config') or {}).get('num-server-rounds', '?')} rounds, test accuracy "
-            f"{final.get('test-accuracy')}, updated {summary.get('updated-at', '?')}"
+            f"{shown}, updated {summary.get('updated-at', '?')}"
         )
     print(line)
     if status.reason:

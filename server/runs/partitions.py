@@ -42,15 +42,24 @@ def partition_record(spec: DataSpec, counts: np.ndarray) -> dict[str, Any]:
     }
 
 
-def plot_label_counts(counts: np.ndarray, path: Path, title: str) -> Path | None:
-    """One stacked bar per client (a colour per label) in ``path``; None without matplotlib."""
-    try:
-        import matplotlib
+#: Room above the tallest bar of ``partitions.png``, as a share of its height: matplotlib's
+#: default 5% left the bar touching the frame.
+HEADROOM = 0.12
 
-        matplotlib.use("Agg")  # files only: no display on servers
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+
+def draw_label_counts(counts: np.ndarray, title: str) -> Any:
+    """The figure of :func:`plot_label_counts`, not yet saved (its axes: ``figure.axes[0]``).
+
+    Raises
+    ------
+    ImportError
+        matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
+
     clients = np.arange(counts.shape[0])
     figure, axes = plt.subplots(figsize=(min(4.0 + 0.35 * len(clients), 16.0), 4.0))
     bottom = np.zeros(len(clients))
@@ -58,6 +67,9 @@ def plot_label_counts(counts: np.ndarray, path: Path, title: str) -> Path | None
     for label in range(counts.shape[1]):
         axes.bar(clients, counts[:, label], bottom=bottom, color=colours(label % 20), label=label)
         bottom += counts[:, label]
+    tallest = float(bottom.max()) if len(bottom) else 0.0
+    if tallest > 0:
+        axes.set_ylim(0, tallest * (1 + HEADROOM))
     if len(clients) <= 30:
         axes.set_xticks(clients)
     axes.set_xlabel("client (partition id)")
@@ -66,6 +78,18 @@ def plot_label_counts(counts: np.ndarray, path: Path, title: str) -> Path | None
     if counts.shape[1] <= 20:
         axes.legend(title="label", fontsize="small", bbox_to_anchor=(1.0, 1.0), loc="upper left")
     figure.tight_layout()
+    return figure
+
+
+def plot_label_counts(counts: np.ndarray, path: Path, title: str) -> Path | None:
+    """One stacked bar per client (a colour per label) in ``path``, with :data:`HEADROOM` above
+    the tallest; None without matplotlib."""
+    try:
+        figure = draw_label_counts(counts, title)
+    except ImportError:
+        return None
+    import matplotlib.pyplot as plt
+
     with private_file(path, "wb") as stream:
         figure.savefig(stream, format="png", dpi=100)
     plt.close(figure)

@@ -76,17 +76,40 @@ def save_figure(figure: Any, path: Path, dpi: int = DPI, *, private: bool = Fals
     return path
 
 
-def integer_rounds(axes: Any) -> None:
+def integer_rounds(axes: Any, *, label: bool = True) -> None:
+    """Whole-number round ticks and a grid; ``label``: the ``round`` label too (off for a
+    panel whose x axis another panel below it shares, which shows no tick labels either)."""
     from matplotlib.ticker import MaxNLocator
 
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_xlabel("round")
+    if label:
+        axes.set_xlabel("round")
     axes.grid(alpha=0.3)
 
 
-def plot_run(folder: Path, path: Path | None = None) -> Path:
-    """The run's test accuracy and test loss per round (round 0: the initial model), as
-    ``<folder>/curves.png`` unless ``path`` is given."""
+def data_split(config: Mapping[str, Any]) -> str:
+    """How a run's data is split over its clients, as a title says it: ``Dirichlet 0.5, 10
+    clients``, ``IID, 10 clients``, ``2 classes per client, 10 clients``; the synthetic
+    dataset's skew is its generator's ``synthetic(alpha, beta)``."""
+    clients = f"{config.get('num-clients', '?')} clients"
+    partition = config.get("partition", "?")
+    if config.get("dataset") == "synthetic":
+        skew = (
+            f"synthetic({config.get('synthetic-alpha', '?')}, {config.get('synthetic-beta', '?')})"
+        )
+    elif partition == "dirichlet":
+        skew = f"Dirichlet {config.get('dirichlet-alpha', '?')}"
+    elif partition == "classes":
+        skew = f"{config.get('classes-per-client', '?')} classes per client"
+    elif partition == "iid":
+        skew = "IID"
+    else:
+        skew = str(partition)
+    return f"{skew}, {clients}"
+
+
+def draw_run(folder: Path) -> Any:
+    """The figure of :func:`plot_run`, not yet saved (its two axes: ``figure.axes``)."""
     plt = pyplot("a run's plot")
     folder = Path(folder)
     rounds = read_metrics(folder)
@@ -96,11 +119,22 @@ def plot_run(folder: Path, path: Path | None = None) -> Path:
     top.plot(list(accuracy), list(accuracy.values()), marker=".")
     top.set_ylabel("test accuracy")
     config = read_summary(folder).get("config") or {}
-    top.set_title(f"{folder.name}: {rule_of(config)} on {config.get('dataset', '?')}")
+    top.set_title(
+        f"{folder.name}: {rule_of(config)} on {config.get('dataset', '?')}\n{data_split(config)}"
+    )
     bottom.plot(list(loss), list(loss.values()), marker=".", color="tab:red")
     bottom.set_ylabel("test loss")
-    for axes in (top, bottom):
-        integer_rounds(axes)
+    integer_rounds(top, label=False)  # the panels share x: the bottom one names it
+    integer_rounds(bottom)
+    return figure
+
+
+def plot_run(folder: Path, path: Path | None = None) -> Path:
+    """The run's test accuracy and test loss per round (round 0: the initial model), as
+    ``<folder>/curves.png`` unless ``path`` is given; titled with the rule, the dataset and
+    :func:`data_split`."""
+    folder = Path(folder)
+    figure = draw_run(folder)
     return save_figure(figure, path or folder / RUN_PLOT_FILE, private=path is None)
 
 

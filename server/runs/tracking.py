@@ -4,13 +4,19 @@
 a run folder, before round 1, logs where it writes and records the resolved configuration as its
 parameters. The
 :class:`RunTracking` it returns observes the :class:`~server.runs.recorder.RunRecorder`: each line
-``metrics.jsonl`` gets is sent as the round's metrics, and when the run ends its files go along as
-artifacts (MLflow, W&B): the summary, the metrics (JSON lines and table), the per-client records,
-the partitions, the final model, the console log and any plot in the folder.
+``metrics.jsonl`` gets is sent as the round's metrics, with that round's lines of ``clients.jsonl``
+(:meth:`~strategies.tracking.Tracker.log_clients`: TensorBoard's per-client histograms) and the
+figures written since the round before (:meth:`~strategies.tracking.Tracker.log_images`:
+``partitions.png`` at round 0, ``curves.png`` at the last round, any other ``*.png`` of the
+folder when it appears or changes); when the run ends its files go along as artifacts (MLflow,
+W&B): the summary, the metrics (JSON lines and table), the per-client records, the partitions,
+the final model, the console log and any plot in the folder.
 """
 
 from __future__ import annotations
 
+import json
+from collections import defaultdict
 from collections.abc import Mapping
 from logging import INFO
 from pathlib import Path
@@ -44,20 +50,74 @@ RUN_ARTIFACTS = (
 
 
 class RunTracking:
-    """Sends a run's recorded rounds and final files to a :class:`Tracker`."""
+    """Sends a run's recorded rounds, per-client records, figures and final files to a
+    :class:`Tracker`.
 
-    def __init__(self, tracker: Tracker) -> None:
+    The recorder appends a round's lines to ``clients.jsonl`` before its line of
+    ``metrics.jsonl``, so each :meth:`on_round` finds its round's client lines already there;
+    they are read on from where the last call stopped (a resumed run's first call reads the
+    rounds it kept, which the ServerApp then sends again round by round).
+    """
+
+    def __init__(self, tracker: Tracker, directory: Path) -> None:
         self.tracker = tracker
+        self.directory = Path(directory)
+        #: How far ``clients.jsonl`` has been read (bytes), and its lines read by round.
+        self.clients_read = 0
+        self.clients: defaultdict[int, list[dict[str, Any]]] = defaultdict(list)
+        #: Each figure shown, by name: its size and modification time when shown.
+        self.figures: dict[str, tuple[int, int]] = {}
+        self.step = 0
 
     def on_round(self, entry: Mapping[str, Any]) -> None:
-        """A round's line of ``metrics.jsonl``: its numbers at step ``round``."""
-        self.tracker.log_metrics(int(entry.get("round", 0)), entry)
+        """A round's line of ``metrics.jsonl``: its numbers, its clients and the new figures at
+        step ``round``."""
+        self.step = int(entry.get("round", 0))
+        self.tracker.log_metrics(self.step, entry)
+        self._read_clients()
+        self.tracker.log_clients(self.step, self.clients.pop(self.step, []))
+        self._show_figures()
 
     def on_end(self, directory: Path, status: str) -> None:
-        """The run's files as artifacts, then the tracker's run closed with ``status``."""
+        """The figures drawn at the end (``curves.png``) at the last round, the run's files as
+        artifacts, then the tracker's run closed with ``status``."""
+        self._show_figures()
         files = [directory / name for name in RUN_ARTIFACTS] + sorted(directory.glob("*.png"))
         self.tracker.log_artifacts(files)
         self.tracker.close(status)
+
+    def _read_clients(self) -> None:
+        """The whole lines ``clients.jsonl`` gained since the last call, kept by round."""
+        try:
+            with (self.directory / CLIENTS_FILE).open("rb") as file:
+                file.seek(self.clients_read)
+                data = file.read()
+        except OSError:  # none yet, or unreadable: the tracker goes without, never the run
+            return
+        whole = data[: data.rfind(b"\n") + 1]  # a line being appended waits for the next call
+        self.clients_read += len(whole)
+        for line in whole.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # the run's own reader reports a damaged line; skip it here
+                continue
+            if isinstance(record, dict) and isinstance(record.get("round"), int):
+                self.clients[record["round"]].append(record)
+
+    def _show_figures(self) -> None:
+        """The folder's ``*.png`` files that are new or changed since last shown, at the
+        current step."""
+        changed = []
+        for path in sorted(self.directory.glob("*.png")):
+            try:
+                stat = path.stat()
+            except OSError:  # replaced meanwhile: shown once it is there again
+                continue
+            stamp = (stat.st_size, stat.st_mtime_ns)
+            if self.figures.get(path.name) != stamp:
+                self.figures[path.name] = stamp
+                changed.append(path)
+        self.tracker.log_images(self.step, changed)
 
 
 def open_run_tracker(config: RunConfig, directory: Path, run_name: str) -> RunTracking | None:
@@ -80,4 +140,4 @@ def open_run_tracker(config: RunConfig, directory: Path, run_name: str) -> RunTr
         return None
     log(INFO, "tracker %s writes to %s", tracker.name, tracker.where)
     tracker.log_params(config.to_run_config())
-    return RunTracking(tracker)
+    return RunTracking(tracker, directory)

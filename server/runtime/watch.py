@@ -4,10 +4,11 @@
 simulation runtime, Flower's log records in process) and ``ba-run``'s own messages, and
 
 - on a terminal (rich's detection: a TTY, or ``FORCE_COLOR`` / ``TTY_COMPATIBLE=1``) prints them
-  above a progress bar: rounds done of the run's total, the time left (the mean of the last
-  rounds' ``round-seconds`` times the rounds left), and the last round's test accuracy, test loss
-  and replies kept (valid of sent), read from the run's ``metrics.jsonl`` as the ServerApp
-  appends it;
+  above a progress bar: rounds done of the run's total, the time left (:func:`eta_seconds`),
+  and the last round's test accuracy, test loss and replies kept (valid of sent), read from the
+  run's ``metrics.jsonl`` as the ServerApp appends it. A child process's Python warning (Ray's
+  ``FutureWarning`` in round 1) becomes one log line above the bar (:func:`warning_line`), and
+  :meth:`RunConsole.finish` leaves the bar's final state above the run's closing lines;
 - elsewhere (a pipe, a file, a batch scheduler's log) prints plain lines, ANSI colour codes
   removed;
 - and appends every line, without colour codes, to ``<run folder>/log.txt`` (``0600``; a resumed
@@ -18,6 +19,7 @@ simulation runtime, Flower's log records in process) and ``ba-run``'s own messag
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,10 +33,15 @@ from beyond_averaging.server.runs.folder import LOG_FILE, METRICS_FILE, read_met
 
 from .processes import ANSI_CODES
 
-#: Seconds between two reads of the run's metrics.
-POLL_SECONDS = 0.5
-#: Rounds whose mean duration estimates the time left.
-ETA_ROUNDS = 5
+#: Seconds between two checks of the run's metrics (a ``stat``; read only when they grew). The
+#: ServerApp logs a round's line just before it appends the round to ``metrics.jsonl``, so the
+#: bar catches up with the log one poll later: at 0.5 s it lagged a round behind at times.
+POLL_SECONDS = 0.1
+#: A line as Python's ``warnings`` module prints it: ``<file>:<line>: <Category>: <message>``;
+#: the line after it echoes the source line that warned, indented.
+WARNING_LINE = re.compile(
+    r"^(?P<where>\S.*?):(?P<line>\d+): (?P<kind>\w*Warning): (?P<message>.*)$"
+)
 
 
 def strip_ansi(text: str) -> str:
@@ -50,18 +57,37 @@ def seconds_text(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
 
 
-def eta_seconds(rounds: Sequence[Mapping[str, Any]], total: int) -> float | None:
-    """Seconds until round ``total``: the mean ``round-seconds`` of the last
-    :data:`ETA_ROUNDS` trained rounds times the rounds left (None before the first round)."""
-    trained = [
+def eta_seconds(
+    rounds: Sequence[Mapping[str, Any]], total: int, first_round: int = 1
+) -> float | None:
+    """Seconds until round ``total``: the mean ``round-seconds`` of the rounds after
+    ``first_round`` times the rounds left; None until one such round has ended.
+
+    ``first_round`` (the launch's first round: 1, or the round after a resume's checkpoint) is
+    left out because it carries the launch's warm-up (Ray's start and its workers' imports in the
+    simulation): in a 5-round run it made the estimate 0:28 at round 4 of a run that ended 3 s
+    later.
+    """
+    timed = [
         float(r["round-seconds"])
         for r in rounds
-        if r.get("round", 0) >= 1 and isinstance(r.get("round-seconds"), int | float)
-    ][-ETA_ROUNDS:]
-    if not trained or not rounds:
+        if r.get("round", 0) > first_round and isinstance(r.get("round-seconds"), int | float)
+    ]
+    if not timed:
         return None
     done = int(rounds[-1].get("round", 0))
-    return max(0, total - done) * sum(trained) / len(trained)
+    return max(0, total - done) * sum(timed) / len(timed)
+
+
+def warning_line(text: str) -> str | None:
+    """A Python warning's first line (``ray/_private/worker.py:2053: FutureWarning: Tip: ...``)
+    as one log line, ``WARNING :   FutureWarning: Tip: ... (worker.py:2053)``, in Flower's
+    form; None for any other line."""
+    match = WARNING_LINE.match(text)
+    if match is None:
+        return None
+    where = f"{Path(match['where']).name}:{match['line']}"
+    return f"WARNING :   {match['kind']}: {match['message']} ({where})"
 
 
 def round_figures(entry: Mapping[str, Any]) -> str:
@@ -117,6 +143,8 @@ class RunConsole:
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         self._metrics_size = -1
+        self._after_warning = False
+        self._first_round = 1
 
     # --- lifecycle -----------------------------------------------------------------------
     def __enter__(self) -> RunConsole:
@@ -129,6 +157,10 @@ class RunConsole:
         if self.terminal is None:
             self.terminal = self.console.is_terminal and self.console.is_interactive
         self._open_log()
+        if self.resumed:  # the launch's own first round carries its warm-up
+            with suppress(Exception):
+                done = read_metrics(self.run_dir)
+                self._first_round = int(done[-1].get("round", 0)) + 1 if done else 1
         if self.terminal:
             self._start_progress()
         self._poller = threading.Thread(target=self._poll, name="ba-run-progress", daemon=True)
@@ -136,14 +168,22 @@ class RunConsole:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self.finish()
+        self.close_log()
+
+    def finish(self) -> None:
+        """Stop reading the metrics and leave the bar in its final state (idempotent): called
+        before the run's closing lines, so that they print below the bar, not above it."""
         self._stop.set()
         if self._poller is not None:
             self._poller.join(timeout=5.0)
-        self.refresh()
+            self._poller = None
+        self._metrics_size = -1  # read once more: the last round may be newer than the last poll
+        with suppress(Exception):
+            self.refresh()
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-        self.close_log()
 
     def _open_log(self) -> None:
         try:
@@ -183,8 +223,21 @@ class RunConsole:
         ``error``: a line of ``ba-run``'s own for standard error (printed there, plain).
         """
         text = text.rstrip("\r\n")
+        # A carriage return (a child's progress meter) redraws its line on a terminal: only the
+        # last part shows, and printed whole it would move the cursor under the live bar.
+        text = text.rsplit("\r", 1)[-1]
         plain = strip_ansi(text)
         with self._lock:
+            if not error:
+                if self._after_warning and plain[:1].isspace():
+                    # The warned source line (`  warnings.warn(`) that Python prints under a
+                    # warning: the third party's code, not the run's news.
+                    self._after_warning = False
+                    return
+                condensed = warning_line(plain)
+                self._after_warning = condensed is not None
+                if condensed is not None:
+                    text = plain = condensed
             self._write_log(plain)
             try:
                 if error:
@@ -251,7 +304,7 @@ class RunConsole:
             return
         if not rounds:
             return
-        eta = eta_seconds(rounds, self.total_rounds)
+        eta = eta_seconds(rounds, self.total_rounds, self._first_round)
         self._progress.update(
             self._task,
             completed=int(rounds[-1].get("round", 0)),

@@ -254,12 +254,28 @@ def table(spec: Spec, runs: Sequence[RunData]) -> str:
     return markdown_table([*axes, "seeds", "rounds", *(c.title for c in columns)], cells)
 
 
+#: What the shaded band around each curve of a report's figure is, as its legend says it.
+BAND_LABEL = "band: mean ± 1 sample sd over seeds"
+#: What the dotted line is.
+PAPER_LABEL = "dotted: the paper's number"
+
+
 def plot(spec: Spec, runs: Sequence[RunData], path: Path) -> Path:
+    """:func:`draw`, saved as ``path`` (a PNG)."""
+    from beyond_averaging.server.runs.plots import save_figure
+
+    return save_figure(draw(spec, runs), path, dpi=100)
+
+
+def draw(spec: Spec, runs: Sequence[RunData]) -> Any:
     """Per plot row (a metric key) and panel (labels of ``panels`` axes): the mean per round of
-    each row of the table, with a band of ± one sample sd over seeds; the paper's number dotted."""
+    each row of the table, with a band of ± one sample sd over seeds (:func:`band`; none for one
+    seed); the paper's number dotted. Titled with the spec's title and the metrics; each panel's
+    legend says what the band (and a dotted line) is. The figure, not yet saved."""
+    from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
-    from beyond_averaging.server.runs.plots import pyplot, save_figure
+    from beyond_averaging.server.runs.plots import pyplot
 
     plt = pyplot("a report's plot")  # matplotlib only where a plot is drawn (Agg)
 
@@ -272,6 +288,7 @@ def plot(spec: Spec, runs: Sequence[RunData], path: Path) -> Path:
     figure, axes = plt.subplots(
         len(keys), len(panels), figsize=(6 * len(panels), 4 * len(keys)), squeeze=False
     )
+    papers: set[tuple[int, int]] = set()
     for column, panel in enumerate(panels):
         for row in (r for r in rows if tuple(r.labels[a] for a in panels_by) == panel):
             label = " ".join(v for k, v in row.labels.items() if k not in panels_by) or spec.title
@@ -292,6 +309,7 @@ def plot(spec: Spec, runs: Sequence[RunData], path: Path) -> Path:
                 paper = paper_value(spec, row.labels) if entry.get("paper") else None
                 if isinstance(paper, int | float):
                     axis.axhline(paper, color=line.get_color(), linestyle=":", linewidth=1)
+                    papers.add((index, column))
         for index, entry in enumerate(keys):
             axis = axes[index][column]
             axis.set_title(", ".join(f"{a} {v}" for a, v in zip(panels_by, panel, strict=True)))
@@ -299,8 +317,18 @@ def plot(spec: Spec, runs: Sequence[RunData], path: Path) -> Path:
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
             axis.set_ylabel(str(entry.get("label", entry["key"])))
             axis.grid(alpha=0.3)
-            axis.legend(fontsize=7)
-    return save_figure(figure, path, dpi=100)
+            # The curves' entries, then what the grey band (and a dotted line) stand for: a
+            # reader cannot tell a seed spread from a min-max range or a confidence interval.
+            handles, labels = axis.get_legend_handles_labels()
+            handles.append(Patch(color="grey", alpha=0.3))
+            labels.append(BAND_LABEL)
+            if (index, column) in papers:
+                handles.append(plt.Line2D([], [], color="grey", linestyle=":", linewidth=1))
+                labels.append(PAPER_LABEL)
+            axis.legend(handles, labels, fontsize=7)
+    metrics = ", ".join(str(entry.get("label", entry["key"])) for entry in keys)
+    figure.suptitle(f"{spec.title}: {metrics}")
+    return figure
 
 
 def write_report(
