@@ -90,7 +90,7 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStr
         "server_beta2": config.server_beta2,
         "server_eps": config.server_eps,
     }
-    root_set = root_set_use(config.robust_aggregation, config.backdoor_defence != "none")
+    root_set = root_set_use(config.robust_aggregation, base["trigger_unlearning"] is not None)
     if root_set is not None and config.strategy != "fedlaw":
         # The root set of FLTrust, of the proxy weights and of trigger unlearning: the proxy set
         # FedLAW learns on (FedLAW builds its own from it).

@@ -77,7 +77,6 @@ from beyond_averaging.strategies.replies.metrics import (
     reply_weight,
 )
 from beyond_averaging.strategies.replies.reporting import (
-    InfluenceView,
     RoundLogFields,
     reply_records,
     round_line,
@@ -334,7 +333,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         self.last_client_records: list[dict[str, Any]] = []
         #: What the reply bounds made of the round being aggregated (the kept replies, the
         #: median update, the Byzantine suspects, the figures): what the stages after them read.
-        self.round_bounds = BoundedReplies([], {}, InfluenceView(np.zeros(0), {}, {}))
+        self.round_bounds = BoundedReplies.unbounded()
 
     # ------------------------------------------------------------------ what subclasses provide
     @abstractmethod
@@ -681,7 +680,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         bounded = (
             self.bounds.bound(server_round, self.global_arrays, accepted)
             if known
-            else BoundedReplies(accepted, {}, InfluenceView(np.zeros(0), {}, {}))
+            else BoundedReplies.unbounded(accepted)
         )
         for bound_out in bounded.rejected.values():
             dropped[bound_out.reason] += 1

@@ -163,6 +163,12 @@ class BoundedReplies:
     unselected: int = 0
     figures: dict[str, float | int] = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def unbounded(cls, replies: Sequence[Pair] = ()) -> BoundedReplies:
+        """``replies`` kept as they are, none dropped: where the bounds did not run (no global
+        model to measure updates against, or no round yet)."""
+        return cls(list(replies), {}, InfluenceView(np.zeros(0), {}, {}))
+
 
 class InfluenceBounds:
     """The reply bounds of one run: options, the selection step, and the state across rounds.
