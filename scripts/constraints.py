@@ -22,7 +22,7 @@ from importlib import metadata
 from packaging.requirements import Requirement
 
 PROJECT = "beyond-averaging"
-EXTRAS = ("app", "bench", "dev", "tensorboard", "mlflow", "wandb")
+EXTRAS = ("app", "bench", "dev", "tensorboard", "mlflow", "mlflow-ui", "wandb")
 HEADER = """\
 # Exact versions for a reproducible set-up: {setup} installs the project with
 # `pip install -c {file} -e ".[{extras}]"`, and the deployment images{image} install with

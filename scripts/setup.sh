@@ -92,6 +92,6 @@ if [ -n "${WHEELHOUSE:-}" ]; then
 else
   "$venv/bin/python" -m pip install -q -c "$constraints" torch
 fi
-"$venv/bin/python" -m pip install -q -c "$constraints" -e ".[app,bench,dev,tensorboard,mlflow,wandb]"
+"$venv/bin/python" -m pip install -q -c "$constraints" -e ".[app,bench,dev,tensorboard,mlflow,mlflow-ui,wandb]"
 echo "$want" > "$stamp"
 echo "setup: $venv ready ($("$venv/bin/python" -c 'import sys, flwr, torch; print("Python", sys.version.split()[0], "flwr", flwr.__version__, "torch", torch.__version__)'))"

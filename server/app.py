@@ -513,6 +513,8 @@ def main(grid: Grid, context: Context) -> None:
             on_round_end=progress,
         )
         recorder.save_model(arrays.to_torch_state_dict())
+        if tracking is not None:  # its own model (MLflow's PyTorch model), logged at the end
+            tracking.keep_model(model, arrays.to_torch_state_dict(), test_set.features[:2])
         write_run_plot(recorder.directory)  # curves.png; without matplotlib only a note
     except (SystemExit, KeyboardInterrupt) as error:
         # Not the run's own failure: Flower stops the ServerApp this way on a signal, on

@@ -13,8 +13,10 @@ the extra, when the tracker is opened (before round 1). Where each writes, for a
   each round's per-client figures as histograms (:meth:`Tracker.log_clients`);
 - ``mlflow``: the tracking URI given, else a local store shared by the runs of ``<dir>``
   (``sqlite:///<dir>/.mlflow/mlflow.db``, artifacts in ``<dir>/.mlflow/artifacts``; ``mlflow ui
-  --backend-store-uri sqlite:///<dir>/.mlflow/mlflow.db``): the configuration as parameters, the
-  metrics per round, files as artifacts;
+  --backend-store-uri sqlite:///<dir>/.mlflow/mlflow.db``, from the ``[mlflow-ui]`` extra): the
+  configuration as parameters, the metrics per round, MLflow's source tags (user, source, git
+  commit), files as artifacts, and the final model as an MLflow PyTorch model
+  (:meth:`Tracker.log_model`; ``mlflow.pytorch.load_model``, the model registry);
 - ``wandb``: offline unless ``WANDB_MODE`` says otherwise, in ``<dir>/<run>/wandb/``
   (``wandb sync <dir>/<run>/wandb/offline-run-*`` uploads it later): the configuration, the
   metrics per round, and the files given as the run's files (in its ``files`` records).
@@ -36,6 +38,7 @@ import math
 import os
 import shutil
 import struct
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -45,6 +48,7 @@ from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast, get_args
 
+import torch
 from flwr.app import Context
 from flwr.common import log
 
@@ -64,6 +68,8 @@ DEFAULT_PROJECT = "beyond-averaging"
 MLFLOW_STORE = ".mlflow"
 #: The final statuses of a run, as MLflow names them.
 MLFLOW_STATUS = {"failed": "FAILED", "interrupted": "KILLED"}
+#: The name of the final model among an MLflow run's logged models (``runs:/<run id>/model``).
+MLFLOW_MODEL_NAME = "model"
 
 
 class TrackerUnavailableError(ImportError):
@@ -213,6 +219,29 @@ class Tracker(ABC):
         if files:
             self._guarded("show the run's figures", lambda: self._images(step, files))
 
+    def log_model(self, step: int, model: torch.nn.Module, example: torch.Tensor) -> None:
+        """Keep ``model`` (the final global model, on the CPU, in evaluation mode) as the
+        tracker's own model at ``step``, with ``example`` (a batch of inputs) as the example of
+        what it takes. MLflow only (:meth:`MLflowTracker._model`); the others keep the final
+        model as a file (:meth:`log_artifacts`).
+
+        A model that cannot be stored (one ``torch.export`` cannot trace, MLflow's model
+        flavour missing) is logged as a warning without turning the tracker off: its files and
+        final status still go to it."""
+        if self.failed:
+            return
+        try:
+            self._model(step, model, example)
+        except Exception as error:  # the model is one record of the run, never the tracker's end
+            log(
+                WARNING,
+                "tracker %s could not store the final model as a model of its own (%s: %s); "
+                "the final model stays among its files",
+                self.name,
+                type(error).__name__,
+                error,
+            )
+
     def close(self, status: str = "completed") -> None:
         """End the tracker's run with the run's final status and flush everything."""
         self._guarded("close its run", lambda: self._close(status))
@@ -232,6 +261,9 @@ class Tracker(ABC):
         return None
 
     def _images(self, step: int, paths: list[Path]) -> None:
+        return None
+
+    def _model(self, step: int, model: torch.nn.Module, example: torch.Tensor) -> None:
         return None
 
     @abstractmethod
@@ -362,9 +394,14 @@ class TensorBoardTracker(Tracker):
 
 
 class MLflowTracker(Tracker):
-    """An MLflow run (``MlflowClient``): parameters, metrics per step, artifacts, status.
+    """An MLflow run (``MlflowClient``): parameters, metrics per step, artifacts, the final
+    model as a logged PyTorch model, status.
 
     ``uri`` empty: a local SQLite store in ``store`` (MLflow's file store is in maintenance).
+    The run carries the tags MLflow's own ``mlflow.start_run`` gives a run (its context
+    providers: ``mlflow.user``, ``mlflow.source.name``, ``mlflow.source.type``,
+    ``mlflow.source.git.commit`` where the program runs from a git checkout), ``tags`` over
+    them.
     """
 
     name = "mlflow"
@@ -372,7 +409,15 @@ class MLflowTracker(Tracker):
     PARAM_LENGTH = 6000
     BATCH = 100
 
-    def __init__(self, run_name: str, *, uri: str, experiment: str, store: Path) -> None:
+    def __init__(
+        self,
+        run_name: str,
+        *,
+        uri: str,
+        experiment: str,
+        store: Path,
+        tags: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__()
         mlflow = require("mlflow")
         artifacts: str | None = None
@@ -395,9 +440,16 @@ class MLflowTracker(Tracker):
                 experiment_id = found.experiment_id
         else:
             experiment_id = found.experiment_id
-        self.run_id: str = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        self.experiment_id: str = experiment_id
+        context = importlib.import_module("mlflow.tracking.context.registry")
+        run_tags = context.resolve_tags(dict(tags or {}))
+        self.run_id: str = self.client.create_run(
+            experiment_id, run_name=run_name, tags=run_tags
+        ).info.run_id
         self.uri = uri
         self.where = f"{uri}, experiment {experiment!r}, run {self.run_id}"
+        if artifacts is not None:  # the local store: how to look at it
+            self.where += f" (mlflow ui --backend-store-uri {uri})"
 
     def _params(self, params: Mapping[str, Any]) -> None:
         entries = [
@@ -416,6 +468,46 @@ class MLflowTracker(Tracker):
     def _artifacts(self, paths: list[Path]) -> None:
         for path in paths:
             self.client.log_artifact(self.run_id, str(path))
+
+    def _model(self, step: int, model: torch.nn.Module, example: torch.Tensor) -> None:
+        """``model`` as one of the run's logged models, named :data:`MLFLOW_MODEL_NAME`.
+
+        What ``mlflow.pytorch.log_model`` does, through this tracker's own client rather than
+        MLflow's process-wide tracking URI and active run (which a user's app may hold): a
+        logged model whose source is this run, saved by ``mlflow.pytorch.save_model`` in
+        MLflow's default format (``pt2``, the graph ``torch.export`` traces on ``example``:
+        loading it runs no pickled code and needs no class of this package) with the signature
+        and input example of ``example``, its files uploaded, then marked ready and recorded as
+        the run's output at ``step``.
+        """
+        models: Any = importlib.import_module("mlflow.models")
+        pytorch: Any = importlib.import_module("mlflow.pytorch")
+        with torch.no_grad():
+            output = model(example)
+        inputs = example.numpy()
+        logged = self.client.create_logged_model(
+            self.experiment_id, name=MLFLOW_MODEL_NAME, source_run_id=self.run_id
+        )
+        description = models.Model(
+            artifact_path=logged.artifact_location, run_id=self.run_id, model_id=logged.model_id
+        )
+        with tempfile.TemporaryDirectory() as folder:
+            local = Path(folder) / MLFLOW_MODEL_NAME
+            pytorch.save_model(
+                model,
+                str(local),
+                mlflow_model=description,
+                signature=models.infer_signature(inputs, output.numpy()),
+                input_example=inputs,
+                # The model's one need, as MLflow would infer it by loading the model in a
+                # subprocess of its own (seconds per run): torch, without its local build label.
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+            )
+            self.client.log_model_artifacts(logged.model_id, str(local))
+        self.client.finalize_logged_model(logged.model_id, "READY")
+        self.client.log_outputs(
+            self.run_id, [self.entities.LoggedModelOutput(logged.model_id, step=step)]
+        )
 
     def _close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(status, "FINISHED"))
@@ -470,6 +562,7 @@ def open_tracker(
     run_name: str,
     uri: str = "",
     project: str = DEFAULT_PROJECT,
+    tags: Mapping[str, str] | None = None,
 ) -> Tracker | None:
     """The tracker ``name`` for the run written to ``directory``; None for ``"none"``.
 
@@ -486,6 +579,9 @@ def open_tracker(
         store. Ignored by the others.
     project : str
         MLflow's experiment, W&B's project.
+    tags : mapping, optional
+        MLflow's run tags, over those MLflow gives a run itself (``mlflow.source.name``,
+        ``mlflow.source.git.commit``, ...). Ignored by the others.
 
     Raises
     ------
@@ -501,7 +597,11 @@ def open_tracker(
         return TensorBoardTracker(directory / "tensorboard")
     if name == "mlflow":
         return MLflowTracker(
-            run_name, uri=uri, experiment=project, store=directory.parent / MLFLOW_STORE
+            run_name,
+            uri=uri,
+            experiment=project,
+            store=directory.parent / MLFLOW_STORE,
+            tags=tags,
         )
     if name == "wandb":
         return WandbTracker(directory, run_name, project=project)

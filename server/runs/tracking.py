@@ -10,18 +10,25 @@ figures written since the round before (:meth:`~strategies.tracking.Tracker.log_
 ``partitions.png`` at round 0, ``curves.png`` at the last round, any other ``*.png`` of the
 folder when it appears or changes); when the run ends its files go along as artifacts (MLflow,
 W&B): the summary, the metrics (JSON lines and table), the per-client records, the partitions,
-the final model, the console log and any plot in the folder.
+the final model, the console log and any plot in the folder; then the final model as the
+tracker's own model (:meth:`RunTracking.keep_model`; MLflow: a PyTorch model). An MLflow run
+carries MLflow's source tags for the command that started the run (:func:`source_tags`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import shlex
 from collections import defaultdict
 from collections.abc import Mapping
 from logging import INFO
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from flwr.common import log
 
 from beyond_averaging.server.config import RunConfig
@@ -36,6 +43,7 @@ from .folder import (
     PARTITIONS_FILE,
     SUMMARY_FILE,
 )
+from .provenance import COMMAND_LINE_ENV, command_line, git_state
 
 #: The run's files a tracker keeps at the end (those that exist), plus every ``*.png``.
 RUN_ARTIFACTS = (
@@ -47,6 +55,9 @@ RUN_ARTIFACTS = (
     MODEL_FILE,
     LOG_FILE,
 )
+
+#: MLflow's limit on a tag's value (characters).
+MLFLOW_TAG_LENGTH = 8000
 
 
 class RunTracking:
@@ -68,6 +79,22 @@ class RunTracking:
         #: Each figure shown, by name: its size and modification time when shown.
         self.figures: dict[str, tuple[int, int]] = {}
         self.step = 0
+        #: The final model and a batch of its inputs (:meth:`keep_model`), logged at the end.
+        self.model: tuple[torch.nn.Module, torch.Tensor] | None = None
+
+    def keep_model(
+        self,
+        model: torch.nn.Module,
+        state: Mapping[str, torch.Tensor],
+        example: np.ndarray,
+    ) -> None:
+        """Hold the final model, for :meth:`on_end` to log as the tracker's own model: a copy of
+        ``model`` (the server's, on its device) on the CPU with ``state`` (the final global
+        weights), in evaluation mode, and ``example`` (a few test inputs) as its input example.
+        """
+        final = copy.deepcopy(model).cpu()
+        final.load_state_dict({key: value.detach().cpu() for key, value in state.items()})
+        self.model = (final.eval(), torch.from_numpy(np.array(example, dtype=np.float32)))
 
     def on_round(self, entry: Mapping[str, Any]) -> None:
         """A round's line of ``metrics.jsonl``: its numbers, its clients and the new figures at
@@ -80,10 +107,13 @@ class RunTracking:
 
     def on_end(self, directory: Path, status: str) -> None:
         """The figures drawn at the end (``curves.png``) at the last round, the run's files as
-        artifacts, then the tracker's run closed with ``status``."""
+        artifacts, the final model (when :meth:`keep_model` was given one), then the tracker's
+        run closed with ``status``."""
         self._show_figures()
         files = [directory / name for name in RUN_ARTIFACTS] + sorted(directory.glob("*.png"))
         self.tracker.log_artifacts(files)
+        if self.model is not None:
+            self.tracker.log_model(self.step, *self.model)
         self.tracker.close(status)
 
     def _read_clients(self) -> None:
@@ -120,6 +150,23 @@ class RunTracking:
         self.tracker.log_images(self.step, changed)
 
 
+def source_tags() -> dict[str, str]:
+    """MLflow's source tags for the command that started this run, over those MLflow reads from
+    the process itself (``mlflow.user``; ``mlflow.source.name``, the process's program, which is
+    Flower's in the ServerApp's process of a simulation): ``mlflow.source.name`` ``ba-run`` for a
+    run ``ba-run`` started (:data:`COMMAND_LINE_ENV`), ``mlflow.source.type`` ``LOCAL``,
+    ``mlflow.source.git.commit`` the commit of the checkout this package runs from (none for an
+    installed package), and ``command-line``, the whole command (:func:`command_line`)."""
+    command = command_line()
+    tags = {"mlflow.source.type": "LOCAL", "command-line": command[:MLFLOW_TAG_LENGTH]}
+    if os.environ.get(COMMAND_LINE_ENV):
+        tags["mlflow.source.name"] = (shlex.split(command) or [command])[0]
+    git = git_state()
+    if git is not None:
+        tags["mlflow.source.git.commit"] = str(git["commit"])
+    return tags
+
+
 def open_run_tracker(config: RunConfig, directory: Path, run_name: str) -> RunTracking | None:
     """The tracker of ``config`` for the run in ``directory``, its parameters recorded; None
     for ``tracker = "none"``.
@@ -135,6 +182,7 @@ def open_run_tracker(config: RunConfig, directory: Path, run_name: str) -> RunTr
         run_name=run_name,
         uri=config.tracker_uri,
         project=config.tracker_project,
+        tags=source_tags() if config.tracker == "mlflow" else None,
     )
     if tracker is None:
         return None
