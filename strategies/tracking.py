@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import logging
 import math
 import os
 import shutil
@@ -393,6 +394,24 @@ class TensorBoardTracker(Tracker):
         self.writer.close()
 
 
+def _import_keeping_root_logger(module: str) -> Any:
+    """Import ``module`` and undo what it did to the root logger.
+
+    ``mlflow.pytorch`` calls ``logging.basicConfig`` when imported (its Lightning autolog
+    module): the root logger's new stderr handler would print every later line of Flower's log
+    a second time (``INFO:flwr:...``).
+    """
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        return importlib.import_module(module)
+    finally:
+        for handler in root.handlers[:]:
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(level)
+
+
 class MLflowTracker(Tracker):
     """An MLflow run (``MlflowClient``): parameters, metrics per step, artifacts, the final
     model as a logged PyTorch model, status.
@@ -481,7 +500,7 @@ class MLflowTracker(Tracker):
         the run's output at ``step``.
         """
         models: Any = importlib.import_module("mlflow.models")
-        pytorch: Any = importlib.import_module("mlflow.pytorch")
+        pytorch: Any = _import_keeping_root_logger("mlflow.pytorch")
         with torch.no_grad():
             output = model(example)
         inputs = example.numpy()

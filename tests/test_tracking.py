@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -82,6 +83,32 @@ def test_mlflow_holds_the_configuration_the_metrics_the_files_and_the_status(
     artifacts = {a.path for a in client.list_artifacts(found.info.run_id)}
     assert {"summary.json", "metrics.jsonl", "clients.jsonl", "final_model.pt"} <= artifacts
     assert "partitions.json" in artifacts
+    # The final model as an MLflow PyTorch model of the run (the light [mlflow] extra suffices;
+    # tests/test_mlflow_server.py loads it from MLflow's server and registers it).
+    [output] = client.get_run(found.info.run_id).outputs.model_outputs
+    model = client.get_logged_model(output.model_id)
+    assert (model.name, model.source_run_id, output.step) == ("model", found.info.run_id, 2)
+    assert "MLmodel" in {a.path for a in client.list_logged_model_artifacts(output.model_id)}
+
+
+def test_logging_the_mlflow_model_leaves_the_root_logger_as_it_was(tmp_path: Path) -> None:
+    """``mlflow.pytorch`` calls ``logging.basicConfig`` when first imported, which would print
+    every later line of Flower's log twice; the tracker undoes it (a fresh interpreter, where
+    the import is the first)."""
+    code = (
+        "import logging, sys, torch\n"
+        "from pathlib import Path\n"
+        "from beyond_averaging.strategies.tracking import MLflowTracker\n"
+        "tracker = MLflowTracker('r', uri='', experiment='e', store=Path(sys.argv[1]))\n"
+        "tracker.log_model(1, torch.nn.Linear(4, 2).eval(), torch.zeros(2, 4))\n"
+        "tracker.close()\n"
+        "print(len(logging.getLogger().handlers), 'mlflow.pytorch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split() == ["0", "True"], done.stderr
+    assert "could not store the final model" not in done.stderr
 
 
 def wandb_records(run: Path, wait: float = 60.0) -> list[Any]:
@@ -317,6 +344,9 @@ def test_track_records_the_apps_run_config_flowers_run_id_and_the_strategys_opti
     assert params["strategy/min_train_nodes"] == "3"
     assert params["strategy/update_norm_factor"] == "10.0"  # an option left at its default
     assert not [key for key in params if "seconds" in key]  # last_aggregation_seconds: state
+    # MLflow's own source tags, as mlflow.start_run gives a run.
+    assert found.data.tags["mlflow.source.type"] == "LOCAL"
+    assert found.data.tags["mlflow.user"]
     [record] = [r for r in caplog.records if r.getMessage().startswith("track:")]
     assert record.levelno == logging.INFO
     line = record.getMessage()
