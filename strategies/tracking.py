@@ -460,6 +460,10 @@ class MLflowTracker(Tracker):
         else:
             experiment_id = found.experiment_id
         self.experiment_id: str = experiment_id
+        #: The parameters recorded, and the last step's metrics: the final model's own
+        #: (:meth:`_model`), as ``mlflow.pytorch.log_model`` gives a model its run's.
+        self.params: dict[str, str] = {}
+        self.last_metrics: tuple[int, dict[str, tuple[float, int]]] = (-1, {})
         context = importlib.import_module("mlflow.tracking.context.registry")
         run_tags = context.resolve_tags(dict(tags or {}))
         self.run_id: str = self.client.create_run(
@@ -475,12 +479,16 @@ class MLflowTracker(Tracker):
             self.entities.Param(str(key), str(value)[: self.PARAM_LENGTH])
             for key, value in sorted(params.items())
         ]
+        self.params.update({entry.key: entry.value for entry in entries})
         for start in range(0, len(entries), self.BATCH):
             self.client.log_batch(self.run_id, params=entries[start : start + self.BATCH])
 
     def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         stamp = int(time.time() * 1000)
         entries = [self.entities.Metric(k, v, stamp, step) for k, v in metrics.items()]
+        last_step, last = self.last_metrics
+        recorded = {k: (v, stamp) for k, v in metrics.items()}
+        self.last_metrics = (step, {**(last if last_step == step else {}), **recorded})
         for start in range(0, len(entries), self.BATCH):
             self.client.log_batch(self.run_id, metrics=entries[start : start + self.BATCH])
 
@@ -497,7 +505,8 @@ class MLflowTracker(Tracker):
         MLflow's default format (``pt2``, the graph ``torch.export`` traces on ``example``:
         loading it runs no pickled code and needs no class of this package) with the signature
         and input example of ``example``, its files uploaded, then marked ready and recorded as
-        the run's output at ``step``.
+        the run's output at ``step``, with the run's parameters and the metrics of ``step`` as
+        its own (the model's page shows its final test accuracy).
         """
         models: Any = importlib.import_module("mlflow.models")
         pytorch: Any = _import_keeping_root_logger("mlflow.pytorch")
@@ -505,7 +514,10 @@ class MLflowTracker(Tracker):
             output = model(example)
         inputs = example.numpy()
         logged = self.client.create_logged_model(
-            self.experiment_id, name=MLFLOW_MODEL_NAME, source_run_id=self.run_id
+            self.experiment_id,
+            name=MLFLOW_MODEL_NAME,
+            source_run_id=self.run_id,
+            params=self.params,
         )
         description = models.Model(
             artifact_path=logged.artifact_location, run_id=self.run_id, model_id=logged.model_id
@@ -527,6 +539,14 @@ class MLflowTracker(Tracker):
         self.client.log_outputs(
             self.run_id, [self.entities.LoggedModelOutput(logged.model_id, step=step)]
         )
+        last_step, last = self.last_metrics
+        if last_step == step:  # as recorded (same time): the run's history gains no point
+            entries = [
+                self.entities.Metric(k, v, stamp, step, model_id=logged.model_id)
+                for k, (v, stamp) in last.items()
+            ]
+            for start in range(0, len(entries), self.BATCH):
+                self.client.log_batch(self.run_id, metrics=entries[start : start + self.BATCH])
 
     def _close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(status, "FINISHED"))

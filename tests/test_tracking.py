@@ -88,6 +88,10 @@ def test_mlflow_holds_the_configuration_the_metrics_the_files_and_the_status(
     [output] = client.get_run(found.info.run_id).outputs.model_outputs
     model = client.get_logged_model(output.model_id)
     assert (model.name, model.source_run_id, output.step) == ("model", found.info.run_id, 2)
+    assert model.params == found.data.params  # the run's options and final metrics, its own
+    final = {m.key: m.value for m in model.metrics if m.step == 2}
+    assert final["test-accuracy"] == pytest.approx(rounds[-1]["test-accuracy"])
+    assert len(client.get_metric_history(found.info.run_id, "test-accuracy")) == len(rounds)
     assert "MLmodel" in {a.path for a in client.list_logged_model_artifacts(output.model_id)}
 
 
