@@ -5,8 +5,11 @@ the SuperLink every 3 s until all are in or the timeout passes: a round that a n
 half a second waits up to 3 s more, every round. :class:`PollingGrid` waits by a
 :class:`PullSchedule` instead: the first pull right after the push, the next ``first`` seconds
 later, then each interval ``growth`` times the last while nothing arrives, up to ``cap``; a pull
-that brings a reply starts again at ``first`` (the other nodes' replies tend to follow). Same
-replies, same order (as pulled), same timeout; only the moments of the pulls differ.
+that brings a reply starts again at ``first`` (the other nodes' replies tend to follow). The
+same replies and the same timeout, with one more pull at the timeout itself (Flower's loop ends
+after its last sleep without pulling again); the replies come in the order of their instructions
+(Flower's come in the SuperLink's order of a set of message ids, which differs from process to
+process), so that a round's aggregate does not depend on which node answered first.
 
 What it costs the SuperLink: one ``PullMessages`` call per pull (what each reply's objects cost
 is unchanged). With the defaults, at most ``1 / first`` = 10 calls a second, and a wait of ``T``
@@ -193,7 +196,7 @@ def wait_for_replies(
     sleep: Callable[[float], None] = time.sleep,
 ) -> list[Message]:
     """Pull ``wait``'s replies from ``grid`` by ``schedule`` until none is due or ``timeout``
-    seconds have passed (None: no limit); the replies in the order pulled.
+    seconds have passed (None: no limit); the replies in the order of their instructions.
 
     A pull right away, then one after each interval of the schedule; the last interval is cut
     to end at the timeout, where a last pull takes what has arrived by then.
@@ -204,13 +207,18 @@ def wait_for_replies(
     while True:
         pulled = wait.take(grid.pull_messages(list(wait.due)))
         replies.extend(pulled)
-        if not wait.due:
-            return replies
         remaining = math.inf if end is None else end - clock()
-        if remaining <= 0.0:
-            return replies
+        if not wait.due or remaining <= 0.0:
+            break
         interval = schedule.next_interval(interval, bool(pulled))
         sleep(min(interval, remaining))
+    # The order the instructions were sent in, not the order the replies arrived in: a round's
+    # aggregate (a float sum) is then the same however the nodes raced (the in-process Grid's
+    # order too); Flower's loop hands them over in the SuperLink's order of a set of ids.
+    position = {message_id: index for index, message_id in enumerate(wait.sent)}
+    return sorted(
+        replies, key=lambda reply: position.get(reply.metadata.reply_to_message_id, len(position))
+    )
 
 
 class PollingGrid(DelegatingGrid):
