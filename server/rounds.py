@@ -94,22 +94,25 @@ def waiting_notice(
 ) -> Iterator[None]:
     """While inside (a ``send_and_receive``), log every :data:`WAIT_NOTICE_SECONDS` what the
     round waits for: the replies of which nodes (``nodes()``, asked at each line), for how long,
-    and what keeps nodes silent."""
+    and what keeps nodes silent; at INFO, at WARNING once half of ``timeout`` has passed."""
     done = threading.Event()
     started = time.monotonic()
 
     def watch() -> None:
         while not done.wait(WAIT_NOTICE_SECONDS):
             due = list(nodes())
+            waited = time.monotonic() - started
+            # A long honest round is not a problem (INFO); one past half its timeout is about
+            # to lose replies (WARNING).
             log(
-                WARNING,
+                WARNING if waited >= timeout / 2 else INFO,
                 "round %d: waiting %.0f s for the %s replies of %d node(s) (%s); replies "
                 "that miss round-timeout = %g s are dropped. Nodes that never answer: in "
                 "Flower's simulation their ClientApps run on Ray (a Ray that did not start, "
                 "or a cluster that is gone); in a deployment, SuperNodes that are not "
                 "connected (`flwr ls`) or still training",
                 server_round,
-                time.monotonic() - started,
+                waited,
                 kind,
                 len(due),
                 nodes_text(due),

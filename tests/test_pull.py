@@ -310,7 +310,7 @@ def test_the_serverapp_pulls_flowers_grids_by_a_schedule_and_leaves_the_in_proce
 def test_the_waiting_line_names_only_the_nodes_still_due_and_the_timeout_line_the_missing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(rounds, "WAIT_NOTICE_SECONDS", 0.15)
+    monkeypatch.setattr(rounds, "WAIT_NOTICE_SECONDS", 0.2)
     answers: dict[int, Answer] = {5: (0.0, "reply"), 6: (0.0, "reply"), 7: None}
     inner = ScriptedGrid(FakeTime(), answers)
     inner.clock.clock = time.monotonic  # type: ignore[method-assign]
@@ -318,12 +318,15 @@ def test_the_waiting_line_names_only_the_nodes_still_due_and_the_timeout_line_th
     grid = PollingGrid(inner, PullSchedule(first=0.02, growth=1.0, cap=0.02))
     with (
         caplog.at_level(logging.INFO, logger="flwr"),
-        waiting_notice(3, "train", awaited_nodes(grid, [5, 6, 7]), 0.5),
+        waiting_notice(3, "train", awaited_nodes(grid, [5, 6, 7]), 1.0),
     ):
-        replies = list(grid.send_and_receive([instruction(n) for n in answers], timeout=0.5))
-    lines = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
-    assert lines
-    assert all("replies of 1 node(s) (7)" in line for line in lines), lines
+        replies = list(grid.send_and_receive([instruction(n) for n in answers], timeout=1.0))
+    waits = [r for r in caplog.records if "waiting" in r.getMessage()]
+    assert waits
+    assert all("replies of 1 node(s) (7)" in r.getMessage() for r in waits), caplog.text
+    # A wait is news (INFO) until half the round's timeout has passed, then a warning.
+    assert waits[0].levelno == logging.INFO
+    assert waits[-1].levelno == logging.WARNING
     assert missing_nodes([5, 6, 7], replies) == [7]
     # Without a Grid that keeps them, every node sent to.
     assert awaited_nodes(inner, [5, 6, 7])() == [5, 6, 7]

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from beyond_averaging.server.cli.main import main as ba_run
 from beyond_averaging.server.app import data_spec
+from beyond_averaging.server.cli.main import main as ba_run
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.runs.partitions import record_partitions
 from beyond_averaging.server.runs.plots import (
