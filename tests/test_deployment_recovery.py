@@ -255,8 +255,8 @@ def test_a_supernode_killed_mid_round_is_dropped_from_that_round_and_trains_agai
     assert [(r["node-id"], r["partition"], r["reason"]) for r in dropped] == [
         (gone, 0, "error-reply")
     ]
-    serverapp_log = deployment.superlink_log.read_text(errors="replace")  # its child's too
-    assert f"round 2: dropped reply from node {gone} (partition 0)" in serverapp_log
+    streamed = (deployment.workdir / "flwr-run-supernode-killed.log").read_text(errors="replace")
+    assert f"round 2: dropped reply from node {gone} (partition 0)" in streamed
 
 
 @pytest.mark.http_fleet
