@@ -15,6 +15,7 @@ import types
 from collections.abc import Iterable
 from typing import Any
 
+import flwr
 import numpy as np
 import pytest
 from flwr.app import Error, Message, Metadata, RecordDict
@@ -23,7 +24,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
 from beyond_averaging.server import rounds
-from beyond_averaging.server.bounded_pull import ByteBoundedGrid, round_grid
+from beyond_averaging.server.bounded_pull import SUPPORTED_FLOWER, ByteBoundedGrid, round_grid
 from beyond_averaging.server.pull import (
     FLOWER_TIMER,
     PollingGrid,
@@ -295,8 +296,10 @@ def test_the_serverapp_pulls_flowers_grids_by_a_schedule_and_leaves_the_in_proce
 
     http = object.__new__(HttpGrid)
     deployed = round_grid(http, lambda: 1 << 20)
-    assert isinstance(deployed, ByteBoundedGrid)
+    assert isinstance(deployed, PollingGrid)
     assert deployed.schedule == PullSchedule()
+    # Replies bounded while pulled where the bounded pull is written for the Flower installed.
+    assert isinstance(deployed, ByteBoundedGrid) is flwr.__version__.startswith(SUPPORTED_FLOWER)
     simulated = object.__new__(InMemoryGrid)
     simulated.pull_interval = 0.1
     simulation = round_grid(simulated, lambda: 1 << 20)
