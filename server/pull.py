@@ -199,12 +199,13 @@ def wait_for_replies(
     seconds have passed (None: no limit); the replies in the order of their instructions.
 
     A pull right away, then one after each interval of the schedule; the last interval is cut
-    to end at the timeout, where a last pull takes what has arrived by then.
+    to end at the timeout, where a last pull takes what has arrived by then. No pull at all when
+    nothing is due (nothing was sent, as a round without federated evaluation sends).
     """
     end = None if timeout is None else clock() + timeout
     replies: list[Message] = []
     interval: float | None = None
-    while True:
+    while wait.due:
         pulled = wait.take(grid.pull_messages(list(wait.due)))
         replies.extend(pulled)
         remaining = math.inf if end is None else end - clock()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -81,10 +82,13 @@ def awaited_nodes(grid: Grid, sent: Iterable[int]) -> Callable[[], list[int]]:
 
 def missing_nodes(sent: Iterable[int], replies: Iterable[Message]) -> list[int]:
     """The nodes of ``sent`` that no reply came from (each node once per reply it sent)."""
-    missing = list(sent)
-    for reply in replies:
-        if reply.metadata.src_node_id in missing:
-            missing.remove(reply.metadata.src_node_id)
+    answered = Counter(reply.metadata.src_node_id for reply in replies)
+    missing = []
+    for node in sent:
+        if answered[node]:
+            answered[node] -= 1
+        else:
+            missing.append(node)
     return missing
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 import types
 from collections.abc import Iterable
@@ -369,3 +370,40 @@ def test_an_error_reply_names_its_node_and_the_partition_it_named_before(
     fresh.aggregate_train(1, [*first[:2], reply_message(node_id=14, error="gone")])
     assert {r["node-id"]: r["partition"] for r in fresh.last_client_records}[14] is None
     assert np.isfinite(fresh.aggregation_metrics[1]["replies-valid"])
+
+
+# ------------------------------------------------------------------ a ServerApp of your own
+def test_flowers_own_strategy_runs_over_polling_as_docs_library_md_shows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``strategy.start(grid=polling(grid), ...)``: Flower's FedAvg trains the same model over
+    the wrapped Grid as over the Grid itself (here the in-process one, whose replies are ready
+    at the push: a wait that pulls once)."""
+    from flwr.app import ArrayRecord, Context, MetricRecord
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_run_id", 1), ("_node_id", 1), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)  # what a ServerApp process is told
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        arrays = message.content["arrays"].to_numpy_ndarrays()  # type: ignore[union-attr]
+        moved = ArrayRecord([a + partition + 1.0 for a in arrays])
+        metrics = MetricRecord({"num-examples": 10 * (partition + 1)})
+        return Message(RecordDict({"arrays": moved, "metrics": metrics}), reply_to=message)
+
+    def trained(grid: Grid) -> list[np.ndarray[Any, Any]]:
+        random.seed(0)  # Flower samples the nodes with Python's random: the same order twice
+        strategy = FlowerFedAvg(fraction_evaluate=0.0, min_train_nodes=3, min_available_nodes=3)
+        start = ArrayRecord([np.zeros(4, dtype=np.float32)])
+        result = strategy.start(grid=grid, initial_arrays=start, num_rounds=2, timeout=30.0)
+        return result.arrays.to_numpy_ndarrays()
+
+    wrapped = polling(InProcessGrid(app, 3, {}))
+    assert isinstance(wrapped, PollingGrid)
+    np.testing.assert_array_equal(trained(wrapped), trained(InProcessGrid(app, 3, {})))
+    assert wrapped.pulls == 2  # one a round: every reply was in at the push
