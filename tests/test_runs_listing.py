@@ -243,7 +243,7 @@ def test_in_the_image_the_note_says_how_to_get_the_plots_not_to_install_there(
     notes = [r.getMessage() for r in caplog.records]
     curves = next(note for note in notes if "no curves.png" in note)
     assert COPY_RUNS_OUT in curves
-    assert "ba-run --compare runs/elastic-digits-1 --plot runs/elastic-digits-1/curves.png" in (
+    assert "ba-run --compare runs/elastic-digits-1 --plot runs/elastic-digits-1/accuracy.png" in (
         curves
     )
     partitions = next(note for note in notes if "label counts" in note)

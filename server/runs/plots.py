@@ -59,8 +59,8 @@ def plot_advice(folder: Path | str | None = None) -> str:
     run = "runs/<run-name>" if folder is None else f"runs/{Path(folder).name}"
     return (
         "this image leaves matplotlib out; copy the runs out of the SuperLink's container "
-        f"({COPY_RUNS_OUT}) and draw the curves on the host ({extra}, then ba-run --compare "
-        f"{run} --plot {run}/curves.png)"
+        f"({COPY_RUNS_OUT}) and draw its accuracy curve on the host ({extra}, then ba-run "
+        f"--compare {run} --plot {run}/accuracy.png)"
     )
 
 
