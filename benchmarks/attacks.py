@@ -36,8 +36,8 @@ from benchmarks.report import markdown_table, read_run
 from benchmarks.spec import load_spec
 from beyond_averaging.client import app as client_module
 from beyond_averaging.server.app import chance_accuracy, round_alarms
-from beyond_averaging.server.bounded_pull import DelegatingGrid
 from beyond_averaging.server.config import RunConfig, parse_run_config
+from beyond_averaging.server.pull import DelegatingGrid
 from beyond_averaging.server.runs.folder import COMPLETED_WITH_ALARMS
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.strategy_factory import build_strategy

@@ -42,7 +42,7 @@ from beyond_averaging.tasks.federation import DataSpec, load_server_splits
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import LIBRARY_VERSION_KEY, ClientTask
 
-from .bounded_pull import bound_reply_bytes
+from .bounded_pull import round_grid
 from .config import ConfigError, RunConfig, parse_run_config
 from .rounds import RoundOutcome, run_rounds
 from .strategy_factory import ServerResources, build_strategy
@@ -288,7 +288,9 @@ class CentralEvaluation:
 def round_reply_counts(
     outcome: RoundOutcome, strategy_metrics: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The loop's view of a round: instructions sent, and late replies counted as dropped."""
+    """The loop's view of a round: instructions sent, late replies counted as dropped, and the
+    pulls of replies it made where the Grid counts them (``reply-pulls``: what the round asked
+    of the SuperLink, server/pull.py)."""
     counts: dict[str, Any] = {
         "replies-sent": outcome.train_sent,
         "replies-dropped": int(strategy_metrics.get("replies-dropped", 0)) + outcome.train_late,
@@ -296,6 +298,8 @@ def round_reply_counts(
     }
     if outcome.train_late:
         counts["dropped-timeout"] = outcome.train_late
+    if outcome.pulls is not None:
+        counts["reply-pulls"] = outcome.pulls
     return counts
 
 
@@ -470,8 +474,9 @@ def main(grid: Grid, context: Context) -> None:
             model, test_set, device, strategy, recorder, config.num_server_rounds
         )
         in_process = grid if isinstance(grid, InProcessGrid) else None
-        # Behind a SuperLink, replies over the strategy's byte limit are dropped while pulled.
-        grid = bound_reply_bytes(grid, lambda: strategy.reply_byte_limit)
+        # Behind a SuperLink, replies are pulled soon after they arrive (server/pull.py) and
+        # those over the strategy's byte limit are dropped while pulled.
+        grid = round_grid(grid, lambda: strategy.reply_byte_limit)
         progress = RunProgress(
             config,
             strategy,

@@ -15,28 +15,30 @@ the strategies count as ``dropped-oversized``. The ServerApp then holds at most 
 objects in flight (two concurrent pulls) per reply. One object is pulled whole: an array chunk
 is at most 5 MB, but a config or metric record is one object, bounded only by the transport.
 
-Everything else is Flower's ``HttpGrid`` (it is called for push, nodes and run). The pull uses
-Flower internals of the version this project pins (flwr 1.39); with another version, or another
-Grid (simulation, the in-process runtime, where replies are in memory already),
-:func:`bound_reply_bytes` returns the Grid unchanged.
+Everything else is Flower's ``HttpGrid`` (it is called for push, nodes and run), but for when
+``send_and_receive`` pulls: by a :class:`server.pull.PullSchedule` (:class:`ByteBoundedGrid` is a
+:class:`server.pull.PollingGrid`). The pull uses Flower internals of the version this project
+pins (flwr 1.39); with another version, or another Grid (simulation, the in-process runtime,
+where replies are in memory already), :func:`bound_reply_bytes` returns the Grid unchanged.
+:func:`round_grid` is the Grid the ServerApp's rounds use, whichever Flower gave.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable
 from logging import INFO
 from typing import cast
 
 import flwr
-from flwr.app import Message, Metadata, RecordDict
+from flwr.app import Message, Metadata
 from flwr.app.error import Error
 from flwr.serverapp import Grid
 from flwr.supercore import log
-from flwr.supercore.run import Run
 
 from beyond_averaging.strategies.replies.validation import REPLY_OVERSIZED_ERROR_CODE
+
+from .pull import PollingGrid, PullSchedule
 
 #: Flower versions whose ``HttpGrid.pull_messages`` this module re-implements with a bound.
 SUPPORTED_FLOWER = ("1.39.",)
@@ -54,52 +56,7 @@ def pull_bound(limit: int) -> int:
     return limit + limit // 4 + WIRE_SLACK_BYTES
 
 
-class DelegatingGrid(Grid):
-    """A Grid that forwards every call to ``inner``; subclasses replace the calls they change."""
-
-    def __init__(self, inner: Grid) -> None:
-        self.inner = inner
-
-    def set_run(self, run: Run) -> None:
-        """As ``inner``."""
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        """As ``inner``."""
-        return self.inner.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        """As ``inner``."""
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """As ``inner``."""
-        return self.inner.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """As ``inner``."""
-        return self.inner.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """As ``inner``."""
-        return self.inner.pull_messages(message_ids)
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        """As ``inner``."""
-        return self.inner.send_and_receive(messages, timeout=timeout)
-
-
-class ByteBoundedGrid(DelegatingGrid):
+class ByteBoundedGrid(PollingGrid):
     """Flower's ``HttpGrid``, with each reply's pull stopped at a byte bound.
 
     Parameters
@@ -109,10 +66,14 @@ class ByteBoundedGrid(DelegatingGrid):
     byte_limit : Callable[[], int]
         The strategy's current limit (``reply_byte_limit``, set when a round is configured);
         ``<= 0`` pulls without a bound.
+    schedule : PullSchedule, optional
+        When ``send_and_receive`` pulls (:class:`server.pull.PollingGrid`).
     """
 
-    def __init__(self, inner: Grid, byte_limit: Callable[[], int]) -> None:
-        super().__init__(inner)
+    def __init__(
+        self, inner: Grid, byte_limit: Callable[[], int], schedule: PullSchedule | None = None
+    ) -> None:
+        super().__init__(inner, schedule)
         self.byte_limit = byte_limit
 
     # --- the bounded pull ------------------------------------------------------------------
@@ -122,22 +83,6 @@ class ByteBoundedGrid(DelegatingGrid):
         if limit <= 0:
             return self.inner.pull_messages(message_ids)
         return _pull_bounded(self.inner, list(message_ids), pull_bound(limit))
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        """Flower's ``HttpGrid.send_and_receive`` loop, pulling through :meth:`pull_messages`."""
-        message_ids = set(self.push_messages(messages))
-        end_time = time.time() + (timeout if timeout is not None else 0.0)
-        replies: list[Message] = []
-        while timeout is None or time.time() < end_time:
-            pulled = list(self.pull_messages(message_ids))
-            replies.extend(pulled)
-            message_ids.difference_update(m.metadata.reply_to_message_id for m in pulled)
-            if not message_ids:
-                break
-            time.sleep(3)  # Flower's polling interval
-        return replies
 
 
 def _pull_bounded(grid: Grid, message_ids: list[str], bound: int) -> list[Message]:
@@ -236,17 +181,20 @@ def _counting(pull_one: Callable[[str], bytes], bound: int) -> Callable[[str], b
     return pull
 
 
-def bound_reply_bytes(grid: Grid, byte_limit: Callable[[], int]) -> Grid:
+def bound_reply_bytes(
+    grid: Grid, byte_limit: Callable[[], int], schedule: PullSchedule | None = None
+) -> Grid:
     """``grid`` wrapped in a :class:`ByteBoundedGrid` where that is possible, else ``grid``.
 
     Possible: Flower's ``HttpGrid`` (a ServerApp behind a SuperLink) of a supported version.
+    ``schedule`` is when the bounded Grid pulls (:class:`server.pull.PollingGrid`).
     """
     try:
         from flwr.superlink.grid.http_grid import HttpGrid
     except ImportError:  # a Flower without it: nothing to wrap
         return grid
     if type(grid) is HttpGrid and flwr.__version__.startswith(SUPPORTED_FLOWER):
-        return ByteBoundedGrid(grid, byte_limit)
+        return ByteBoundedGrid(grid, byte_limit, schedule)
     if type(grid) is HttpGrid:
         log(
             INFO,
@@ -255,4 +203,33 @@ def bound_reply_bytes(grid: Grid, byte_limit: Callable[[], int]) -> Grid:
             flwr.__version__,
             " / ".join(v + "x" for v in SUPPORTED_FLOWER),
         )
+    return grid
+
+
+def round_grid(
+    grid: Grid, byte_limit: Callable[[], int], schedule: PullSchedule | None = None
+) -> Grid:
+    """The Grid this project's ServerApp runs its rounds on, ``grid`` being the one Flower gave.
+
+    - Flower's ``HttpGrid`` (behind a SuperLink): pulled by ``schedule``
+      (:class:`server.pull.PullSchedule`'s defaults when not given), each reply's pull stopped
+      at its byte bound where the Flower version allows (:func:`bound_reply_bytes`);
+    - Flower's ``InMemoryGrid`` (a simulation): pulled every ``pull_interval`` seconds, its own
+      interval (0.1 s), by a :class:`server.pull.PollingGrid`, which tells the round's waiting
+      line which nodes' replies are still due;
+    - any other Grid (the in-process runtime's, whose replies are ready when pushed) as it is.
+    """
+    try:
+        from flwr.superlink.grid.http_grid import HttpGrid
+        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+    except ImportError:  # a Flower without them: nothing to wrap
+        return grid
+    bounded = bound_reply_bytes(grid, byte_limit, schedule)
+    if isinstance(bounded, PollingGrid):
+        return bounded
+    if type(grid) is HttpGrid:  # a Flower whose bounded pull is not written here
+        return PollingGrid(grid, schedule)
+    if type(grid) is InMemoryGrid:
+        every = grid.pull_interval
+        return PollingGrid(grid, PullSchedule(first=every, growth=1.0, cap=every))
     return grid

@@ -10,23 +10,29 @@ that hangs; this loop is Flower's (the same calls, in the same order) with
 - ``on_round_end``: called after every round with the global arrays and what the round did, where
   the ServerApp evaluates, records and checkpoints;
 - a line every :data:`WAIT_NOTICE_SECONDS` while a round waits for replies, naming the nodes
-  it waits for and what may keep them (:func:`waiting_notice`): a round that waits on nodes that
-  never answer (a simulation whose Ray never started) says so instead of waiting in silence.
+  it still waits for and what may keep them (:func:`waiting_notice`): a round that waits on nodes
+  that never answer (a simulation whose Ray never started) says so instead of waiting in silence.
+  The nodes are those whose replies are still due where the Grid says so (a
+  :class:`server.pull.PollingGrid`, the deployment's and the simulation's), else every node sent
+  to; the line after the wait names the nodes whose replies missed the timeout.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
+
+from .pull import PollingGrid
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,9 @@ class RoundOutcome:
     train_received: int
     #: Federated evaluation metrics of the round (empty without federated evaluation).
     evaluate_metrics: dict[str, float] = field(default_factory=dict)
+    #: Pulls of replies the round made (train and evaluate), where the Grid counts them (a
+    #: :class:`server.pull.PollingGrid`); None where it does not.
+    pulls: int | None = None
 
     @property
     def train_late(self) -> int:
@@ -62,30 +71,55 @@ def nodes_text(nodes: Iterable[int]) -> str:
     return shown + (f" and {len(ids) - NODES_NAMED} more" if len(ids) > NODES_NAMED else "")
 
 
+def awaited_nodes(grid: Grid, sent: Iterable[int]) -> Callable[[], list[int]]:
+    """What tells, during a ``send_and_receive`` of ``grid``, the nodes whose replies are still
+    due: the Grid itself where it keeps them, else every node of ``sent``."""
+    sent = list(sent)
+    if isinstance(grid, PollingGrid):
+        return lambda: sent if (due := grid.awaited()) is None else due
+    return lambda: sent
+
+
+def missing_nodes(sent: Iterable[int], replies: Iterable[Message]) -> list[int]:
+    """The nodes of ``sent`` that no reply came from (each node once per reply it sent)."""
+    answered = Counter(reply.metadata.src_node_id for reply in replies)
+    missing = []
+    for node in sent:
+        if answered[node]:
+            answered[node] -= 1
+        else:
+            missing.append(node)
+    return missing
+
+
 @contextmanager
 def waiting_notice(
-    server_round: int, kind: str, nodes: Iterable[int], timeout: float
+    server_round: int, kind: str, nodes: Callable[[], Iterable[int]], timeout: float
 ) -> Iterator[None]:
     """While inside (a ``send_and_receive``), log every :data:`WAIT_NOTICE_SECONDS` what the
-    round waits for: the replies of which nodes, for how long, and what keeps nodes silent."""
-    nodes = list(nodes)
+    round waits for: the replies of which nodes (``nodes()``, asked at each line), for how long,
+    and what keeps nodes silent; at INFO, at WARNING once half of ``timeout`` has passed."""
     done = threading.Event()
     started = time.monotonic()
 
     def watch() -> None:
         while not done.wait(WAIT_NOTICE_SECONDS):
+            due = list(nodes())
+            waited = time.monotonic() - started
+            # A long honest round is not a problem (INFO); one past half its timeout is about
+            # to lose replies (WARNING).
             log(
-                WARNING,
+                WARNING if waited >= timeout / 2 else INFO,
                 "round %d: waiting %.0f s for the %s replies of %d node(s) (%s); replies "
                 "that miss round-timeout = %g s are dropped. Nodes that never answer: in "
                 "Flower's simulation their ClientApps run on Ray (a Ray that did not start, "
                 "or a cluster that is gone); in a deployment, SuperNodes that are not "
                 "connected (`flwr ls`) or still training",
                 server_round,
-                time.monotonic() - started,
+                waited,
                 kind,
-                len(nodes),
-                nodes_text(nodes),
+                len(due),
+                nodes_text(due),
                 timeout,
             )
 
@@ -130,21 +164,24 @@ def run_rounds(
         Called after each round with the global arrays and the round's :class:`RoundOutcome`.
     """
     for server_round in range(first_round, num_rounds + 1):
+        pulls_before = grid.pulls if isinstance(grid, PollingGrid) else None
         log(INFO, "")
         log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
         instructions = list(strategy.configure_train(server_round, arrays, train_config, grid))
         destinations = [m.metadata.dst_node_id for m in instructions]
-        with waiting_notice(server_round, "train", destinations, timeout):
+        with waiting_notice(server_round, "train", awaited_nodes(grid, destinations), timeout):
             replies = list(grid.send_and_receive(instructions, timeout=timeout))
         received = len(replies)
         if received < len(instructions):
             log(
                 INFO,
-                "round %d: %d of %d train replies missed the %.0f s round timeout (dropped)",
+                "round %d: %d of %d train replies missed the %.0f s round timeout (dropped): "
+                "node(s) %s",
                 server_round,
                 len(instructions) - received,
                 len(instructions),
                 timeout,
+                nodes_text(missing_nodes(destinations, replies)) or "unknown",
             )
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
         del replies  # the replies' buffers are not held through evaluation
@@ -156,11 +193,15 @@ def run_rounds(
         evaluate_metrics: MetricRecord | None = None
         if evaluate_instructions:
             destinations = [m.metadata.dst_node_id for m in evaluate_instructions]
-            with waiting_notice(server_round, "evaluate", destinations, timeout):
+            awaited = awaited_nodes(grid, destinations)
+            with waiting_notice(server_round, "evaluate", awaited, timeout):
                 evaluate_replies = list(
                     grid.send_and_receive(evaluate_instructions, timeout=timeout)
                 )
             evaluate_metrics = strategy.aggregate_evaluate(server_round, evaluate_replies)
+        pulls = None
+        if isinstance(grid, PollingGrid) and pulls_before is not None:
+            pulls = grid.pulls - pulls_before
         on_round_end(
             arrays,
             RoundOutcome(
@@ -173,6 +214,7 @@ def run_rounds(
                     for key, value in (evaluate_metrics or {}).items()
                     if isinstance(value, int | float)
                 },
+                pulls=pulls,
             ),
         )
     return arrays

@@ -78,6 +78,9 @@ from beyond_averaging.strategies.replies.metrics import (
 )
 from beyond_averaging.strategies.replies.reporting import (
     RoundLogFields,
+    node_label,
+    partition_of,
+    reply_node,
     reply_records,
     round_line,
 )
@@ -331,6 +334,10 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         #: node, partition, weight, train loss, update norm, direction cosine, trust, and kept,
         #: clipped or dropped with the reason), for a run recorder (``clients.jsonl``).
         self.last_client_records: list[dict[str, Any]] = []
+        #: Node id -> the partition id its last train reply named (``client`` record): the
+        #: partition of an error reply from that node, which carries none. One entry per node
+        #: that replied since this strategy was built.
+        self.node_partitions: dict[int, int] = {}
         #: What the reply bounds made of the round being aggregated (the kept replies, the
         #: median update, the Byzantine suspects, the figures): what the stages after them read.
         self.round_bounds = BoundedReplies.unbounded()
@@ -663,6 +670,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         accepted: list[tuple[ClientReply, RecordDict]] = []
         refused: list[tuple[Message, ReplyRejected]] = []
         dropped: Counter[str] = Counter()
+        self._learn_partitions(replies)
         for message in replies:
             try:
                 accepted.append((self.validate_reply(message), message.content))
@@ -671,9 +679,9 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
                 dropped[rejection.reason] += 1
                 log(
                     WARNING,
-                    "round %d: dropped reply from node %s: %s",
+                    "round %d: dropped reply from %s: %s",
                     server_round,
-                    message.metadata.src_node_id,
+                    self._reply_label(message),
                     rejection.detail,
                 )
         self._stop_if_record_absent(replies, dropped)
@@ -768,6 +776,7 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             replies.valid,
             self.aggregation_metrics[server_round],
             self.weighted_by_key,
+            self.node_partitions,
         )
         if self.log_rounds:
             log(
@@ -780,6 +789,22 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
                     self.round_log_fields,
                 ),
             )
+
+    def _learn_partitions(self, replies: Sequence[Message]) -> None:
+        """Remember the partition each reply with content names, for the node's error replies."""
+        for message in replies:
+            if not message.has_error():
+                partition = partition_of(message.content)
+                if partition is not None:
+                    self.node_partitions[message.metadata.src_node_id] = partition
+
+    def _reply_label(self, message: Message) -> str:
+        """``node N (partition P)`` of a reply for a log line, unknown parts said as such."""
+        node = reply_node(message)
+        partition = None if message.has_error() else partition_of(message.content)
+        if partition is None and node is not None:
+            partition = self.node_partitions.get(node)
+        return node_label(node, partition)
 
     def _stop_if_record_absent(self, replies: Sequence[Message], dropped: Counter[str]) -> None:
         answered = sum(not message.has_error() for message in replies)
@@ -826,9 +851,9 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
                 continue
             log(
                 WARNING,
-                "round %d: skipped evaluate reply from node %s: %s",
+                "round %d: skipped evaluate reply from %s: %s",
                 server_round,
-                message.metadata.src_node_id,
+                self._reply_label(message),
                 reason,
             )
         return self._client_metrics(server_round, contents, self.evaluate_metrics_aggr_fn)

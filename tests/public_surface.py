@@ -53,6 +53,7 @@ MODULES = (
     "beyond_averaging.strategies.tracking",
     "beyond_averaging.tasks.protocol",
     "beyond_averaging.server.interactive",
+    "beyond_averaging.server.pull",
 )
 #: The modules whose ``app`` object (the Flower component) is recorded, by its type only.
 APP_MODULES = ("beyond_averaging.server.app", "beyond_averaging.client.app")

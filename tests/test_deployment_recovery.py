@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 
 from beyond_averaging.server.overrides import run_config_argument
-from beyond_averaging.server.runs.folder import read_summary
+from beyond_averaging.server.runs.folder import CLIENTS_FILE, read_summary
 from beyond_averaging.server.runtime.processes import descendants
 from tests.deploy_helpers import (
     CONNECTION,
@@ -247,6 +247,16 @@ def test_a_supernode_killed_mid_round_is_dropped_from_that_round_and_trains_agai
     assert len(after) == NUM_SUPERNODES
     assert len(after - before) == 1, "the killed SuperNode did not register again"
     assert node.process.poll() is None, "ba-supernode itself must not have ended"
+    # The SuperLink's error reply is recorded and logged under the killed node's id and the
+    # partition it named in round 1 (supernodes[0] holds partition 0), not the SuperLink's id 1.
+    (gone,) = before - after
+    records = [json.loads(line) for line in (run_dir / CLIENTS_FILE).read_text().splitlines()]
+    dropped = [r for r in records if r["round"] == 2 and r["status"] == "dropped"]
+    assert [(r["node-id"], r["partition"], r["reason"]) for r in dropped] == [
+        (gone, 0, "error-reply")
+    ]
+    streamed = (deployment.workdir / "flwr-run-supernode-killed.log").read_text(errors="replace")
+    assert f"round 2: dropped reply from node {gone} (partition 0)" in streamed
 
 
 @pytest.mark.http_fleet

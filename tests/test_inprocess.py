@@ -19,9 +19,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from beyond_averaging.client.app import app as client_app
 from beyond_averaging.server.app import client_task
 from beyond_averaging.server.app import main as server_main
-from beyond_averaging.server.bounded_pull import DelegatingGrid
 from beyond_averaging.server.cli.main import main as ba_run
 from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.pull import DelegatingGrid
 from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
 from beyond_averaging.tasks.models import build_model
 from tests.conftest import instruction_message

@@ -21,9 +21,9 @@ from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
 from benchmarks.population import Row, table, verdict
-from beyond_averaging.server.bounded_pull import DelegatingGrid
 from beyond_averaging.server.config import ConfigError, parse_run_config
 from beyond_averaging.server.interactive import federation
+from beyond_averaging.server.pull import DelegatingGrid
 from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
 from beyond_averaging.strategies import FedAvg
 from tests.deploy_helpers import REPO, read_metrics

@@ -14,8 +14,17 @@ from typing import Any
 
 import pytest
 
+from beyond_averaging.server.app import data_spec
 from beyond_averaging.server.cli.main import main as ba_run
-from beyond_averaging.server.runs.plots import data_split, draw_run
+from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.server.runs.partitions import record_partitions
+from beyond_averaging.server.runs.plots import (
+    COPY_RUNS_OUT,
+    IMAGE_ENV,
+    data_split,
+    draw_run,
+    write_run_plot,
+)
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.runtime.inprocess import run_inprocess
 from tests.deploy_helpers import REPO, read_metrics
@@ -217,6 +226,29 @@ def test_a_run_without_matplotlib_completes_with_a_note_and_no_plot(
     assert not (tmp_path / "plain" / "curves.png").exists()
     assert "no curves.png for run 'plain'" in caplog.text
     assert "beyond-averaging[bench]" in caplog.text
+
+
+def test_in_the_image_the_note_says_how_to_get_the_plots_not_to_install_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The image leaves matplotlib out and nothing can be installed in its containers: the
+    note says how to copy the run out and draw its curves on the host."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setenv(IMAGE_ENV, "grpc")
+    folder = tmp_path / "elastic-digits-1"
+    folder.mkdir()
+    with caplog.at_level("INFO", logger="flwr"):
+        assert write_run_plot(folder) is None
+        record_partitions(folder, data_spec(parse_run_config({"num-clients": 3})))
+    notes = [r.getMessage() for r in caplog.records]
+    curves = next(note for note in notes if "no curves.png" in note)
+    assert COPY_RUNS_OUT in curves
+    assert "ba-run --compare runs/elastic-digits-1 --plot runs/elastic-digits-1/accuracy.png" in (
+        curves
+    )
+    partitions = next(note for note in notes if "label counts" in note)
+    assert COPY_RUNS_OUT in partitions
+    assert "pip install" not in partitions
 
 
 def test_compare_of_runs_with_diagnostics_draws_their_figures_and_names_each_critical_point(

@@ -21,6 +21,7 @@ from beyond_averaging.tasks.federation import DataSpec, partition_label_counts
 
 from .checkpoint import private_file
 from .folder import PARTITIONS_FILE, PARTITIONS_PLOT
+from .plots import COPY_RUNS_OUT, PLOT_EXTRA, in_image
 
 #: Federations up to this size have their label counts recorded at the start of a run.
 MAX_RECORDED_PARTITIONS = 1000
@@ -116,8 +117,10 @@ def record_partitions(directory: Path, spec: DataSpec) -> Path | None:
     if plot_label_counts(counts, Path(directory) / PARTITIONS_PLOT, title) is None:
         log(
             INFO,
-            "matplotlib is not installed (pip install 'beyond-averaging[bench]'): the clients' "
-            "label counts are in %s, not plotted",
+            "matplotlib is not installed (%s): the clients' label counts are in %s, not plotted",
+            f"this image leaves it out; copy the runs out to read them: {COPY_RUNS_OUT}"
+            if in_image()
+            else f"pip install 'beyond-averaging[{PLOT_EXTRA}]'",
             path,
         )
     return path

@@ -11,10 +11,14 @@ figure of the project.
   docs/benchmarks.md ("Client diagnostics") shows them.
 
 matplotlib (the ``bench`` extra) is imported only where a figure is drawn (:func:`pyplot`).
+Where it is missing, :func:`plot_advice` says how to get the figures where the run is: install
+the extra, or, in this project's image (which leaves matplotlib out and where nothing can be
+installed), copy the run folder out and draw them on the host.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from logging import INFO, WARNING
 from pathlib import Path
@@ -34,10 +38,35 @@ from .folder import (
 #: The extra that installs matplotlib.
 PLOT_EXTRA = "bench"
 DPI = 120
+#: Set (to the image's flavour) in this project's image (docker/Dockerfile), which holds no
+#: matplotlib and whose environment cannot be changed from inside a container.
+IMAGE_ENV = "BA_IMAGE"
+#: How a run folder leaves the compose stack's SuperLink container (docs/deployment.md).
+COPY_RUNS_OUT = "docker compose exec -T superlink tar -C /app -cf - runs | tar -xf -"
 
 
-def pyplot(purpose: str) -> Any:
-    """matplotlib's pyplot with the file-only Agg backend.
+def in_image() -> bool:
+    """Whether this process runs in this project's image (:data:`IMAGE_ENV`)."""
+    return bool(os.environ.get(IMAGE_ENV))
+
+
+def plot_advice(folder: Path | str | None = None) -> str:
+    """How to get a run's figures without matplotlib here: install the extra, or, in the image,
+    copy the run out and draw them on the host (``folder``: the run, named in the command)."""
+    extra = f"pip install 'beyond-averaging[{PLOT_EXTRA}]'"
+    if not in_image():
+        return f"{extra} (or pip install matplotlib)"
+    run = "runs/<run-name>" if folder is None else f"runs/{Path(folder).name}"
+    return (
+        "this image leaves matplotlib out; copy the runs out of the SuperLink's container "
+        f"({COPY_RUNS_OUT}) and draw its accuracy curve on the host ({extra}, then ba-run "
+        f"--compare {run} --plot {run}/accuracy.png)"
+    )
+
+
+def pyplot(purpose: str, folder: Path | None = None) -> Any:
+    """matplotlib's pyplot with the file-only Agg backend (``folder``: the run it draws, named
+    in the advice where matplotlib is missing).
 
     Raises
     ------
@@ -48,8 +77,7 @@ def pyplot(purpose: str) -> Any:
         import matplotlib
     except ImportError:
         raise RunsError(
-            f"{purpose} needs matplotlib, which is not installed: pip install "
-            f"'beyond-averaging[{PLOT_EXTRA}]' (or pip install matplotlib)"
+            f"{purpose} needs matplotlib, which is not installed: {plot_advice(folder)}"
         ) from None
     matplotlib.use("Agg")  # files only: no display on servers and in tests
     import matplotlib.pyplot as plt
@@ -110,8 +138,8 @@ def data_split(config: Mapping[str, Any]) -> str:
 
 def draw_run(folder: Path) -> Any:
     """The figure of :func:`plot_run`, not yet saved (its two axes: ``figure.axes``)."""
-    plt = pyplot("a run's plot")
     folder = Path(folder)
+    plt = pyplot("a run's plot", folder)
     rounds = read_metrics(folder)
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 5.6), sharex=True)
     accuracy = curve(rounds, ACCURACY_KEY, first=0)

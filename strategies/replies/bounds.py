@@ -47,7 +47,7 @@ from .influence import (
     norm_outliers,
     update_norms,
 )
-from .reporting import InfluenceView
+from .reporting import InfluenceView, node_label, partition_of
 from .validation import ModelGuard, common_key_set
 from .wire import ClientReply, ReplyRejected, received_norms
 
@@ -241,11 +241,12 @@ class InfluenceBounds:
         )
         unselected = self._drop_unselected(global_arrays, accepted, rejected)
         for index, rejection in sorted(rejected.items()):
+            reply, content = accepted[index]
             log(
                 WARNING,
-                "round %d: dropped reply from node %s: %s",
+                "round %d: dropped reply from %s: %s",
                 server_round,
-                accepted[index][0].node_id,
+                node_label(reply.node_id, partition_of(content)),
                 rejection.detail,
             )
         kept = [index for index in range(len(accepted)) if index not in rejected]

@@ -11,6 +11,13 @@ in ``aggregation_metrics``, so that every rule reports the same way:
   update norm, direction cosine, trust, and whether it was kept, clipped or dropped, with the
   reason), kept in ``ContractStrategy.last_client_records`` (this project's ServerApp appends
   them to ``clients.jsonl``).
+
+An error reply carries no content, so its partition is the one the node named in an earlier
+reply of the run, where it sent one (``ContractStrategy.node_partitions``), else unknown (None
+in the record, "partition unknown" in the log). Its node is the reply's source, except for an
+error reply the SuperLink made in a node's place and signed with its own id
+(``SUPERLINK_NODE_ID``) where the Grid did not name the node (this project's ServerApp's Grid
+does, server/pull.py): that node is unknown (None, "an unknown node").
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
 
 from beyond_averaging.strategies.aggregate import normalise_weights
 from beyond_averaging.tasks.protocol import CLIENT_RECORD, PARTITION_ID_KEY, TRAIN_LOSS_KEY
@@ -133,26 +141,45 @@ def partition_of(content: RecordDict | None) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def reply_node(message: Message) -> int | None:
+    """The node a reply came from, None where it is unknown: an error reply signed with the
+    SuperLink's own id (``SUPERLINK_NODE_ID``) that no Grid named the node of."""
+    node = message.metadata.src_node_id
+    return None if message.has_error() and node == SUPERLINK_NODE_ID else node
+
+
+def node_label(node: int | None, partition: int | None) -> str:
+    """``node 7 (partition 2)`` for a log line; unknown parts said as such."""
+    who = "an unknown node" if node is None else f"node {node}"
+    return f"{who} (partition {'unknown' if partition is None else partition})"
+
+
 def reply_record(
     server_round: int,
-    node_id: int,
+    node_id: int | None,
     content: RecordDict | None,
     weighted_by_key: str,
     *,
     status: str,
     reason: str | None = None,
     detail: str | None = None,
+    partition: int | None = None,
     **figures: float | None,
 ) -> dict[str, Any]:
     """One line of ``clients.jsonl``: a train reply and what the round made of it.
 
     Parameters
     ----------
-    server_round, node_id : int
-        The round and the node that sent the reply.
+    server_round : int
+        The round.
+    node_id : int, optional
+        The node that sent the reply (None: unknown, :func:`reply_node`).
     content : RecordDict, optional
         The reply's content (None for an error reply): its partition id (``client`` record),
         its weight ``weighted_by_key`` and its train loss are read from it.
+    partition : int, optional
+        The node's partition where ``content`` names none (an error reply): the one it named
+        in an earlier reply; None where unknown.
     weighted_by_key : str
         The metric that weighs a reply (``num-examples``).
     status : {"kept", "clipped", "dropped"}
@@ -167,7 +194,7 @@ def reply_record(
     return {
         "round": server_round,
         "node-id": node_id,
-        "partition": partition_of(content),
+        "partition": named if (named := partition_of(content)) is not None else partition,
         weighted_by_key: None if metrics is None else _finite(metrics.get(weighted_by_key)),
         "train-loss": None if metrics is None else _finite(metrics.get(TRAIN_LOSS_KEY)),
         **{key.replace("_", "-"): _finite(value) for key, value in figures.items()},
@@ -194,6 +221,7 @@ def reply_records(
     kept: Sequence[ClientReply],
     figures: Mapping[str, Any],
     weighted_by_key: str,
+    partitions: Mapping[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """One :func:`reply_record` per train reply of a round.
 
@@ -209,19 +237,25 @@ def reply_records(
     figures : mapping
         The round's ``aggregation_metrics``: ``fltrust-trust`` (one per kept reply) marks the
         replies FLTrust left out (trust 0).
+    partitions : mapping, optional
+        Node -> the partition it named in an earlier reply: an error reply's partition.
     """
-    records = [
-        reply_record(
-            server_round,
-            message.metadata.src_node_id,
-            None if message.has_error() else message.content,
-            weighted_by_key,
-            status="dropped",
-            reason=rejection.reason,
-            detail=rejection.detail,
+    known = partitions or {}
+    records = []
+    for message, refusal in refused:
+        node = reply_node(message)
+        records.append(
+            reply_record(
+                server_round,
+                node,
+                None if message.has_error() else message.content,
+                weighted_by_key,
+                status="dropped",
+                reason=refusal.reason,
+                detail=refusal.detail,
+                partition=None if node is None else known.get(node),
+            )
         )
-        for message, rejection in refused
-    ]
     positions = {
         index: position
         for position, index in enumerate(i for i in range(len(accepted)) if i not in view.rejected)
