@@ -15,6 +15,7 @@ import random
 import signal
 import socket
 import ssl
+import subprocess
 import sys
 import threading
 import time
@@ -31,6 +32,7 @@ from beyond_averaging.server.deploy import local as deploy
 from beyond_averaging.server.deploy import supervise, warm_executor
 from beyond_averaging.server.deploy.flower_release import FlowerRelease
 from beyond_averaging.server.deploy.warm_executor import ForkExecutor
+from tests.conftest import REPO
 
 #: Module state a child changes: a later child must not see the change.
 STATE = {"calls": 0}
@@ -177,6 +179,80 @@ def test_no_clientapp_is_forked_once_cuda_is_initialised_in_the_parent(
     assert "CUDA" in result.message
     assert executor.children == {}
     assert not (outbox / "never.json").exists()
+
+
+#: Flower's own SuperExec loop (``run_superexec``) driven by ``serve`` with a stand-in Runtime API
+#: client that hands out one ClientApp task; the fork is replaced by a probe that writes the
+#: threads alive at that moment and ends the process.
+FORK_PROBE = """
+import json, os, sys, threading
+from flwr.proto.runtime_pb2 import AcquireTaskResponse
+from flwr.proto.task_pb2 import Task
+from flwr.supercore.constant import TaskType
+from flwr.supercore.superexec import run_superexec as superexec
+from beyond_averaging.server.deploy import warm_executor
+
+class OneTask:
+    @classmethod
+    def from_server_address(cls, **_):
+        return cls()
+    def AcquireTask(self, request):
+        task = Task(task_id=7, run_id=1, type=TaskType.CLIENT_APP)
+        return AcquireTaskResponse(task=task, token="probe")
+    def close(self):
+        pass
+
+def probe():
+    seen = {"threads": threading.active_count(),
+            "names": [thread.name for thread in threading.enumerate()]}
+    with open(sys.argv[1], "w") as out:
+        json.dump(seen, out)
+    os._exit(0)
+
+superexec.RuntimeHttpClient = OneTask
+os.fork = probe
+warm_executor.serve("127.0.0.1:9", insecure=True, root_certificates=None,
+                    task_timeout=60.0, parent_pid=int(sys.argv[2]))
+"""
+
+
+def test_the_warm_parent_forks_with_its_main_thread_only_while_it_follows_a_parent(
+    tmp_path: Path,
+) -> None:
+    # Flower's --parent-pid watch is a thread: a fork made beside it copies a process whose
+    # other thread may hold a lock (logging, gRPC, the allocator) the child then waits on.
+    followed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        seen_at_fork = tmp_path / "fork.json"
+        subprocess.run(
+            [sys.executable, "-c", FORK_PROBE, str(seen_at_fork), str(followed.pid)],
+            check=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    finally:
+        followed.kill()
+        followed.wait()
+    seen_threads = json.loads(seen_at_fork.read_text(encoding="utf-8"))
+    assert seen_threads == {"threads": 1, "names": ["MainThread"]}
+
+
+def test_the_warm_parent_leaves_as_flower_s_would_once_the_process_it_follows_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    raised: list[int] = []
+    monkeypatch.setattr(signal, "raise_signal", raised.append)
+    lines: list[str] = []
+    executor = ForkExecutor(say=lines.append, parent_pid=ended.pid)
+    executor.reconcile()
+    executor.reconcile()
+    assert raised == [signal.SIGINT]  # once: Flower's SIGINT handler closes and leaves
+    assert str(ended.pid) in lines[0]
+    alive = ForkExecutor(say=lines.append, parent_pid=os.getpid())
+    alive.reconcile()
+    assert raised == [signal.SIGINT]
 
 
 def test_a_non_positive_task_timeout_is_refused_with_its_value() -> None:

@@ -23,9 +23,11 @@ answered. So:
   reseeds); a fresh interpreter would build its own. An app that changes global state at import
   time sees the parent's import, not a new one; an app whose module changes on disk between
   messages needs the executor restarted (``ba-supernode`` restarts it when it ends).
-- **never in the parent**: any torch operation or CUDA. A fork copies only the calling thread,
-  so a parent that had started OpenMP's thread pool or initialised CUDA would hand its children
-  a broken runtime. The parent only imports (torch starts no thread on import) and refuses to
+- **never in the parent**: a second thread, any torch operation or CUDA. A fork copies only the
+  calling thread, so a parent that had started OpenMP's thread pool or initialised CUDA would hand
+  its children a broken runtime, and a thread holding a lock at the fork leaves it held in the
+  child for ever (Flower's ``--parent-pid`` watch is such a thread: :class:`ForkExecutor` watches
+  in the loop instead). The parent only imports (torch starts no thread on import) and refuses to
   start if CUDA was initialised by a preloaded module; each child initialises CUDA itself, once
   per message, when its ClientApp first touches the GPU (docs/deployment.md, "Warm executor").
 
@@ -186,14 +188,26 @@ class ForkExecutor:
         Seconds a child may run before it is killed (SIGKILL).
     say : callable, optional
         Where the executor's own lines go (Flower's logger by default).
+    parent_pid : int, optional
+        A process whose end ends this one: :meth:`reconcile`, which Flower's SuperExec loop calls
+        before every poll, looks for it and raises SIGINT (Flower's exit handlers run) once it
+        is gone. Flower's own ``--parent-pid`` watch is a thread, which every fork would then
+        be made from (Python warns that such a fork may deadlock); this one keeps the parent
+        single-threaded.
     """
 
-    def __init__(self, task_timeout: float = DEFAULT_TASK_TIMEOUT, say: Any = None) -> None:
+    def __init__(
+        self,
+        task_timeout: float = DEFAULT_TASK_TIMEOUT,
+        say: Any = None,
+        parent_pid: int | None = None,
+    ) -> None:
         from flwr.supercore.superexec.executor import SubprocessExecutor
 
         if task_timeout <= 0:
             raise ValueError(f"task_timeout must be positive seconds, got {task_timeout!r}")
         self.task_timeout = task_timeout
+        self.parent_pid = parent_pid
         self.children: dict[int, _Child] = {}
         self.fallback = SubprocessExecutor()
         self.say = say if say is not None else _flower_log
@@ -243,7 +257,13 @@ class ForkExecutor:
         return LaunchResult.accepted()
 
     def reconcile(self) -> None:
-        """Reap ended children (logging any that failed) and kill those past the timeout."""
+        """Reap ended children (logging any that failed), kill those past the timeout, and leave
+        (SIGINT, as Flower's parent watch does) once the process to follow has ended."""
+        if self.parent_pid is not None and not _process_exists(self.parent_pid):
+            self.say(f"the process it follows (pid {self.parent_pid}) has ended: leaving")
+            self.parent_pid = None  # raised once; Flower's SIGINT handler ends the loop
+            signal.raise_signal(signal.SIGINT)
+            return
         now = time.monotonic()
         for pid, child in list(self.children.items()):
             try:
@@ -286,6 +306,21 @@ class ForkExecutor:
         self.children.clear()
 
 
+def _process_exists(pid: int) -> bool:
+    """Whether process ``pid`` is alive (a zombie, ended but not yet reaped, counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (not Linux): the signal check is all there is
+        return True
+
+
 def _flower_log(line: str) -> None:
     from logging import WARNING
 
@@ -309,10 +344,13 @@ def serve(
     (authentication, retries, signal handling, tracing) is Flower's own code of the installed
     release. :meth:`server.deploy.flower_release.FlowerRelease.warm_executor_problem` names a
     release that lacks the pieces.
+
+    ``parent_pid`` is watched by the executor in Flower's loop, not handed to
+    ``run_superexec`` (whose watch is a thread): the parent forks with no thread but its main one.
     """
     from flwr.supercore.superexec import run_superexec as superexec
 
-    executor = ForkExecutor(task_timeout=task_timeout)
+    executor = ForkExecutor(task_timeout=task_timeout, parent_pid=parent_pid)
 
     def fork_executor(*_args: object, **_kwargs: object) -> ForkExecutor:
         return executor
@@ -322,7 +360,7 @@ def serve(
         runtime_api_address=runtime_api_address,
         insecure=insecure,
         root_certificates_path=root_certificates,
-        parent_pid=parent_pid,
+        parent_pid=None,
         runtime_dependency_install=False,
     )
 
