@@ -30,6 +30,18 @@ COMM_KINDS = {
     "flwr-clientapp": "clientapp",
     "flwr": "flwr-run",
 }
+
+
+def set_process_name(name: str) -> None:
+    """Name this process in ``/proc/self/comm`` (Linux; elsewhere nothing happens), as
+    :data:`COMM_KINDS` finds it."""
+    try:
+        with open("/proc/self/comm", "w", encoding="ascii") as comm:
+            comm.write(name[:15])
+    except OSError:  # not Linux, or /proc not mounted
+        pass
+
+
 #: Every kind of process, with its name for a reader.
 KINDS = {
     "superlink": "SuperLink",

@@ -50,11 +50,13 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .flower_release import FlowerRelease
+from .pull_pace import FLOWER_TASK_POLL, PullPace, pace_superexec
+from .resources import set_process_name
 
 if TYPE_CHECKING:
     from flwr.supercore.constant import TaskType
@@ -72,21 +74,15 @@ DEFAULT_PRELOAD = (
 #: Seconds a ClientApp may run before the parent kills it (Flower's SuperNode then answers its
 #: message with an error reply; the server's own ``round-timeout`` is 600 s by default too).
 DEFAULT_TASK_TIMEOUT = 600.0
+#: Seconds between the warm parent's asks for a task right after it forked one (the SuperNode's
+#: Runtime API is local: an ask costs the node, never the SuperLink); it backs off to Flower's.
+TASK_POLL_FASTEST = 0.05
 #: The line the warm parent prints once its modules are imported (tests and logs look for it).
 READY = "ba-warm-executor: ready"
 #: Process names (Linux ``comm``, 15 characters at most) that ``ps``, ``top`` and the deployment
 #: benchmark see: the warm parent and a ClientApp forked from it.
 PARENT_NAME = "ba-warm-exec"
 CHILD_NAME = "ba-clientapp"
-
-
-def set_process_name(name: str) -> None:
-    """Name this process in ``/proc/self/comm`` (Linux; elsewhere nothing happens)."""
-    try:
-        with open("/proc/self/comm", "w", encoding="ascii") as comm:
-            comm.write(name[:15])
-    except OSError:  # not Linux, or /proc not mounted
-        pass
 
 
 def preload(modules: Sequence[str]) -> list[str]:
@@ -194,6 +190,9 @@ class ForkExecutor:
         is gone. Flower's own ``--parent-pid`` watch is a thread, which every fork would then
         be made from (Python warns that such a fork may deadlock); this one keeps the parent
         single-threaded.
+    launched : callable, optional
+        Called in this process after each ClientApp is forked (the paced SuperExec loop then asks
+        for the next task soon: :func:`server.deploy.pull_pace.pace_superexec`).
     """
 
     def __init__(
@@ -201,6 +200,7 @@ class ForkExecutor:
         task_timeout: float = DEFAULT_TASK_TIMEOUT,
         say: Any = None,
         parent_pid: int | None = None,
+        launched: Callable[[], None] | None = None,
     ) -> None:
         from flwr.supercore.superexec.executor import SubprocessExecutor
 
@@ -208,6 +208,7 @@ class ForkExecutor:
             raise ValueError(f"task_timeout must be positive seconds, got {task_timeout!r}")
         self.task_timeout = task_timeout
         self.parent_pid = parent_pid
+        self.launched = launched
         self.children: dict[int, _Child] = {}
         self.fallback = SubprocessExecutor()
         self.say = say if say is not None else _flower_log
@@ -254,6 +255,8 @@ class ForkExecutor:
             run_child(spec)
         now = time.monotonic()
         self.children[pid] = _Child(spec.task_id, now, now + self.task_timeout)
+        if self.launched is not None:
+            self.launched()
         return LaunchResult.accepted()
 
     def reconcile(self) -> None:
@@ -336,6 +339,7 @@ def serve(
     root_certificates: str | None,
     task_timeout: float,
     parent_pid: int | None = None,
+    wake_fd: int | None = None,
 ) -> None:
     """Run Flower's SuperExec loop against a SuperNode's Runtime API with :class:`ForkExecutor`.
 
@@ -347,10 +351,23 @@ def serve(
 
     ``parent_pid`` is watched by the executor in Flower's loop, not handed to
     ``run_superexec`` (whose watch is a thread): the parent forks with no thread but its main one.
+    The loop's wait between asks for a task is paced (:mod:`server.deploy.pull_pace`): with
+    ``wake_fd`` (``ba-supernode``'s pipe from its paced SuperNode) it is Flower's interval, ended
+    at once by each message the SuperNode stores; without, it starts at
+    :data:`TASK_POLL_FASTEST` after each fork and backs off to Flower's interval.
     """
     from flwr.supercore.superexec import run_superexec as superexec
 
-    executor = ForkExecutor(task_timeout=task_timeout, parent_pid=parent_pid)
+    # Flower's wait between asks for a task (FLWR_SUPEREXEC_TASK_POLL_INTERVAL, 1 s by default)
+    # is where the pace backs off to; right after a fork it asks every TASK_POLL_FASTEST seconds.
+    interval = float(getattr(superexec, "_get_task_poll_interval", lambda: FLOWER_TASK_POLL)())
+    fastest = interval if wake_fd is not None else min(TASK_POLL_FASTEST, interval)
+    clock = pace_superexec(PullPace(fastest=fastest, slowest=interval), wake_fd)
+    executor = ForkExecutor(
+        task_timeout=task_timeout,
+        parent_pid=parent_pid,
+        launched=None if clock is None else clock.work_arrived,
+    )
 
     def fork_executor(*_args: object, **_kwargs: object) -> ForkExecutor:
         return executor
@@ -406,6 +423,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--parent-pid", type=int, help="end when this process ends (as flower-superexec does)"
     )
+    parser.add_argument(
+        "--wake-fd",
+        type=int,
+        help="an inherited pipe on which the SuperNode (ba-supernode's) signals each message: "
+        "ask for its task at once",
+    )
     args = parser.parse_args(argv)
     if args.task_timeout <= 0:
         parser.error(f"--task-timeout must be positive seconds, got {args.task_timeout:g}")
@@ -442,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         root_certificates=args.root_certificates,
         task_timeout=args.task_timeout,
         parent_pid=args.parent_pid,
+        wake_fd=args.wake_fd,
     )
     return 0
 
