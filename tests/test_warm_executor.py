@@ -9,6 +9,7 @@ one raises, exits or hangs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -36,6 +37,19 @@ from tests.conftest import REPO
 
 #: Module state a child changes: a later child must not see the change.
 STATE = {"calls": 0}
+#: What the warm-up below loads in the parent, and every child then extends with its token.
+WARM_CACHE: list[str] = []
+
+
+def fill_cache(node_config: dict[str, Any]) -> None:
+    """A warm-up (``--warm tests.test_warm_executor:fill_cache``): loads the node's "data" and
+    runs a first training step with torch, as an app's first call would."""
+    WARM_CACHE.append(f"partition {node_config['partition-id']}")
+    STATE["warm-threads"] = torch.get_num_threads()
+    layer = torch.nn.Linear(8, 2)
+    torch.nn.functional.cross_entropy(
+        layer(torch.randn(4, 8)), torch.tensor([0, 1, 0, 1])
+    ).backward()
 
 
 def spec(token: str, task_id: int = 1) -> ExecutionSpec:
@@ -66,7 +80,9 @@ def outbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
             "python-random": random.random(),
             "numpy-random": float(np.random.random()),  # noqa: NPY002 - the global one, on purpose
             "torch-random": float(torch.rand(1)),
+            "warm": list(WARM_CACHE),
         }
+        WARM_CACHE.append(token)
         (tmp_path / f"{token}.json").write_text(json.dumps(seen), encoding="utf-8")
         if token.startswith("raise"):
             raise RuntimeError("stand-in ClientApp raising")
@@ -104,6 +120,46 @@ def test_each_message_runs_in_its_own_fork_and_sees_no_state_of_an_earlier_messa
     # Each child incremented its own copy of the parent's state; neither saw the other's.
     assert first["calls"] == second["calls"] == 1
     assert STATE["calls"] == 0
+
+
+def test_a_warmed_child_inherits_the_warm_up_and_no_earlier_message_s_state(
+    outbox: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "WARM_CACHE", [])
+    threads = torch.get_num_threads()
+    warm_executor.warm_up(f"{__name__}:fill_cache", {"partition-id": 3})
+    assert STATE.pop("warm-threads") == 1  # no OpenMP pool in the parent, which forks
+    assert torch.get_num_threads() == threads  # given back for the children
+    executor = ForkExecutor(say=lambda line: None)
+    for token in ("first", "second"):
+        assert executor.launch(spec(token)).status == LaunchResultStatus.ACCEPTED
+        wait_until_reaped(executor)
+    # Each child starts from the warmed parent: the partition is there, the other's token not.
+    assert seen(outbox, "first")["warm"] == seen(outbox, "second")["warm"] == ["partition 3"]
+    assert sys.modules[__name__].WARM_CACHE == ["partition 3"]
+
+
+def start_a_thread(node_config: dict[str, Any]) -> None:
+    """A warm-up that leaves a thread running (what a fork must not copy a process beside)."""
+    del node_config
+    threading.Thread(target=STOP_THREAD.wait, name="left-running", daemon=True).start()
+
+
+STOP_THREAD = threading.Event()
+
+
+def test_a_warm_up_that_leaves_a_thread_running_is_refused_with_the_thread_s_name() -> None:
+    try:
+        with pytest.raises(warm_executor.UnfitToForkError, match="left-running"):
+            warm_executor.warm_up(f"{__name__}:start_a_thread", {})
+    finally:
+        STOP_THREAD.set()
+
+
+@pytest.mark.parametrize("target", ["pytorchexample.task", ":warm", "tests.test_warm_executor:"])
+def test_a_warm_up_target_that_is_not_module_colon_function_is_refused(target: str) -> None:
+    with pytest.raises(ValueError, match="MODULE:FUNCTION"):
+        warm_executor.warm_up(target, {})
 
 
 def test_forked_clientapps_draw_other_random_numbers_as_fresh_processes_would(
@@ -237,6 +293,58 @@ def test_the_warm_parent_forks_with_its_main_thread_only_while_it_follows_a_pare
     assert seen_threads == {"threads": 1, "names": ["MainThread"]}
 
 
+#: Starts ba-warm-executor following this process, against a Runtime API nobody serves (as
+#: after its SuperNode went), prints the executor's pid and waits to be killed.
+FOLLOWED_PARENT = """
+import os, subprocess, sys, time
+executor = subprocess.Popen([sys.executable, "-m", "beyond_averaging.server.deploy.warm_executor",
+    "--insecure", "--runtime-api-address", sys.argv[1], "--parent-pid", str(os.getpid())],
+    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(executor.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_the_warm_parent_ends_with_its_supervisor_while_flower_retries_a_lost_runtime_api(
+    tmp_path: Path,
+) -> None:
+    # Flower's client retries the lost Runtime API inside the loop, so the loop's own look
+    # at the parent is not reached: the kernel's signal (PR_SET_PDEATHSIG) must end it.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", FOLLOWED_PARENT, address],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path,
+    )
+    assert parent.stdout is not None
+    executor = int(parent.stdout.readline())
+    try:
+        time.sleep(20.0)  # imported, serving and retrying by now on a loaded machine
+        assert running(executor)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30.0
+        while running(executor) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(executor), "the warm executor outlived the process it follows"
+    finally:
+        parent.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(executor, signal.SIGKILL)
+
+
 def test_the_warm_parent_leaves_as_flower_s_would_once_the_process_it_follows_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -300,6 +408,12 @@ def test_the_warm_executor_dials_the_supernode_s_runtime_api_with_its_tls() -> N
     assert served[served.index("--preload") + 1] == "torchvision"
     assert served[served.index("--task-timeout") + 1] == "30"
     assert supervise.runtime_api_dial_address([]) == "127.0.0.1:9094"  # Flower's default
+    warmed = supervise.warm_executor_command(
+        ["--node-config", "partition-id=1 num-partitions=2"], [], 30.0, warm="app.task:warm"
+    )
+    assert warmed[warmed.index("--warm") + 1] == "app.task:warm"
+    assert warmed[warmed.index("--node-config") + 1] == "partition-id=1 num-partitions=2"
+    assert "--warm" not in plain
 
 
 def test_take_option_removes_every_form_of_a_flag_and_keeps_the_rest() -> None:

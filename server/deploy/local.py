@@ -23,7 +23,6 @@ process group, stopped by PID, never by name).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import ipaddress
 import json
@@ -57,14 +56,12 @@ from beyond_averaging.server.runtime.processes import (
 from beyond_averaging.server.runtime.staging import stage_app
 
 from .flower_release import CLIENTAPP_EXECUTORS, ClientAppExecutor, FleetTransport, FlowerRelease
-from .resources import ResourceWatch, resource_lines
+from .resources import ResourceWatch, end_with_parent, resource_lines
 
 #: The connection ``ba-deploy`` writes into its ``FLWR_HOME/config.toml`` for ``flwr run``.
 CONNECTION = "ba-deploy"
 #: ``ba-supernode`` (the console script runs this module's main).
 SUPERVISOR = "beyond_averaging.server.deploy.supervise"
-#: Linux prctl(2): the signal a process gets when its parent ends.
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -158,27 +155,6 @@ def loopback_certificates(directory: Path, days: int = 30) -> Certificates:
     certificates.server_cert.write_bytes(server.public_bytes(serialization.Encoding.PEM))
     save_key(server_key, certificates.server_key)
     return certificates
-
-
-def _prctl() -> Any:
-    """libc's ``prctl`` (looked up here, not in a forked child: ``dlopen`` takes locks), or None
-    where there is none (not Linux)."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _prctl()
-
-
-def end_with_parent() -> None:
-    """In a child about to run a deployment's process: have the kernel send it SIGTERM when the
-    thread that started it ends, however it ends (Linux ``PR_SET_PDEATHSIG``), so that a
-    ``ba-deploy`` killed with SIGKILL leaves no SuperLink or SuperNode holding its ports
-    (:meth:`LocalDeployment.close` stops them in order otherwise). Elsewhere: nothing."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def in_netns(netns: str | None, command: Sequence[str]) -> list[str]:

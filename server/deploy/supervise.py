@@ -300,6 +300,7 @@ def warm_executor_command(
     preload: Sequence[str],
     task_timeout: float,
     wake_fd: int | None = None,
+    warm: str | None = None,
 ) -> list[str]:
     """``ba-warm-executor`` for the SuperNode started with ``supernode_arguments``: its Runtime
     API's address, and TLS when the SuperNode serves that API with a certificate
@@ -316,6 +317,9 @@ def warm_executor_command(
     command += ["--task-timeout", f"{task_timeout:g}", "--parent-pid", str(os.getpid())]
     if wake_fd is not None:
         command += ["--wake-fd", str(wake_fd)]
+    if warm is not None:  # the warm-up receives the node's config, as its ClientApps do
+        command += ["--warm", warm]
+        command += ["--node-config", option_value(supernode_arguments, "--node-config") or ""]
     return command
 
 
@@ -363,6 +367,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "this app (repeatable)",
     )
     parser.add_argument(
+        "--warm",
+        metavar="MODULE:FUNCTION",
+        help="--executor warm: call FUNCTION(node_config) once in the warm process before it "
+        "forks, so that every ClientApp inherits what it loads and caches",
+    )
+    parser.add_argument(
         "--task-timeout",
         type=float,
         default=600.0,
@@ -397,6 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.task_timeout <= 0:
             parser.error(f"--task-timeout must be positive seconds, got {args.task_timeout:g}")
+    if args.warm is not None and executor != "warm":
+        parser.error("--warm runs in the warm executor: drop it, or use --executor warm")
     # --executor subprocess with --isolation process: the user runs their own executor.
     isolation_flags = (
         ["--isolation", isolation] if isolation else release.supernode_isolation(executor)
@@ -421,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if executor == "warm":
         supervisors.append(
             Supervisor(
-                warm_executor_command(rest, args.preload, args.task_timeout, wake),
+                warm_executor_command(rest, args.preload, args.task_timeout, wake, args.warm),
                 name="ba-warm-executor",
                 forgotten_markers=(),
                 pass_fds=() if wake is None else (wake,),

@@ -48,15 +48,16 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .flower_release import FlowerRelease
 from .pull_pace import FLOWER_TASK_POLL, PullPace, pace_superexec
-from .resources import set_process_name
+from .resources import end_with_parent, set_process_name
 
 if TYPE_CHECKING:
     from flwr.supercore.constant import TaskType
@@ -99,6 +100,63 @@ def preload(modules: Sequence[str]) -> list[str]:
         except ImportError:
             missing.append(name)
     return missing
+
+
+class UnfitToForkError(RuntimeError):
+    """The warm-up left this process in a state a fork cannot copy safely (a thread, CUDA)."""
+
+
+def _os_threads() -> int:
+    """Threads of this process as the kernel counts them (OpenMP's and BLAS's included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: Python's own count is all there is
+        return threading.active_count()
+
+
+def warm_up(target: str, node_config: Mapping[str, Any]) -> None:
+    """Call the app's warm-up ``MODULE:FUNCTION`` once in this (the parent) process with the
+    node's ``--node-config``, so that every ClientApp forked later inherits what it loaded and
+    cached instead of paying for it per message.
+
+    torch runs with one thread during the call (its OpenMP pool, which a fork would not copy,
+    is then never started) and gets its thread count back after it.
+
+    Raises
+    ------
+    ValueError
+        ``target`` is not ``MODULE:FUNCTION``.
+    UnfitToForkError
+        The call left a thread running or initialised CUDA: no ClientApp may be forked.
+    Exception
+        Whatever importing or calling the function raised.
+    """
+    module_name, colon, function_name = target.partition(":")
+    if not (colon and module_name and function_name):
+        raise ValueError(f"--warm {target!r}: give MODULE:FUNCTION, e.g. pytorchexample.task:warm")
+    function = getattr(importlib.import_module(module_name), function_name)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else 1
+    kernel_threads = _os_threads()
+    if torch is not None:
+        torch.set_num_threads(1)
+    try:
+        function(dict(node_config))
+    finally:
+        if torch is not None:
+            torch.set_num_threads(threads)
+    if threading.active_count() > 1 or _os_threads() > kernel_threads:
+        names = ", ".join(thread.name for thread in threading.enumerate()[1:]) or "not Python's"
+        raise UnfitToForkError(
+            f"--warm {target} left threads running ({names}; {_os_threads()} in all, "
+            f"{kernel_threads} before): a fork copies only the calling thread, so start none "
+            "in the warm-up (or stop them before it returns)"
+        )
+    if cuda_initialised():
+        raise UnfitToForkError(
+            f"--warm {target} initialised CUDA: a forked ClientApp could not use the GPU; "
+            "keep the warm-up on the CPU (each ClientApp moves its model to the GPU itself)"
+        )
 
 
 def cuda_initialised() -> bool:
@@ -372,6 +430,12 @@ def serve(
     def fork_executor(*_args: object, **_kwargs: object) -> ForkExecutor:
         return executor
 
+    if parent_pid is not None and parent_pid == os.getppid():
+        # The loop's own look (ForkExecutor.reconcile) is not reached while Flower's client
+        # retries a Runtime API that went away with the parent; the kernel's signal is.
+        end_with_parent()
+        if os.getppid() != parent_pid:  # it ended before the kernel was asked
+            signal.raise_signal(signal.SIGTERM)
     superexec.get_executor = fork_executor  # type: ignore[attr-defined]
     superexec.run_superexec(
         runtime_api_address=runtime_api_address,
@@ -424,6 +488,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--parent-pid", type=int, help="end when this process ends (as flower-superexec does)"
     )
     parser.add_argument(
+        "--warm",
+        metavar="MODULE:FUNCTION",
+        help="call FUNCTION(node_config) once before the first fork, so that every ClientApp "
+        "inherits what it loads and caches (the app's data, its first training step's kernels)",
+    )
+    parser.add_argument(
+        "--node-config",
+        default="",
+        help="the SuperNode's --node-config, as the warm-up function receives it",
+    )
+    parser.add_argument(
         "--wake-fd",
         type=int,
         help="an inherited pipe on which the SuperNode (ba-supernode's) signals each message: "
@@ -448,13 +523,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    # What the imports made is never freed: out of the collector's sight, a child's collections
-    # do not write to (and so copy) the pages it shares with this process (Python's gc docs).
+    warmed = ""
+    if args.warm:
+        from flwr.common.config import parse_config_args
+
+        try:
+            warm_up(args.warm, parse_config_args([args.node_config] if args.node_config else None))
+            warmed = f", warmed by {args.warm}"
+        except UnfitToForkError as unfit:
+            print(f"ba-warm-executor: {unfit}", file=sys.stderr)
+            return 2
+        except Exception:  # the app's own error: its ClientApps run unwarmed and show it
+            traceback.print_exc()
+            print(
+                f"ba-warm-executor: --warm {args.warm} failed (above); the ClientApps run "
+                "without it",
+                file=sys.stderr,
+            )
+    # What the imports and the warm-up made is never freed: out of the collector's sight, a
+    # child's collections do not write to (and so copy) the pages it shares with this process
+    # (Python's gc docs).
     gc.collect()
     gc.freeze()
     loaded = [name for name in [*DEFAULT_PRELOAD, *args.preload] if name not in missing]
     print(
-        f"{READY} (pid {os.getpid()}, preloaded {', '.join(loaded)}); forking "
+        f"{READY} (pid {os.getpid()}, preloaded {', '.join(loaded)}{warmed}); forking "
         f"the ClientApps of the SuperNode's Runtime API at {args.runtime_api_address}",
         file=sys.stderr,
         flush=True,
