@@ -24,8 +24,8 @@ def measure(pull_every: float, nodes: int, rounds: int, workdir: Path) -> dict[s
             deployment.start_supernode(partition, nodes)
         deployment.wait_for_nodes(nodes)
         resources = watch_resources(deployment)
-        settings = {"dataset": "digits", "model": "mlp", "num-clients": nodes, "seed": 0}
-        settings |= {"num-server-rounds": rounds, "local-epochs": 1, "fraction-train": 1.0}
+        settings = {"dataset": "digits", "model": "mlp", "num-clients": nodes, "run-name": "pace"}
+        settings |= {"num-server-rounds": rounds, "local-epochs": 1, "seed": 0}
         run_dir = deployment.run({**settings, "output-dir": str(workdir / "runs")}, timeout=1800)
         usage = resources.stop()
     seconds = [row["round-seconds"] for row in read_metrics(run_dir) if "round-seconds" in row][1:]
