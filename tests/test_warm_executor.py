@@ -81,6 +81,7 @@ def outbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
             "numpy-random": float(np.random.random()),  # noqa: NPY002 - the global one, on purpose
             "torch-random": float(torch.rand(1)),
             "warm": list(WARM_CACHE),
+            "push": flower_module.push_message.__qualname__,
         }
         WARM_CACHE.append(token)
         (tmp_path / f"{token}.json").write_text(json.dumps(seen), encoding="utf-8")
@@ -137,6 +138,46 @@ def test_a_warmed_child_inherits_the_warm_up_and_no_earlier_message_s_state(
     # Each child starts from the warmed parent: the partition is there, the other's token not.
     assert seen(outbox, "first")["warm"] == seen(outbox, "second")["warm"] == ["partition 3"]
     assert sys.modules[__name__].WARM_CACHE == ["partition 3"]
+
+
+def test_a_clientapp_pushes_its_reply_through_the_retrying_push(outbox: Path) -> None:
+    from flwr.supernode.runtime import run_clientapp as flower_module
+
+    executor = ForkExecutor(say=lambda line: None)
+    executor.launch(spec("pushing"))
+    wait_until_reaped(executor)
+    assert seen(outbox, "pushing")["push"] == "retrying_push.<locals>.pushing"
+    assert flower_module.push_message.__qualname__ == "push_message"  # the parent's is Flower's
+
+
+def test_a_refused_reply_push_is_tried_again_with_a_new_session_then_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+    monkeypatch.setattr(warm_executor, "_flower_log", lambda line: None)
+    calls: list[str] = []
+
+    def refused_then(outcomes: list[Exception | None]) -> Any:
+        def push(client: object, message: str, context: object) -> None:
+            calls.append(message)
+            outcome = outcomes.pop(0)
+            if outcome is not None:
+                raise outcome
+
+        return push
+
+    expired = ObjectPushError("object", 1, "session")
+    warm_executor.retrying_push(refused_then([expired, None]))(None, "reply", None)
+    assert calls == ["reply", "reply"]
+    calls.clear()
+    with pytest.raises(ObjectPushError):
+        warm_executor.retrying_push(refused_then([expired] * 5), attempts=3)(None, "reply", None)
+    assert calls == ["reply"] * 3
+    calls.clear()
+    with pytest.raises(ConnectionError):  # not a refused object: Flower's to handle, at once
+        warm_executor.retrying_push(refused_then([ConnectionError()]))(None, "reply", None)
+    assert calls == ["reply"]
 
 
 def start_a_thread(node_config: dict[str, Any]) -> None:

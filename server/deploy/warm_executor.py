@@ -75,6 +75,9 @@ DEFAULT_PRELOAD = (
 #: Seconds a ClientApp may run before the parent kills it (Flower's SuperNode then answers its
 #: message with an error reply; the server's own ``round-timeout`` is 600 s by default too).
 DEFAULT_TASK_TIMEOUT = 600.0
+#: Tries at pushing a ClientApp's reply when the SuperNode refuses its objects (a new push
+#: session each time, :func:`retrying_push`).
+PUSH_ATTEMPTS = 3
 #: Seconds between the warm parent's asks for a task right after it forked one (the SuperNode's
 #: Runtime API is local: an ask costs the node, never the SuperLink); it backs off to Flower's.
 TASK_POLL_FASTEST = 0.05
@@ -188,6 +191,35 @@ def _reset_child() -> None:
         torch.seed()
 
 
+def retrying_push(push: Callable[..., None], attempts: int = PUSH_ATTEMPTS) -> Callable[..., None]:
+    """Flower's ``push_message`` (a ClientApp's reply to its SuperNode), tried again with a new
+    push session when the SuperNode refused one of the reply's objects.
+
+    ``ObjectPushError`` says the push session "may have expired or been replaced"; the
+    SuperNode's ``PushMessages`` then opens a new session for the same reply (and stores it
+    again when the expired session took it away), so the reply can still arrive, where giving
+    up left the SuperNode waiting for objects that never came and the round waiting minutes
+    for the SuperLink to expire the reply. A reply another push already stored is not pushed
+    twice (the SuperNode asks for no objects). Other errors are Flower's to handle.
+    """
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+    def pushing(*args: Any, **kwargs: Any) -> None:
+        for attempt in range(1, attempts + 1):
+            try:
+                push(*args, **kwargs)
+                return
+            except ObjectPushError as refused:
+                if attempt == attempts:
+                    raise
+                _flower_log(
+                    f"pushing the reply failed ({refused}); pushing it again with a new push "
+                    f"session ({attempt + 1} of {attempts})"
+                )
+
+    return pushing
+
+
 def run_child(spec: ExecutionSpec) -> NoReturn:
     """Run one task's ClientApp with Flower's ``run_clientapp`` and leave the process.
 
@@ -198,7 +230,11 @@ def run_child(spec: ExecutionSpec) -> NoReturn:
     try:
         _reset_child()
         from flwr.supercore.tls import validate_and_resolve_root_certificates
+        from flwr.supernode.runtime import run_clientapp as runtime
         from flwr.supernode.runtime.run_clientapp import run_clientapp
+
+        # run_clientapp looks push_message up in its module: this child's copy retries.
+        setattr(runtime, "push_message", retrying_push(runtime.push_message))  # noqa: B010
 
         run_clientapp(
             runtime_api_address=spec.runtime_api_address,
