@@ -470,7 +470,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         f"{meta['load']}; the ratios are taken within each repeat, both apps back to back). "
         f"Per app and repeat a SuperLink (state in memory) and {meta['nodes']} SuperNodes on "
         f"loopback; this project's under `ba-supernode` with the "
-        f"{meta.get('executor', 'subprocess')} executor, the quickstart's as Flower runs them; "
+        f"{meta.get('executor', 'subprocess')} executor, `--pull-every "
+        f"{meta.get('pull_every', 3) or 0.2:g}` (3: Flower's), the quickstart's as Flower runs; "
         f"{meta['rounds']} rounds, {meta['repeats']} repeats, apps alternating ({meta['order']}); "
         f"{meta['threads']} torch thread per process (`OMP_NUM_THREADS`), niced by 10.",
         "",
