@@ -492,6 +492,16 @@ def test_ba_deploy_refuses_fewer_than_one_node(capsys: pytest.CaptureFixture[str
     assert "--nodes must be 1 or more, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "inf"])
+def test_ba_deploy_refuses_a_pull_interval_that_is_not_positive_seconds(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as leaving:
+        deploy.main(["local", "--pull-every", value])
+    assert leaving.value.code == 2
+    assert f"--pull-every must be positive seconds, got {float(value):g}" in capsys.readouterr().err
+
+
 def handshake(certificates: deploy.Certificates, hostname: str) -> str:
     """A TLS handshake on loopback between a server with the SuperLink's certificate and a
     client that trusts only the CA, for ``hostname``; the negotiated version."""
