@@ -34,6 +34,11 @@ supervised like the SuperNode: started again whenever it ends (``kill -9`` inclu
 stopped with it. ``--executor subprocess`` is Flower's own: a fresh ``flwr-clientapp`` process per
 message.
 
+**A node that pulls soon after a message** (``--pull-every``, 0.2 s by default): the SuperNode
+is Flower's ``flower-supernode`` with its idle pull paced (:mod:`server.deploy.pull_pace`), and it
+wakes the warm executor through a pipe when it has stored a message; ``--pull-every 3`` runs
+``flower-supernode`` unchanged.
+
     ba-supernode --insecure --superlink 127.0.0.1:9092 \\
         --node-config 'partition-id=0 num-partitions=3'
 
