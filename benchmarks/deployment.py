@@ -289,7 +289,11 @@ def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) ->
     ``flower-supernode`` processes with Flower's subprocess isolation."""
     project, nodes, rounds, executor = app == "project", args.nodes, args.rounds, args.executor
     deployment = LocalDeployment(
-        app_dir, workdir, file_state=False, executor="warm" if executor == "warm" else "subprocess"
+        app_dir,
+        workdir,
+        file_state=False,
+        executor="warm" if executor == "warm" else "subprocess",
+        pull_every=args.pull_every,
     )
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
     row["executor"] = executor if project else "flower-subprocess"
@@ -466,7 +470,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
         f"{meta['load']}; the ratios are taken within each repeat, both apps back to back). "
         f"Per app and repeat a SuperLink (state in memory) and {meta['nodes']} SuperNodes on "
         f"loopback; this project's under `ba-supernode` with the "
-        f"{meta.get('executor', 'subprocess')} executor, the quickstart's as Flower runs them; "
+        f"{meta.get('executor', 'subprocess')} executor, `--pull-every "
+        f"{meta.get('pull_every', 3) or 0.2:g}` (3: Flower's), the quickstart's as Flower runs; "
         f"{meta['rounds']} rounds, {meta['repeats']} repeats, apps alternating ({meta['order']}); "
         f"{meta['threads']} torch thread per process (`OMP_NUM_THREADS`), niced by 10.",
         "",
@@ -573,7 +578,7 @@ def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
                 rows.append({"repeat": repeat, **row})
                 print(json.dumps(rows[-1]), flush=True)
     loads = [row["load-average"][1] for row in rows if row["status"] == "completed"]
-    options = ("nodes", "executor", "rounds", "repeats", "threads", "interval")  # as typed
+    options = ("nodes", "executor", "pull_every", "rounds", "repeats", "threads", "interval")
     meta = {
         **page_facts("deployment"),
         **{option: getattr(args, option) for option in options},
@@ -599,6 +604,8 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help=rerender)
     executor = "how this project's SuperNodes run ClientApps (the quickstart: Flower's own)"
     parser.add_argument("--executor", choices=CLIENTAPP_EXECUTORS, default="warm", help=executor)
+    pace = "ba-supernode --pull-every for this project's SuperNodes (3: Flower's fixed pace)"
+    parser.add_argument("--pull-every", type=float, metavar="SECONDS", help=pace)
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's

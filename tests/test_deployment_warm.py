@@ -15,10 +15,12 @@ Killing the warm parent mid-run is in tests/test_deployment_recovery.py, beside 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,10 +30,11 @@ from typing import Any
 
 import pytest
 
+from beyond_averaging.server.deploy.flower_release import FlowerRelease
 from beyond_averaging.server.deploy.warm_executor import CHILD_NAME, PARENT_NAME, READY
 from beyond_averaging.server.overrides import run_config_argument
 from beyond_averaging.server.runs.folder import read_summary
-from beyond_averaging.server.runtime.processes import descendants
+from beyond_averaging.server.runtime.processes import descendants, free_port
 from tests.deploy_helpers import (
     REPO,
     LocalDeployment,
@@ -243,3 +246,70 @@ def test_a_ba_deploy_killed_with_sigkill_leaves_no_superlink_or_supernode(tmp_pa
     while alive := [(pid, comm(pid)) for pid in started if comm(pid) in DEPLOYMENT_PROCESSES]:
         assert time.monotonic() < deadline, alive
         time.sleep(0.5)
+
+
+# ----------------------------------------- docs: "Your own app on the warm executor"
+USER_SECTION = "### Your own app on the warm executor"
+#: The ports the section prints, in the order the test replaces them with free ones (another
+#: deployment on this machine may hold the printed ones).
+PRINTED_PORTS = ("9092", "9093", "9094", "9095")
+
+
+def user_section_blocks() -> list[str]:
+    """The ``bash`` blocks of docs/deployment.md's user section: flwr 1.39's, then 1.40+'s."""
+    text = (REPO / "docs" / "deployment.md").read_text(encoding="utf-8")
+    section = text[text.index(USER_SECTION) :]
+    section = section[: section.index("\n## ")]
+    return re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL)
+
+
+def test_the_user_section_runs_as_printed(tmp_path: Path) -> None:
+    blocks = user_section_blocks()
+    assert len(blocks) == 2
+    release = FlowerRelease.installed()
+    block = blocks[0 if release.transport == "grpc" else 1]
+    for printed in PRINTED_PORTS:  # 1.40+ has no Fleet port of its own (9092)
+        block = block.replace(printed, str(free_port()))
+    app = tmp_path / "app"
+    shutil.copytree(REPO / "tests" / "apps" / "quickstart", app)
+    config = app / "pyproject.toml"
+    one_round = config.read_text(encoding="utf-8").replace(
+        "num-server-rounds = 3", "num-server-rounds = 1"
+    )
+    config.write_text(one_round, encoding="utf-8")
+    # The section's commands are the installed ones (a user's activated environment).
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    shell = subprocess.Popen(
+        ["bash", "-e", "-c", block],
+        cwd=app,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the block's background processes share its group
+    )
+    try:
+        streamed, _ = shell.communicate(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and group_alive(shell.pid):
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+    logs = {path.name: path.read_text(errors="replace") for path in sorted(app.glob("*.log"))}
+    tail = streamed[-4000:] + "".join(f"\n--- {n}\n{log[-2000:]}" for n, log in logs.items())
+    assert shell.returncode == 0, tail
+    assert "Saving final model to disk" in streamed, tail
+    assert (app / "final_model.pt").exists() or "final_model" in streamed, tail
+    for node in ("supernode-0.log", "supernode-1.log"):
+        assert READY in logs[node], tail
+
+
+def group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True

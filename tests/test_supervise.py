@@ -146,11 +146,12 @@ def test_sigterm_stops_the_supervisor_and_its_process_for_good(tmp_path: Path) -
         "print('up', flush=True)\ntime.sleep(600)\n",
         encoding="utf-8",
     )
-    # ba-supernode's main, with the stand-in in place of flower-supernode.
+    # ba-supernode's main, with the stand-in in place of flower-supernode, run as given (an
+    # unpaced node, --pull-every 3: a paced one runs Flower's own entry point).
     program = (
         "import sys\nfrom beyond_averaging.server.deploy import supervise\n"
         "supervise.flower_supernode = lambda: sys.executable\n"
-        f"raise SystemExit(supervise.main([{str(script)!r}]))\n"
+        f"raise SystemExit(supervise.main(['--pull-every', '3', {str(script)!r}]))\n"
     )
     process = subprocess.Popen(
         [sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO

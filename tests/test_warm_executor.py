@@ -9,12 +9,14 @@ one raises, exits or hangs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import socket
 import ssl
+import subprocess
 import sys
 import threading
 import time
@@ -31,9 +33,23 @@ from beyond_averaging.server.deploy import local as deploy
 from beyond_averaging.server.deploy import supervise, warm_executor
 from beyond_averaging.server.deploy.flower_release import FlowerRelease
 from beyond_averaging.server.deploy.warm_executor import ForkExecutor
+from tests.conftest import REPO
 
 #: Module state a child changes: a later child must not see the change.
 STATE = {"calls": 0}
+#: What the warm-up below loads in the parent, and every child then extends with its token.
+WARM_CACHE: list[str] = []
+
+
+def fill_cache(node_config: dict[str, Any]) -> None:
+    """A warm-up (``--warm tests.test_warm_executor:fill_cache``): loads the node's "data" and
+    runs a first training step with torch, as an app's first call would."""
+    WARM_CACHE.append(f"partition {node_config['partition-id']}")
+    STATE["warm-threads"] = torch.get_num_threads()
+    layer = torch.nn.Linear(8, 2)
+    torch.nn.functional.cross_entropy(
+        layer(torch.randn(4, 8)), torch.tensor([0, 1, 0, 1])
+    ).backward()
 
 
 def spec(token: str, task_id: int = 1) -> ExecutionSpec:
@@ -64,7 +80,10 @@ def outbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
             "python-random": random.random(),
             "numpy-random": float(np.random.random()),  # noqa: NPY002 - the global one, on purpose
             "torch-random": float(torch.rand(1)),
+            "warm": list(WARM_CACHE),
+            "push": flower_module.push_message.__qualname__,
         }
+        WARM_CACHE.append(token)
         (tmp_path / f"{token}.json").write_text(json.dumps(seen), encoding="utf-8")
         if token.startswith("raise"):
             raise RuntimeError("stand-in ClientApp raising")
@@ -102,6 +121,86 @@ def test_each_message_runs_in_its_own_fork_and_sees_no_state_of_an_earlier_messa
     # Each child incremented its own copy of the parent's state; neither saw the other's.
     assert first["calls"] == second["calls"] == 1
     assert STATE["calls"] == 0
+
+
+def test_a_warmed_child_inherits_the_warm_up_and_no_earlier_message_s_state(
+    outbox: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "WARM_CACHE", [])
+    threads = torch.get_num_threads()
+    warm_executor.warm_up(f"{__name__}:fill_cache", {"partition-id": 3})
+    assert STATE.pop("warm-threads") == 1  # no OpenMP pool in the parent, which forks
+    assert torch.get_num_threads() == threads  # given back for the children
+    executor = ForkExecutor(say=lambda line: None)
+    for token in ("first", "second"):
+        assert executor.launch(spec(token)).status == LaunchResultStatus.ACCEPTED
+        wait_until_reaped(executor)
+    # Each child starts from the warmed parent: the partition is there, the other's token not.
+    assert seen(outbox, "first")["warm"] == seen(outbox, "second")["warm"] == ["partition 3"]
+    assert sys.modules[__name__].WARM_CACHE == ["partition 3"]
+
+
+def test_a_clientapp_pushes_its_reply_through_the_retrying_push(outbox: Path) -> None:
+    from flwr.supernode.runtime import run_clientapp as flower_module
+
+    executor = ForkExecutor(say=lambda line: None)
+    executor.launch(spec("pushing"))
+    wait_until_reaped(executor)
+    assert seen(outbox, "pushing")["push"] == "retrying_push.<locals>.pushing"
+    assert flower_module.push_message.__qualname__ == "push_message"  # the parent's is Flower's
+
+
+def test_a_refused_reply_push_is_tried_again_with_a_new_session_then_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+    monkeypatch.setattr(warm_executor, "_flower_log", lambda line: None)
+    calls: list[str] = []
+
+    def refused_then(outcomes: list[Exception | None]) -> Any:
+        def push(client: object, message: str, context: object) -> None:
+            calls.append(message)
+            outcome = outcomes.pop(0)
+            if outcome is not None:
+                raise outcome
+
+        return push
+
+    expired = ObjectPushError("object", 1, "session")
+    warm_executor.retrying_push(refused_then([expired, None]))(None, "reply", None)
+    assert calls == ["reply", "reply"]
+    calls.clear()
+    with pytest.raises(ObjectPushError):
+        warm_executor.retrying_push(refused_then([expired] * 5), attempts=3)(None, "reply", None)
+    assert calls == ["reply"] * 3
+    calls.clear()
+    with pytest.raises(ConnectionError):  # not a refused object: Flower's to handle, at once
+        warm_executor.retrying_push(refused_then([ConnectionError()]))(None, "reply", None)
+    assert calls == ["reply"]
+
+
+def start_a_thread(node_config: dict[str, Any]) -> None:
+    """A warm-up that leaves a thread running (what a fork must not copy a process beside)."""
+    del node_config
+    threading.Thread(target=STOP_THREAD.wait, name="left-running", daemon=True).start()
+
+
+STOP_THREAD = threading.Event()
+
+
+def test_a_warm_up_that_leaves_a_thread_running_is_refused_with_the_thread_s_name() -> None:
+    try:
+        with pytest.raises(warm_executor.UnfitToForkError, match="left-running"):
+            warm_executor.warm_up(f"{__name__}:start_a_thread", {})
+    finally:
+        STOP_THREAD.set()
+
+
+@pytest.mark.parametrize("target", ["pytorchexample.task", ":warm", "tests.test_warm_executor:"])
+def test_a_warm_up_target_that_is_not_module_colon_function_is_refused(target: str) -> None:
+    with pytest.raises(ValueError, match="MODULE:FUNCTION"):
+        warm_executor.warm_up(target, {})
 
 
 def test_forked_clientapps_draw_other_random_numbers_as_fresh_processes_would(
@@ -179,6 +278,132 @@ def test_no_clientapp_is_forked_once_cuda_is_initialised_in_the_parent(
     assert not (outbox / "never.json").exists()
 
 
+#: Flower's own SuperExec loop (``run_superexec``) driven by ``serve`` with a stand-in Runtime API
+#: client that hands out one ClientApp task; the fork is replaced by a probe that writes the
+#: threads alive at that moment and ends the process.
+FORK_PROBE = """
+import json, os, sys, threading
+from flwr.proto.runtime_pb2 import AcquireTaskResponse
+from flwr.proto.task_pb2 import Task
+from flwr.supercore.constant import TaskType
+from flwr.supercore.superexec import run_superexec as superexec
+from beyond_averaging.server.deploy import warm_executor
+
+class OneTask:
+    @classmethod
+    def from_server_address(cls, **_):
+        return cls()
+    def AcquireTask(self, request):
+        task = Task(task_id=7, run_id=1, type=TaskType.CLIENT_APP)
+        return AcquireTaskResponse(task=task, token="probe")
+    def close(self):
+        pass
+
+def probe():
+    seen = {"threads": threading.active_count(),
+            "names": [thread.name for thread in threading.enumerate()]}
+    with open(sys.argv[1], "w") as out:
+        json.dump(seen, out)
+    os._exit(0)
+
+superexec.RuntimeHttpClient = OneTask
+os.fork = probe
+warm_executor.serve("127.0.0.1:9", insecure=True, root_certificates=None,
+                    task_timeout=60.0, parent_pid=int(sys.argv[2]))
+"""
+
+
+def test_the_warm_parent_forks_with_its_main_thread_only_while_it_follows_a_parent(
+    tmp_path: Path,
+) -> None:
+    # Flower's --parent-pid watch is a thread: a fork made beside it copies a process whose
+    # other thread may hold a lock (logging, gRPC, the allocator) the child then waits on.
+    followed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        seen_at_fork = tmp_path / "fork.json"
+        subprocess.run(
+            [sys.executable, "-c", FORK_PROBE, str(seen_at_fork), str(followed.pid)],
+            check=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    finally:
+        followed.kill()
+        followed.wait()
+    seen_threads = json.loads(seen_at_fork.read_text(encoding="utf-8"))
+    assert seen_threads == {"threads": 1, "names": ["MainThread"]}
+
+
+#: Starts ba-warm-executor following this process, against a Runtime API nobody serves (as
+#: after its SuperNode went), prints the executor's pid and waits to be killed.
+FOLLOWED_PARENT = """
+import os, subprocess, sys, time
+executor = subprocess.Popen([sys.executable, "-m", "beyond_averaging.server.deploy.warm_executor",
+    "--insecure", "--runtime-api-address", sys.argv[1], "--parent-pid", str(os.getpid())],
+    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(executor.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_the_warm_parent_ends_with_its_supervisor_while_flower_retries_a_lost_runtime_api(
+    tmp_path: Path,
+) -> None:
+    # Flower's client retries the lost Runtime API inside the loop, so the loop's own look
+    # at the parent is not reached: the kernel's signal (PR_SET_PDEATHSIG) must end it.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", FOLLOWED_PARENT, address],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path,
+    )
+    assert parent.stdout is not None
+    executor = int(parent.stdout.readline())
+    try:
+        time.sleep(20.0)  # imported, serving and retrying by now on a loaded machine
+        assert running(executor)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30.0
+        while running(executor) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(executor), "the warm executor outlived the process it follows"
+    finally:
+        parent.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(executor, signal.SIGKILL)
+
+
+def test_the_warm_parent_leaves_as_flower_s_would_once_the_process_it_follows_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    raised: list[int] = []
+    monkeypatch.setattr(signal, "raise_signal", raised.append)
+    lines: list[str] = []
+    executor = ForkExecutor(say=lines.append, parent_pid=ended.pid)
+    executor.reconcile()
+    executor.reconcile()
+    assert raised == [signal.SIGINT]  # once: Flower's SIGINT handler closes and leaves
+    assert str(ended.pid) in lines[0]
+    alive = ForkExecutor(say=lines.append, parent_pid=os.getpid())
+    alive.reconcile()
+    assert raised == [signal.SIGINT]
+
+
 def test_a_non_positive_task_timeout_is_refused_with_its_value() -> None:
     with pytest.raises(ValueError, match="-1"):
         ForkExecutor(task_timeout=-1)
@@ -224,6 +449,12 @@ def test_the_warm_executor_dials_the_supernode_s_runtime_api_with_its_tls() -> N
     assert served[served.index("--preload") + 1] == "torchvision"
     assert served[served.index("--task-timeout") + 1] == "30"
     assert supervise.runtime_api_dial_address([]) == "127.0.0.1:9094"  # Flower's default
+    warmed = supervise.warm_executor_command(
+        ["--node-config", "partition-id=1 num-partitions=2"], [], 30.0, warm="app.task:warm"
+    )
+    assert warmed[warmed.index("--warm") + 1] == "app.task:warm"
+    assert warmed[warmed.index("--node-config") + 1] == "partition-id=1 num-partitions=2"
+    assert "--warm" not in plain
 
 
 def test_take_option_removes_every_form_of_a_flag_and_keeps_the_rest() -> None:
@@ -259,6 +490,16 @@ def test_ba_deploy_refuses_fewer_than_one_node(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         deploy.main(["local", "--nodes", "0"])
     assert "--nodes must be 1 or more, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf"])
+def test_ba_deploy_refuses_a_pull_interval_that_is_not_positive_seconds(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as leaving:
+        deploy.main(["local", "--pull-every", value])
+    assert leaving.value.code == 2
+    assert f"--pull-every must be positive seconds, got {float(value):g}" in capsys.readouterr().err
 
 
 def handshake(certificates: deploy.Certificates, hostname: str) -> str:

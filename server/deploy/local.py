@@ -23,10 +23,10 @@ process group, stopped by PID, never by name).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import ipaddress
 import json
+import math
 import shutil
 import signal
 import ssl
@@ -56,14 +56,12 @@ from beyond_averaging.server.runtime.processes import (
 from beyond_averaging.server.runtime.staging import stage_app
 
 from .flower_release import CLIENTAPP_EXECUTORS, ClientAppExecutor, FleetTransport, FlowerRelease
-from .resources import ResourceWatch, resource_lines
+from .resources import ResourceWatch, end_with_parent, resource_lines
 
 #: The connection ``ba-deploy`` writes into its ``FLWR_HOME/config.toml`` for ``flwr run``.
 CONNECTION = "ba-deploy"
 #: ``ba-supernode`` (the console script runs this module's main).
 SUPERVISOR = "beyond_averaging.server.deploy.supervise"
-#: Linux prctl(2): the signal a process gets when its parent ends.
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -159,27 +157,6 @@ def loopback_certificates(directory: Path, days: int = 30) -> Certificates:
     return certificates
 
 
-def _prctl() -> Any:
-    """libc's ``prctl`` (looked up here, not in a forked child: ``dlopen`` takes locks), or None
-    where there is none (not Linux)."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _prctl()
-
-
-def end_with_parent() -> None:
-    """In a child about to run a deployment's process: have the kernel send it SIGTERM when the
-    thread that started it ends, however it ends (Linux ``PR_SET_PDEATHSIG``), so that a
-    ``ba-deploy`` killed with SIGKILL leaves no SuperLink or SuperNode holding its ports
-    (:meth:`LocalDeployment.close` stops them in order otherwise). Elsewhere: nothing."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def in_netns(netns: str | None, command: Sequence[str]) -> list[str]:
     """``command`` run inside the Linux network namespace ``netns`` (``ip netns exec``, which
     executes it in place: the process keeps its PID), or as it is when ``netns`` is None."""
@@ -238,6 +215,9 @@ class LocalDeployment:
     task_timeout : float
         ``--executor warm``: seconds a ClientApp may run before it is killed
         (``ba-supernode --task-timeout``).
+    pull_every : float, optional
+        Supervised SuperNodes' ``ba-supernode --pull-every`` (seconds between pulls right after
+        a message, :mod:`server.deploy.pull_pace`); ``None``: its default.
     """
 
     app_dir: Path | None
@@ -249,6 +229,7 @@ class LocalDeployment:
     fleet_host: str = "127.0.0.1"
     executor: ClientAppExecutor | None = None
     task_timeout: float = 600.0
+    pull_every: float | None = None
     supernodes: list[SuperNodeProcess] = field(default_factory=list)
     superlink: subprocess.Popen[bytes] | None = None
 
@@ -405,6 +386,8 @@ class LocalDeployment:
             command += ["--executor", str(self.executor)]
             if self.executor == "warm":
                 command += ["--task-timeout", f"{self.task_timeout:g}"]
+            if self.pull_every is not None:
+                command += ["--pull-every", f"{self.pull_every:g}"]
             for module in preload:
                 command += ["--preload", module]
         else:
@@ -629,6 +612,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="--executor warm: a module the warm processes import up front (repeatable)",
     )
     local.add_argument(
+        "--pull-every",
+        type=float,
+        metavar="SECONDS",
+        help="ba-supernode --pull-every: seconds between a SuperNode's pulls right after a "
+        "message (default 0.2; 3 is Flower's fixed pace)",
+    )
+    local.add_argument(
         "--resources",
         action="store_true",
         help="sample every process from /proc (Linux) and, on stopping, print each node's CPU "
@@ -657,12 +647,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.executor == "warm" and (problem := release.warm_executor_problem()) is not None:
         parser.error(problem)
+    if args.pull_every is not None and not (0 < args.pull_every < math.inf):
+        parser.error(f"--pull-every must be positive seconds, got {args.pull_every:g}")
     if args.resources and not Path("/proc/self/stat").is_file():
         parser.error("--resources reads every process's figures from /proc: Linux only")
     workdir = args.workdir.resolve()
     certificates = loopback_certificates(workdir / "certs") if args.tls else None
     deployment = LocalDeployment(
-        None, workdir, certificates=certificates, file_state=False, executor=args.executor
+        None,
+        workdir,
+        certificates=certificates,
+        file_state=False,
+        executor=args.executor,
+        pull_every=args.pull_every,
     )
     stop = threading.Event()
 

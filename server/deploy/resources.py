@@ -9,13 +9,16 @@ docs/deployment.md ("What each node costs") says what is counted and what is not
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MIB = float(1 << 20)
 #: ``comm`` of each Flower process (Linux keeps the first 15 characters of the script's name).
@@ -30,6 +33,43 @@ COMM_KINDS = {
     "flwr-clientapp": "clientapp",
     "flwr": "flwr-run",
 }
+
+
+def set_process_name(name: str) -> None:
+    """Name this process in ``/proc/self/comm`` (Linux; elsewhere nothing happens), as
+    :data:`COMM_KINDS` finds it."""
+    try:
+        with open("/proc/self/comm", "w", encoding="ascii") as comm:
+            comm.write(name[:15])
+    except OSError:  # not Linux, or /proc not mounted
+        pass
+
+
+#: Linux prctl(2): the signal a process gets when its parent ends.
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl() -> Any:
+    """libc's ``prctl`` (looked up here, not in a forked child: ``dlopen`` takes locks), or None
+    where there is none (not Linux)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()
+
+
+def end_with_parent() -> bool:
+    """Have the kernel send this process SIGTERM when the thread that started it ends, however
+    it ends (Linux ``PR_SET_PDEATHSIG``). ``ba-deploy`` runs it in each child about to run a
+    deployment's process, so that a ``ba-deploy`` killed with SIGKILL leaves no SuperLink or
+    SuperNode holding its ports (``LocalDeployment.close`` stops them in order otherwise); the
+    warm executor calls it at its start. Returns whether it was set (False: not Linux)."""
+    return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM) == 0
+
+
 #: Every kind of process, with its name for a reader.
 KINDS = {
     "superlink": "SuperLink",

@@ -34,6 +34,11 @@ supervised like the SuperNode: started again whenever it ends (``kill -9`` inclu
 stopped with it. ``--executor subprocess`` is Flower's own: a fresh ``flwr-clientapp`` process per
 message.
 
+**A node that pulls soon after a message** (``--pull-every``, 0.2 s by default): the SuperNode
+is Flower's ``flower-supernode`` with its idle pull paced (:mod:`server.deploy.pull_pace`), and it
+wakes the warm executor through a pipe when it has stored a message; ``--pull-every 3`` runs
+``flower-supernode`` unchanged.
+
     ba-supernode --insecure --superlink 127.0.0.1:9092 \\
         --node-config 'partition-id=0 num-partitions=3'
 
@@ -63,7 +68,8 @@ from .flower_release import (
     FlowerRelease,
     installed_forgotten_markers,
 )
-from .warm_executor import set_process_name
+from .pull_pace import FLOWER_IDLE_WAIT, PullPace
+from .resources import set_process_name
 
 #: What the installed Flower's SuperNode logs when the SuperLink answers that it does not know
 #: this node (a SuperLink restarted with its state in memory): the node must register again.
@@ -108,6 +114,9 @@ class Supervisor:
     forgotten_markers : sequence of str
         Output lines that mean the SuperLink no longer knows this node (:data:`FORGOTTEN` for a
         SuperNode; none for the warm executor, which follows its SuperNode's Runtime API).
+    pass_fds : sequence of int
+        Descriptors every start of the process inherits (the paced SuperNode's notify pipe and
+        the warm executor's end of it), kept open here across restarts.
     """
 
     def __init__(
@@ -122,8 +131,10 @@ class Supervisor:
         output: IO[bytes] | None = None,
         name: str = "flower-supernode",
         forgotten_markers: Sequence[str] = FORGOTTEN,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         self.command = list(command)
+        self.pass_fds = tuple(pass_fds)
         self.name = name
         self.forgotten_markers = tuple(marker.encode() for marker in forgotten_markers)
         self.delay, self.max_delay, self.healthy_after = delay, max_delay, healthy_after
@@ -203,6 +214,7 @@ class Supervisor:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                pass_fds=self.pass_fds,
             )
             self.child = child
             self.starts += 1
@@ -273,8 +285,27 @@ def runtime_api_dial_address(supernode_arguments: Sequence[str]) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def supernode_command(
+    supernode_arguments: Sequence[str], pull_every: float, notify_fd: int | None = None
+) -> list[str]:
+    """The SuperNode's command: Flower's ``flower-supernode`` with ``supernode_arguments``, its
+    pull loop paced (:mod:`server.deploy.pull_pace`) from ``pull_every`` seconds after each
+    message back to Flower's 3 s, or unchanged when ``pull_every`` is Flower's 3 s or more."""
+    if pull_every >= FLOWER_IDLE_WAIT:
+        return [flower_supernode(), *supernode_arguments]
+    command = [sys.executable, "-m", "beyond_averaging.server.deploy.pull_pace"]
+    command += ["--fastest", f"{pull_every:g}"]
+    if notify_fd is not None:
+        command += ["--notify-fd", str(notify_fd)]
+    return [*command, "--", flower_supernode(), *supernode_arguments]
+
+
 def warm_executor_command(
-    supernode_arguments: Sequence[str], preload: Sequence[str], task_timeout: float
+    supernode_arguments: Sequence[str],
+    preload: Sequence[str],
+    task_timeout: float,
+    wake_fd: int | None = None,
+    warm: str | None = None,
 ) -> list[str]:
     """``ba-warm-executor`` for the SuperNode started with ``supernode_arguments``: its Runtime
     API's address, and TLS when the SuperNode serves that API with a certificate
@@ -289,6 +320,11 @@ def warm_executor_command(
     for module in preload:
         command += ["--preload", module]
     command += ["--task-timeout", f"{task_timeout:g}", "--parent-pid", str(os.getpid())]
+    if wake_fd is not None:
+        command += ["--wake-fd", str(wake_fd)]
+    if warm is not None:  # the warm-up receives the node's config, as its ClientApps do
+        command += ["--warm", warm]
+        command += ["--node-config", option_value(supernode_arguments, "--node-config") or ""]
     return command
 
 
@@ -336,12 +372,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         "this app (repeatable)",
     )
     parser.add_argument(
+        "--warm",
+        metavar="MODULE:FUNCTION",
+        help="--executor warm: call FUNCTION(node_config) once in the warm process before it "
+        "forks, so that every ClientApp inherits what it loads and caches",
+    )
+    parser.add_argument(
         "--task-timeout",
         type=float,
         default=600.0,
         help="--executor warm: seconds a ClientApp may run before it is killed (default 600)",
     )
+    parser.add_argument(
+        "--pull-every",
+        type=float,
+        default=PullPace.fastest,
+        metavar="SECONDS",
+        help="seconds between the SuperNode's pulls right after a message, growing x"
+        f"{PullPace.growth:g} per empty pull back to Flower's {FLOWER_IDLE_WAIT:g} s "
+        f"(default {PullPace.fastest:g}; {FLOWER_IDLE_WAIT:g} runs Flower's flower-supernode "
+        "unchanged)",
+    )
     args, rest = parser.parse_known_args(argv)
+    if not (math.isfinite(args.pull_every) and args.pull_every > 0):
+        parser.error(f"--pull-every must be positive seconds, got {args.pull_every:g}")
     if rest[:1] == ["--"]:
         rest = rest[1:]
     set_process_name("ba-supernode")  # as ps, top and the deployment benchmark see it
@@ -358,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.task_timeout <= 0:
             parser.error(f"--task-timeout must be positive seconds, got {args.task_timeout:g}")
+    if args.warm is not None and executor != "warm":
+        parser.error("--warm runs in the warm executor: drop it, or use --executor warm")
     # --executor subprocess with --isolation process: the user runs their own executor.
     isolation_flags = (
         ["--isolation", isolation] if isolation else release.supernode_isolation(executor)
@@ -367,17 +423,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_delay": args.max_restart_delay,
         "healthy_after": args.healthy_after,
     }
+    paced = args.pull_every < FLOWER_IDLE_WAIT
+    # The paced SuperNode tells the warm executor of each message it stores down this pipe, so
+    # that the ClientApp starts at once rather than at the executor's next ask (1 s apart).
+    wake, notify = os.pipe() if paced and executor == "warm" else (None, None)
     supervisors = [
         Supervisor(
-            [flower_supernode(), *rest, *isolation_flags], exit_grace=args.exit_grace, **timing
+            supernode_command([*rest, *isolation_flags], args.pull_every, notify),
+            exit_grace=args.exit_grace,
+            pass_fds=() if notify is None else (notify,),
+            **timing,
         )
     ]
     if executor == "warm":
         supervisors.append(
             Supervisor(
-                warm_executor_command(rest, args.preload, args.task_timeout),
+                warm_executor_command(rest, args.preload, args.task_timeout, wake, args.warm),
                 name="ba-warm-executor",
                 forgotten_markers=(),
+                pass_fds=() if wake is None else (wake,),
                 **timing,
             )
         )

@@ -23,9 +23,11 @@ answered. So:
   reseeds); a fresh interpreter would build its own. An app that changes global state at import
   time sees the parent's import, not a new one; an app whose module changes on disk between
   messages needs the executor restarted (``ba-supernode`` restarts it when it ends).
-- **never in the parent**: any torch operation or CUDA. A fork copies only the calling thread,
-  so a parent that had started OpenMP's thread pool or initialised CUDA would hand its children
-  a broken runtime. The parent only imports (torch starts no thread on import) and refuses to
+- **never in the parent**: a second thread, any torch operation or CUDA. A fork copies only the
+  calling thread, so a parent that had started OpenMP's thread pool or initialised CUDA would hand
+  its children a broken runtime, and a thread holding a lock at the fork leaves it held in the
+  child for ever (Flower's ``--parent-pid`` watch is such a thread: :class:`ForkExecutor` watches
+  in the loop instead). The parent only imports (torch starts no thread on import) and refuses to
   start if CUDA was initialised by a preloaded module; each child initialises CUDA itself, once
   per message, when its ClientApp first touches the GPU (docs/deployment.md, "Warm executor").
 
@@ -46,13 +48,16 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .flower_release import FlowerRelease
+from .pull_pace import FLOWER_TASK_POLL, PullPace, pace_superexec
+from .resources import end_with_parent, set_process_name
 
 if TYPE_CHECKING:
     from flwr.supercore.constant import TaskType
@@ -70,21 +75,18 @@ DEFAULT_PRELOAD = (
 #: Seconds a ClientApp may run before the parent kills it (Flower's SuperNode then answers its
 #: message with an error reply; the server's own ``round-timeout`` is 600 s by default too).
 DEFAULT_TASK_TIMEOUT = 600.0
+#: Tries at pushing a ClientApp's reply when the SuperNode refuses its objects (a new push
+#: session each time, :func:`retrying_push`).
+PUSH_ATTEMPTS = 3
+#: Seconds between the warm parent's asks for a task right after it forked one (the SuperNode's
+#: Runtime API is local: an ask costs the node, never the SuperLink); it backs off to Flower's.
+TASK_POLL_FASTEST = 0.05
 #: The line the warm parent prints once its modules are imported (tests and logs look for it).
 READY = "ba-warm-executor: ready"
 #: Process names (Linux ``comm``, 15 characters at most) that ``ps``, ``top`` and the deployment
 #: benchmark see: the warm parent and a ClientApp forked from it.
 PARENT_NAME = "ba-warm-exec"
 CHILD_NAME = "ba-clientapp"
-
-
-def set_process_name(name: str) -> None:
-    """Name this process in ``/proc/self/comm`` (Linux; elsewhere nothing happens)."""
-    try:
-        with open("/proc/self/comm", "w", encoding="ascii") as comm:
-            comm.write(name[:15])
-    except OSError:  # not Linux, or /proc not mounted
-        pass
 
 
 def preload(modules: Sequence[str]) -> list[str]:
@@ -101,6 +103,63 @@ def preload(modules: Sequence[str]) -> list[str]:
         except ImportError:
             missing.append(name)
     return missing
+
+
+class UnfitToForkError(RuntimeError):
+    """The warm-up left this process in a state a fork cannot copy safely (a thread, CUDA)."""
+
+
+def _os_threads() -> int:
+    """Threads of this process as the kernel counts them (OpenMP's and BLAS's included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: Python's own count is all there is
+        return threading.active_count()
+
+
+def warm_up(target: str, node_config: Mapping[str, Any]) -> None:
+    """Call the app's warm-up ``MODULE:FUNCTION`` once in this (the parent) process with the
+    node's ``--node-config``, so that every ClientApp forked later inherits what it loaded and
+    cached instead of paying for it per message.
+
+    torch runs with one thread during the call (its OpenMP pool, which a fork would not copy,
+    is then never started) and gets its thread count back after it.
+
+    Raises
+    ------
+    ValueError
+        ``target`` is not ``MODULE:FUNCTION``.
+    UnfitToForkError
+        The call left a thread running or initialised CUDA: no ClientApp may be forked.
+    Exception
+        Whatever importing or calling the function raised.
+    """
+    module_name, colon, function_name = target.partition(":")
+    if not (colon and module_name and function_name):
+        raise ValueError(f"--warm {target!r}: give MODULE:FUNCTION, e.g. pytorchexample.task:warm")
+    function = getattr(importlib.import_module(module_name), function_name)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else 1
+    kernel_threads = _os_threads()
+    if torch is not None:
+        torch.set_num_threads(1)
+    try:
+        function(dict(node_config))
+    finally:
+        if torch is not None:
+            torch.set_num_threads(threads)
+    if threading.active_count() > 1 or _os_threads() > kernel_threads:
+        names = ", ".join(thread.name for thread in threading.enumerate()[1:]) or "not Python's"
+        raise UnfitToForkError(
+            f"--warm {target} left threads running ({names}; {_os_threads()} in all, "
+            f"{kernel_threads} before): a fork copies only the calling thread, so start none "
+            "in the warm-up (or stop them before it returns)"
+        )
+    if cuda_initialised():
+        raise UnfitToForkError(
+            f"--warm {target} initialised CUDA: a forked ClientApp could not use the GPU; "
+            "keep the warm-up on the CPU (each ClientApp moves its model to the GPU itself)"
+        )
 
 
 def cuda_initialised() -> bool:
@@ -132,6 +191,35 @@ def _reset_child() -> None:
         torch.seed()
 
 
+def retrying_push(push: Callable[..., None], attempts: int = PUSH_ATTEMPTS) -> Callable[..., None]:
+    """Flower's ``push_message`` (a ClientApp's reply to its SuperNode), tried again with a new
+    push session when the SuperNode refused one of the reply's objects.
+
+    ``ObjectPushError`` says the push session "may have expired or been replaced"; the
+    SuperNode's ``PushMessages`` then opens a new session for the same reply (and stores it
+    again when the expired session took it away), so the reply can still arrive, where giving
+    up left the SuperNode waiting for objects that never came and the round waiting minutes
+    for the SuperLink to expire the reply. A reply another push already stored is not pushed
+    twice (the SuperNode asks for no objects). Other errors are Flower's to handle.
+    """
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+    def pushing(*args: Any, **kwargs: Any) -> None:
+        for attempt in range(1, attempts + 1):
+            try:
+                push(*args, **kwargs)
+                return
+            except ObjectPushError as refused:
+                if attempt == attempts:
+                    raise
+                _flower_log(
+                    f"pushing the reply failed ({refused}); pushing it again with a new push "
+                    f"session ({attempt + 1} of {attempts})"
+                )
+
+    return pushing
+
+
 def run_child(spec: ExecutionSpec) -> NoReturn:
     """Run one task's ClientApp with Flower's ``run_clientapp`` and leave the process.
 
@@ -142,7 +230,11 @@ def run_child(spec: ExecutionSpec) -> NoReturn:
     try:
         _reset_child()
         from flwr.supercore.tls import validate_and_resolve_root_certificates
+        from flwr.supernode.runtime import run_clientapp as runtime
         from flwr.supernode.runtime.run_clientapp import run_clientapp
+
+        # run_clientapp looks push_message up in its module: this child's copy retries.
+        setattr(runtime, "push_message", retrying_push(runtime.push_message))  # noqa: B010
 
         run_clientapp(
             runtime_api_address=spec.runtime_api_address,
@@ -186,14 +278,31 @@ class ForkExecutor:
         Seconds a child may run before it is killed (SIGKILL).
     say : callable, optional
         Where the executor's own lines go (Flower's logger by default).
+    parent_pid : int, optional
+        A process whose end ends this one: :meth:`reconcile`, which Flower's SuperExec loop calls
+        before every poll, looks for it and raises SIGINT (Flower's exit handlers run) once it
+        is gone. Flower's own ``--parent-pid`` watch is a thread, which every fork would then
+        be made from (Python warns that such a fork may deadlock); this one keeps the parent
+        single-threaded.
+    launched : callable, optional
+        Called in this process after each ClientApp is forked (the paced SuperExec loop then asks
+        for the next task soon: :func:`server.deploy.pull_pace.pace_superexec`).
     """
 
-    def __init__(self, task_timeout: float = DEFAULT_TASK_TIMEOUT, say: Any = None) -> None:
+    def __init__(
+        self,
+        task_timeout: float = DEFAULT_TASK_TIMEOUT,
+        say: Any = None,
+        parent_pid: int | None = None,
+        launched: Callable[[], None] | None = None,
+    ) -> None:
         from flwr.supercore.superexec.executor import SubprocessExecutor
 
         if task_timeout <= 0:
             raise ValueError(f"task_timeout must be positive seconds, got {task_timeout!r}")
         self.task_timeout = task_timeout
+        self.parent_pid = parent_pid
+        self.launched = launched
         self.children: dict[int, _Child] = {}
         self.fallback = SubprocessExecutor()
         self.say = say if say is not None else _flower_log
@@ -240,10 +349,18 @@ class ForkExecutor:
             run_child(spec)
         now = time.monotonic()
         self.children[pid] = _Child(spec.task_id, now, now + self.task_timeout)
+        if self.launched is not None:
+            self.launched()
         return LaunchResult.accepted()
 
     def reconcile(self) -> None:
-        """Reap ended children (logging any that failed) and kill those past the timeout."""
+        """Reap ended children (logging any that failed), kill those past the timeout, and leave
+        (SIGINT, as Flower's parent watch does) once the process to follow has ended."""
+        if self.parent_pid is not None and not _process_exists(self.parent_pid):
+            self.say(f"the process it follows (pid {self.parent_pid}) has ended: leaving")
+            self.parent_pid = None  # raised once; Flower's SIGINT handler ends the loop
+            signal.raise_signal(signal.SIGINT)
+            return
         now = time.monotonic()
         for pid, child in list(self.children.items()):
             try:
@@ -286,6 +403,21 @@ class ForkExecutor:
         self.children.clear()
 
 
+def _process_exists(pid: int) -> bool:
+    """Whether process ``pid`` is alive (a zombie, ended but not yet reaped, counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (not Linux): the signal check is all there is
+        return True
+
+
 def _flower_log(line: str) -> None:
     from logging import WARNING
 
@@ -301,6 +433,7 @@ def serve(
     root_certificates: str | None,
     task_timeout: float,
     parent_pid: int | None = None,
+    wake_fd: int | None = None,
 ) -> None:
     """Run Flower's SuperExec loop against a SuperNode's Runtime API with :class:`ForkExecutor`.
 
@@ -309,20 +442,42 @@ def serve(
     (authentication, retries, signal handling, tracing) is Flower's own code of the installed
     release. :meth:`server.deploy.flower_release.FlowerRelease.warm_executor_problem` names a
     release that lacks the pieces.
+
+    ``parent_pid`` is watched by the executor in Flower's loop, not handed to
+    ``run_superexec`` (whose watch is a thread): the parent forks with no thread but its main one.
+    The loop's wait between asks for a task is paced (:mod:`server.deploy.pull_pace`): with
+    ``wake_fd`` (``ba-supernode``'s pipe from its paced SuperNode) it is Flower's interval, ended
+    at once by each message the SuperNode stores; without, it starts at
+    :data:`TASK_POLL_FASTEST` after each fork and backs off to Flower's interval.
     """
     from flwr.supercore.superexec import run_superexec as superexec
 
-    executor = ForkExecutor(task_timeout=task_timeout)
+    # Flower's wait between asks for a task (FLWR_SUPEREXEC_TASK_POLL_INTERVAL, 1 s by default)
+    # is where the pace backs off to; right after a fork it asks every TASK_POLL_FASTEST seconds.
+    interval = float(getattr(superexec, "_get_task_poll_interval", lambda: FLOWER_TASK_POLL)())
+    fastest = interval if wake_fd is not None else min(TASK_POLL_FASTEST, interval)
+    clock = pace_superexec(PullPace(fastest=fastest, slowest=interval), wake_fd)
+    executor = ForkExecutor(
+        task_timeout=task_timeout,
+        parent_pid=parent_pid,
+        launched=None if clock is None else clock.work_arrived,
+    )
 
     def fork_executor(*_args: object, **_kwargs: object) -> ForkExecutor:
         return executor
 
+    if parent_pid is not None and parent_pid == os.getppid():
+        # The loop's own look (ForkExecutor.reconcile) is not reached while Flower's client
+        # retries a Runtime API that went away with the parent; the kernel's signal is.
+        end_with_parent()
+        if os.getppid() != parent_pid:  # it ended before the kernel was asked
+            signal.raise_signal(signal.SIGTERM)
     superexec.get_executor = fork_executor  # type: ignore[attr-defined]
     superexec.run_superexec(
         runtime_api_address=runtime_api_address,
         insecure=insecure,
         root_certificates_path=root_certificates,
-        parent_pid=parent_pid,
+        parent_pid=None,
         runtime_dependency_install=False,
     )
 
@@ -368,6 +523,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--parent-pid", type=int, help="end when this process ends (as flower-superexec does)"
     )
+    parser.add_argument(
+        "--warm",
+        metavar="MODULE:FUNCTION",
+        help="call FUNCTION(node_config) once before the first fork, so that every ClientApp "
+        "inherits what it loads and caches (the app's data, its first training step's kernels)",
+    )
+    parser.add_argument(
+        "--node-config",
+        default="",
+        help="the SuperNode's --node-config, as the warm-up function receives it",
+    )
+    parser.add_argument(
+        "--wake-fd",
+        type=int,
+        help="an inherited pipe on which the SuperNode (ba-supernode's) signals each message: "
+        "ask for its task at once",
+    )
     args = parser.parse_args(argv)
     if args.task_timeout <= 0:
         parser.error(f"--task-timeout must be positive seconds, got {args.task_timeout:g}")
@@ -387,13 +559,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    # What the imports made is never freed: out of the collector's sight, a child's collections
-    # do not write to (and so copy) the pages it shares with this process (Python's gc docs).
+    warmed = ""
+    if args.warm:
+        from flwr.common.config import parse_config_args
+
+        try:
+            warm_up(args.warm, parse_config_args([args.node_config] if args.node_config else None))
+            warmed = f", warmed by {args.warm}"
+        except UnfitToForkError as unfit:
+            print(f"ba-warm-executor: {unfit}", file=sys.stderr)
+            return 2
+        except Exception:  # the app's own error: its ClientApps run unwarmed and show it
+            traceback.print_exc()
+            print(
+                f"ba-warm-executor: --warm {args.warm} failed (above); the ClientApps run "
+                "without it",
+                file=sys.stderr,
+            )
+    # What the imports and the warm-up made is never freed: out of the collector's sight, a
+    # child's collections do not write to (and so copy) the pages it shares with this process
+    # (Python's gc docs).
     gc.collect()
     gc.freeze()
     loaded = [name for name in [*DEFAULT_PRELOAD, *args.preload] if name not in missing]
     print(
-        f"{READY} (pid {os.getpid()}, preloaded {', '.join(loaded)}); forking "
+        f"{READY} (pid {os.getpid()}, preloaded {', '.join(loaded)}{warmed}); forking "
         f"the ClientApps of the SuperNode's Runtime API at {args.runtime_api_address}",
         file=sys.stderr,
         flush=True,
@@ -404,6 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         root_certificates=args.root_certificates,
         task_timeout=args.task_timeout,
         parent_pid=args.parent_pid,
+        wake_fd=args.wake_fd,
     )
     return 0
 
