@@ -299,9 +299,7 @@ def round_reply_counts(
     return counts
 
 
-def idle_reason(
-    outcome: RoundOutcome, metrics: Mapping[str, Any], strategy: RunStrategy
-) -> str:
+def idle_reason(outcome: RoundOutcome, metrics: Mapping[str, Any], strategy: RunStrategy) -> str:
     """Why a round kept the previous model, from its metrics (reply counts, drops, rejection)."""
     drops = ", ".join(
         f"{key.removeprefix('dropped-')} {value}"

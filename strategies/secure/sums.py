@@ -98,7 +98,7 @@ def mean_reply(
     each weighted record's mean sum r x / R."""
     weight = total_weight(sums)
     arrays = {
-        key: np.asarray(value, dtype=np.float64) + sums[f"update||{key}"] / weight
+        key: _like(np.asarray(value, dtype=np.float64) + sums[f"update||{key}"] / weight, value)
         for key, value in global_arrays.items()
     }
     records: dict[str, NDArrayDict] = {}
@@ -107,6 +107,15 @@ def mean_reply(
         if kind == "weighted":
             records.setdefault(record, {})[key] = total / weight
     return ClientReply(node_id=0, arrays=arrays, num_examples=1.0, metrics={}, records=records)
+
+
+def _like(mean: npt.NDArray[np.float64], template: npt.NDArray) -> npt.NDArray:
+    """The mean model's tensor in the global tensor's dtype, as a client's reply carries it
+    (an integer counter rounded)."""
+    dtype = np.asarray(template).dtype
+    if np.issubdtype(dtype, np.floating):
+        return mean.astype(dtype)
+    return np.rint(mean).astype(dtype)
 
 
 def mean_train_loss(sums: Mapping[str, npt.NDArray[np.float64]]) -> float:
@@ -133,7 +142,7 @@ def fedgma_from_sums(
     reply = mean_reply(global_arrays, sums)
     global_np = {key: np.asarray(value) for key, value in global_arrays.items()}
     if mask == "hard":
-        average = scaled_mean(global_np, [reply.arrays], np.ones(1))
+        average = scaled_mean(global_np, [reply.arrays], np.ones(1), None)
         masks = {
             key: vote_mask(sums[f"signs|{GRADIENT_RECORD}|{key}"], voters, threshold)
             for key in reply.records.get(GRADIENT_RECORD, {})
@@ -148,7 +157,7 @@ def fedgma_from_sums(
     keys = [entry.split("|")[2] for entry in sums if entry.startswith("update-signs|")]
     buffers = [key for key in global_np if key not in set(keys)]
     average = (
-        scaled_mean({k: global_np[k] for k in buffers}, [reply.arrays], np.ones(1))
+        scaled_mean({k: global_np[k] for k in buffers}, [reply.arrays], np.ones(1), None)
         if buffers
         else {}
     )
