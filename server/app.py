@@ -34,8 +34,8 @@ from beyond_averaging.server.runs.plots import write_run_plot
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.runs.tracking import open_run_tracker
 from beyond_averaging.server.runtime.inprocess import InProcessGrid
-from beyond_averaging.strategies.secure import RunStrategy
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
+from beyond_averaging.strategies.secure import RunStrategy
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate, resolve_device
 from beyond_averaging.tasks.federation import DataSpec, load_server_splits

@@ -209,7 +209,8 @@ def vote_mask(votes: npt.NDArray[Any], voters: int, threshold: float) -> npt.NDA
     # Vote counts are integers, so ">= threshold * K" is ">= ceil(threshold * K)"; sums of
     # +-1 and 0 are exact in float64.
     votes_needed = math.ceil(threshold * voters - _AGREEMENT_TOLERANCE)
-    return np.abs(votes) >= votes_needed
+    kept: npt.NDArray[np.bool_] = np.abs(votes) >= votes_needed
+    return kept
 
 
 def soft_mask(

@@ -143,12 +143,12 @@ class SecAggOptions:
     @property
     def max_clients(self) -> int:
         """The most vectors whose quantised sum cannot wrap: 2^(m - b) - 1."""
-        return 2 ** (self.modulus_bits - self.quantization_bits) - 1
+        return int(2 ** (self.modulus_bits - self.quantization_bits) - 1)
 
     @property
     def quantum(self) -> float:
         """The quantisation step 2R / 2^b: a value is sent within half of it."""
-        return 2.0 * self.clipping_range / 2**self.quantization_bits
+        return float(2.0 * self.clipping_range / 2**self.quantization_bits)
 
     def to_config(self) -> dict[str, float | int]:
         """Flat kebab-case entries for the setup stage's ConfigRecord."""
@@ -184,7 +184,10 @@ def quantise(values: npt.ArrayLike, options: SecAggOptions) -> npt.NDArray[np.un
     x = np.clip(
         np.asarray(values, dtype=np.float64), -options.clipping_range, options.clipping_range
     )
-    return np.floor((x + options.clipping_range) * scale + 0.5).astype(options.dtype)
+    levels: npt.NDArray[np.unsignedinteger] = np.floor(
+        (x + options.clipping_range) * scale + 0.5
+    ).astype(options.dtype)
+    return levels
 
 
 def dequantise_sum(
@@ -239,7 +242,7 @@ def parse_entry(entry: str) -> tuple[EntryKind, str, str]:
         raise ValueError(
             f"layout entry {entry!r}: allowed is 'kind|record|key' with kind one of {ENTRY_KINDS}"
         )
-    return parts[0], parts[1], parts[2]  # type: ignore[return-value]
+    return parts[0], parts[1], parts[2]
 
 
 def clip_scale(update: Mapping[str, npt.NDArray[Any]], clip_norm: float) -> float:
@@ -374,7 +377,9 @@ def mask_vector(
 ) -> npt.NDArray[np.unsignedinteger]:
     """vector + PRG(b) + sum_j (+-) PRG(s_j), modulo 2^m (the dtype wraps): + for a neighbour
     j > ``node_id``, - for j < it, so each pair's masks cancel in the sum."""
-    masked = vector + prg(self_seed, vector.size, vector.dtype.type)
+    masked: npt.NDArray[np.unsignedinteger] = vector + prg(
+        self_seed, vector.size, vector.dtype.type
+    )
     for other, seed in pair_seeds.items():
         if other == node_id:
             raise ValueError(f"node {node_id} cannot mask with itself")

@@ -123,7 +123,8 @@ def run_round(
     instructions = secure.configure_train(1, arrays, ConfigRecord({"seed": 0}), grid)
     replies = grid.send_and_receive(instructions)
     new, metrics = secure.aggregate_train(1, replies)
-    assert new is not None and metrics is not None
+    assert new is not None
+    assert metrics is not None
     assert metrics["train-loss"] == pytest.approx(0.25, abs=1e-4)
     return secure, grid, {k: v.numpy() for k, v in new.items()}, seen
 
@@ -235,7 +236,7 @@ def test_below_the_threshold_the_round_fails_with_an_error_that_says_how_to_resu
 
 
 def test_rules_and_options_that_need_each_reply_are_refused_naming_secure_aggregation() -> None:
-    with pytest.raises(ValueError, match="update_norm_factor = 10.0"):
+    with pytest.raises(ValueError, match=r"update_norm_factor = 10\.0"):
         SecureAggregation(FedAvg(), SecAggOptions())
     with pytest.raises(ValueError, match="robust_aggregation = 'median'"):
         SecureAggregation(FedAvg(**BOUNDS_OFF, robust_aggregation="median"), SecAggOptions())

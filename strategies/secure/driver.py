@@ -224,9 +224,9 @@ class SecureAggregation(Strategy):
                     reply.error.reason,
                 )
                 continue
-            record = reply.content.config_records.get(SECURE_RECORD)
-            if record is not None and record.get(STAGE_KEY) == stage:
-                answers[node] = record
+            answer = reply.content.config_records.get(SECURE_RECORD)
+            if answer is not None and answer.get(STAGE_KEY) == stage:
+                answers[node] = answer
         return answers
 
     def configure_train(
@@ -257,8 +257,12 @@ class SecureAggregation(Strategy):
                 node: ConfigRecord(
                     {
                         "ids": full_graph[node],
-                        "channel-publics": [setup[o]["channel-public"] for o in full_graph[node]],
-                        "mask-publics": [setup[o]["mask-public"] for o in full_graph[node]],
+                        "channel-publics": [
+                            cast(bytes, setup[o]["channel-public"]) for o in full_graph[node]
+                        ],
+                        "mask-publics": [
+                            cast(bytes, setup[o]["mask-public"]) for o in full_graph[node]
+                        ],
                     }
                 )
                 for node in full_graph
@@ -369,9 +373,9 @@ class SecureAggregation(Strategy):
         self._check_survivors(server_round, keys, alive, dropped, set(answers))
         seed_shares: dict[int, list[bytes]] = {node: [] for node in alive}
         key_shares: dict[int, list[bytes]] = {node: [] for node in dropped}
-        for record in answers.values():
+        for answer in answers.values():
             for src, share in zip(
-                cast(list[int], record["ids"]), cast(list[bytes], record["shares"]), strict=True
+                cast(list[int], answer["ids"]), cast(list[bytes], answer["shares"]), strict=True
             ):
                 src = int(src)
                 if src in seed_shares:

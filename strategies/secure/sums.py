@@ -21,6 +21,7 @@ The train loss is summed as sum_k r_k loss_k: the round's weighted mean loss, no
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -56,7 +57,9 @@ def check_rule(strategy: ContractStrategy) -> None:
         )
 
 
-def stepped_keys(strategy: ContractStrategy, global_arrays: Mapping[str, npt.NDArray]) -> list[str]:
+def stepped_keys(
+    strategy: ContractStrategy, global_arrays: Mapping[str, npt.NDArray[Any]]
+) -> list[str]:
     """The tensors a record (sensitivity, gradient) covers: Elastic's parameter keys where it
     knows them, else the model's floating parameters (not normalisation buffers)."""
     known = getattr(strategy, "parameter_keys", None)
@@ -66,7 +69,7 @@ def stepped_keys(strategy: ContractStrategy, global_arrays: Mapping[str, npt.NDA
 
 
 def secure_layout(
-    strategy: ContractStrategy, global_arrays: Mapping[str, npt.NDArray]
+    strategy: ContractStrategy, global_arrays: Mapping[str, npt.NDArray[Any]]
 ) -> list[str]:
     """The entries (``kind|record|key``) each client sends for this rule, in order."""
     check_rule(strategy)
@@ -91,7 +94,7 @@ def total_weight(sums: Mapping[str, npt.NDArray[np.float64]]) -> float:
 
 
 def mean_reply(
-    global_arrays: Mapping[str, npt.NDArray],
+    global_arrays: Mapping[str, npt.NDArray[Any]],
     sums: Mapping[str, npt.NDArray[np.float64]],
 ) -> ClientReply:
     """The weighted means as one reply of weight 1: the mean model w + sum r (theta - w) / R, and
@@ -109,7 +112,7 @@ def mean_reply(
     return ClientReply(node_id=0, arrays=arrays, num_examples=1.0, metrics={}, records=records)
 
 
-def _like(mean: npt.NDArray[np.float64], template: npt.NDArray) -> npt.NDArray:
+def _like(mean: npt.NDArray[np.float64], template: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """The mean model's tensor in the global tensor's dtype, as a client's reply carries it
     (an integer counter rounded)."""
     dtype = np.asarray(template).dtype
@@ -124,7 +127,7 @@ def mean_train_loss(sums: Mapping[str, npt.NDArray[np.float64]]) -> float:
 
 
 def fedgma_from_sums(
-    global_arrays: Mapping[str, npt.NDArray],
+    global_arrays: Mapping[str, npt.NDArray[Any]],
     sums: Mapping[str, npt.NDArray[np.float64]],
     voters: int,
     *,
