@@ -86,12 +86,18 @@ def secure_aggregation_mod(
     return Message(content=RecordDict({SECURE_RECORD: reply}), reply_to=message)
 
 
-def _state(context: Context, stage: str) -> ConfigRecord:
+def _state(context: Context, stage: str, config: ConfigRecord) -> ConfigRecord:
+    """The round's secrets, checked to be of the round the stage message names."""
     state = context.state.config_records.get(STATE_RECORD)
     if state is None:
         raise SecureStageError(
             f"secure-aggregation stage {stage!r} before 'setup': this node holds no keys for "
             "the round (a restarted node cannot rejoin a round already under way)"
+        )
+    if state.get("server-round") != config.get("server-round"):
+        raise SecureStageError(
+            f"secure-aggregation stage {stage!r} of round {config.get('server-round')} but "
+            f"this node's keys are of round {state.get('server-round')}: a stale message"
         )
     return state
 
@@ -103,6 +109,7 @@ def _setup(config: ConfigRecord, context: Context) -> ConfigRecord:
     context.state.config_records[STATE_RECORD] = ConfigRecord(
         {
             **options.to_config(),
+            "server-round": int(cast(int, config["server-round"])),
             "channel-private": channel_private,
             "mask-private": mask_private,
         }
@@ -111,7 +118,7 @@ def _setup(config: ConfigRecord, context: Context) -> ConfigRecord:
 
 
 def _share_keys(config: ConfigRecord, context: Context, node: int) -> ConfigRecord:
-    state = _state(context, "share-keys")
+    state = _state(context, "share-keys", config)
     ids = [int(i) for i in cast(list[int], config["ids"])]
     if node in ids:
         raise SecureStageError(f"node {node} is named among its own neighbours")
@@ -129,6 +136,7 @@ def _share_keys(config: ConfigRecord, context: Context, node: int) -> ConfigReco
             zip(ids, cast(list[bytes], config["channel-publics"]), strict=True)
         )
     ]
+    state["needed"] = needed
     state["self-seed"] = seed
     state["neighbour-ids"] = ids
     state["mask-publics"] = list(cast(list[bytes], config["mask-publics"]))
@@ -147,7 +155,7 @@ def _collect(
     node: int,
     call_next: ClientAppCallable,
 ) -> Message:
-    state = _state(context, "collect")
+    state = _state(context, "collect", config)
     neighbour_ids = [int(i) for i in cast(list[int], state["neighbour-ids"])]
     channel_publics = dict(
         zip(neighbour_ids, cast(list[bytes], state["channel-publics"]), strict=True)
@@ -232,10 +240,19 @@ def _with_content(message: Message, content: RecordDict) -> Message:
 
 
 def _unmask(config: ConfigRecord, context: Context) -> ConfigRecord:
-    state = _state(context, "unmask")
+    state = _state(context, "unmask", config)
     alive = [int(i) for i in cast(list[int], config["alive"])]
     dropped = [int(i) for i in cast(list[int], config["dropped"])]
     check_unmask_request(alive, dropped)
+    holders = {int(i) for i in cast(list[int], state["share-ids"])}
+    needed = int(cast(int, state["needed"]))
+    if len(holders & set(alive)) < needed:
+        # Fewer survivors than the threshold among this node's holders: their sum would be
+        # too small a crowd to hide in (SecAgg+'s rule); the round fails instead.
+        raise SecureStageError(
+            f"the server names {len(holders & set(alive))} surviving share holders of this "
+            f"node's neighbourhood, fewer than the threshold {needed}: no share is sent"
+        )
     held = {
         int(src): (seed, key)
         for src, seed, key in zip(

@@ -72,7 +72,7 @@ from beyond_averaging.tasks.secure_aggregation import (
     unmask_sum,
 )
 
-from .sums import aggregate_from_sums, check_rule, mean_train_loss, secure_layout
+from .sums import aggregate_from_sums, check_rule, mean_metrics, secure_layout
 
 
 class SecureAggregationError(AggregationError):
@@ -117,6 +117,10 @@ class SecureAggregation(Strategy):
         What every client is told (clip, weight bound, quantisation, neighbours, threshold).
     stage_timeout : float
         Seconds each key stage (setup, share-keys, unmask) waits for replies.
+    metrics : sequence of str
+        The train metrics every client folds into its vector (weighted by its weight): the
+        round gets their weighted means, never a client's own; each client's reply must carry
+        them. Default: ``train-loss``, which this project's ClientApp sends.
 
     Raises
     ------
@@ -125,7 +129,12 @@ class SecureAggregation(Strategy):
     """
 
     def __init__(
-        self, strategy: ContractStrategy, options: SecAggOptions, *, stage_timeout: float = 600.0
+        self,
+        strategy: ContractStrategy,
+        options: SecAggOptions,
+        *,
+        stage_timeout: float = 600.0,
+        metrics: Sequence[str] = (TRAIN_LOSS_KEY,),
     ) -> None:
         check_rule(strategy)
         needs = individual_reply_options(strategy)
@@ -139,6 +148,7 @@ class SecureAggregation(Strategy):
         self.strategy = strategy
         self.options = options
         self.stage_timeout = stage_timeout
+        self.metrics = tuple(metrics)
         self._grid: Grid | None = None
         self._round: _RoundKeys | None = None
         #: What the last aggregation summed: the masked vectors (one per surviving node) and the
@@ -239,7 +249,7 @@ class SecureAggregation(Strategy):
             return []
         self._grid = grid
         global_arrays = record_arrays(arrays)
-        layout = secure_layout(self.strategy, global_arrays)
+        layout = secure_layout(self.strategy, global_arrays, self.metrics)
         nodes = sorted(int(m.metadata.dst_node_id) for m in instructions)
         check_cohort(len(nodes), self.options)
         setup = self._stage(
@@ -403,8 +413,8 @@ class SecureAggregation(Strategy):
             self.strategy, server_round, keys.global_arrays, sums, len(alive)
         )
         seconds = time.perf_counter() - started
-        loss = mean_train_loss(sums)
-        client_metrics = MetricRecord({TRAIN_LOSS_KEY: loss})
+        means = mean_metrics(sums)
+        client_metrics = MetricRecord(dict(means))
         figures: dict[str, Any] = {
             "replies-received": len(alive),
             "replies-valid": len(alive),
@@ -415,7 +425,7 @@ class SecureAggregation(Strategy):
             **self.strategy.round_metrics(),
         }
         self.strategy.aggregation_metrics[server_round] = figures
-        self.strategy.last_round_metrics = {TRAIN_LOSS_KEY: loss, **figures}
+        self.strategy.last_round_metrics = {**means, **figures}
         self.last_client_records = [
             reply_record(server_round, node, None, self.strategy.weighted_by_key, status="kept")
             for node in alive

@@ -20,7 +20,7 @@ The train loss is summed as sum_k r_k loss_k: the round's weighted mean loss, no
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,6 @@ from beyond_averaging.tasks.secure_aggregation import WEIGHT_ENTRY
 
 #: The rules that run on sums, by class (subclasses included: FedAvgM, FedAdam, FedGMASoft).
 SUPPORTED_RULES: tuple[type[ContractStrategy], ...] = (FedAvg, ElasticAggregation, FedGMA)
-LOSS_ENTRY = f"metric||{TRAIN_LOSS_KEY}"
 
 
 def check_rule(strategy: ContractStrategy) -> None:
@@ -69,11 +68,18 @@ def stepped_keys(
 
 
 def secure_layout(
-    strategy: ContractStrategy, global_arrays: Mapping[str, npt.NDArray[Any]]
+    strategy: ContractStrategy,
+    global_arrays: Mapping[str, npt.NDArray[Any]],
+    metrics: Sequence[str] = (TRAIN_LOSS_KEY,),
 ) -> list[str]:
-    """The entries (``kind|record|key``) each client sends for this rule, in order."""
+    """The entries (``kind|record|key``) each client sends for this rule, in order: its weight,
+    its weighted ``metrics``, its weighted update and the records the rule sums."""
     check_rule(strategy)
-    layout = [WEIGHT_ENTRY, LOSS_ENTRY, *(f"update||{key}" for key in global_arrays)]
+    layout = [
+        WEIGHT_ENTRY,
+        *(f"metric||{name}" for name in metrics),
+        *(f"update||{key}" for key in global_arrays),
+    ]
     keys = stepped_keys(strategy, global_arrays)
     if isinstance(strategy, ElasticAggregation):
         layout += [f"weighted|{SENSITIVITY_RECORD}|{key}" for key in keys]
@@ -121,9 +127,14 @@ def _like(mean: npt.NDArray[np.float64], template: npt.NDArray[Any]) -> npt.NDAr
     return np.rint(mean).astype(dtype)
 
 
-def mean_train_loss(sums: Mapping[str, npt.NDArray[np.float64]]) -> float:
-    """The round's weighted mean train loss sum r loss / R."""
-    return float(sums[LOSS_ENTRY]) / total_weight(sums)
+def mean_metrics(sums: Mapping[str, npt.NDArray[np.float64]]) -> dict[str, float]:
+    """The round's weighted mean of each summed metric, sum r m / R (no client's own)."""
+    weight = total_weight(sums)
+    return {
+        entry.split("|")[2]: float(total) / weight
+        for entry, total in sums.items()
+        if entry.startswith("metric|")
+    }
 
 
 def fedgma_from_sums(
