@@ -209,7 +209,9 @@ class RunConfig(BaseModel):
     secure_threshold: float = Field(
         0.5, ge=0.5, lt=1.0, description="share of a node's share holders that unmask it"
     )
-    secure_quantization_bits: int = Field(22, ge=1, le=62, description="levels 2^bits in [-8, 8]")
+    secure_quantization_bits: int = Field(
+        0, ge=0, le=62, description="levels 2^bits in [-8, 8]; 0: the finest the cohort fits"
+    )
     secure_modulus_bits: Literal[32, 64] = Field(32, description="sums wrap modulo 2^this")
     # --- experiment tracker (strategies/tracking.py; each an optional extra) -----------------
     tracker: Literal["none", "tensorboard", "mlflow", "wandb"] = Field(
@@ -288,18 +290,26 @@ class RunConfig(BaseModel):
                 "trains without the ClientApp that masks): set them off; secure-clip-norm and "
                 "secure-max-weight bound each client on its own side"
             )
-        cohort = 2 ** (self.secure_modulus_bits - self.secure_quantization_bits) - 1
-        if (
-            self.secure_quantization_bits > self.secure_modulus_bits - 2
-            or cohort < self.num_clients
-        ):
+        bits = self.resolved_quantization_bits
+        cohort = 2 ** (self.secure_modulus_bits - bits) - 1
+        if not 1 <= bits <= self.secure_modulus_bits - 2 or cohort < self.num_clients:
             raise ValueError(
-                f"{why} of quantised values: secure-quantization-bits = "
-                f"{self.secure_quantization_bits} with secure-modulus-bits = "
-                f"{self.secure_modulus_bits} sums at most {max(cohort, 0)} clients without "
-                f"wrapping, num-clients = {self.num_clients}: lower secure-quantization-bits to "
-                f"{self.secure_modulus_bits - self.num_clients.bit_length()} or below"
+                "secure-aggregation = 'secaggplus' sums quantised values modulo "
+                f"2^{self.secure_modulus_bits}: secure-quantization-bits = "
+                f"{self.secure_quantization_bits} leaves room for {max(cohort, 0)} clients and "
+                f"num-clients = {self.num_clients}: lower it to "
+                f"{self.secure_modulus_bits - self.num_clients.bit_length()} or below (0: the "
+                "finest that fits)"
             )
+
+    @property
+    def resolved_quantization_bits(self) -> int:
+        """Secure aggregation's quantisation bits: ``secure-quantization-bits``, or for 0 the
+        finest levels whose sum over ``num-clients`` cannot wrap, modulus - bit_length(clients)
+        (28 for 10 clients modulo 2^32, 22 for 1,000)."""
+        if self.secure_quantization_bits:
+            return self.secure_quantization_bits
+        return min(self.secure_modulus_bits - self.num_clients.bit_length(), 62)
 
     @property
     def resolved_server_lr(self) -> float:

@@ -76,7 +76,7 @@ def secure_options(config: RunConfig) -> SecAggOptions:
     return SecAggOptions(
         clip_norm=config.secure_clip_norm,
         max_weight=config.secure_max_weight,
-        quantization_bits=config.secure_quantization_bits,
+        quantization_bits=config.resolved_quantization_bits,
         modulus_bits=config.secure_modulus_bits,
         neighbours=config.secure_neighbours,
         threshold=config.secure_threshold,

@@ -8,6 +8,7 @@ sums and makes its new model from the sums; the protocol math both sides share i
 from beyond_averaging.tasks.secure_aggregation import SecAggOptions
 
 from .driver import (
+    BOUNDS_OFF,
     RunStrategy,
     SecureAggregation,
     SecureAggregationError,
@@ -16,6 +17,7 @@ from .driver import (
 from .sums import aggregate_from_sums, fedgma_from_sums, secure_layout
 
 __all__ = [
+    "BOUNDS_OFF",
     "RunStrategy",
     "SecAggOptions",
     "SecureAggregation",

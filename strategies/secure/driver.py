@@ -74,6 +74,15 @@ from beyond_averaging.tasks.secure_aggregation import (
 
 from .sums import aggregate_from_sums, check_rule, mean_metrics, secure_layout
 
+#: The rule arguments that turn the influence bounds off, as a rule under secure aggregation
+#: needs them: ``ElasticAggregation(tau=0.5, **BOUNDS_OFF)``.
+BOUNDS_OFF: dict[str, float] = {
+    "update_norm_factor": 0.0,
+    "update_clip_factor": 0.0,
+    "direction_outlier_factor": 0.0,
+    "max_claim_factor": 0.0,
+}
+
 
 class SecureAggregationError(AggregationError):
     """Too few nodes answered for the round's masks to be removed: the round cannot aggregate."""
@@ -141,8 +150,9 @@ class SecureAggregation(Strategy):
         if needs:
             raise ValueError(
                 f"secure aggregation shows the server only the sum of the replies, and "
-                f"{', '.join(needs)} need each reply: set them off (0, 'none', 1 for "
-                "max_client_weight); the clip and weight bounds move to the clients "
+                f"{', '.join(needs)} need each reply: set them off (build the rule with "
+                "**BOUNDS_OFF from beyond_averaging.strategies.secure; 'none' for robust and "
+                "pre-aggregation); the clip and weight bounds move to the clients "
                 "(SecAggOptions.clip_norm, max_weight)"
             )
         self.strategy = strategy
