@@ -6,7 +6,7 @@ The public API a Flower app needs::
     from beyond_averaging import FedAdam, FedAvgM  # Flower's names and arguments
     from beyond_averaging import sensitivity_record  # the client side of Elastic aggregation
     from beyond_averaging import last_step_gradient  # the client side of hard FedGMA
-    from beyond_averaging import SecureAggregation, SecAggOptions  # SecAgg+ around a rule
+    from beyond_averaging import SecureAggregation, SecAggOptions, BOUNDS_OFF  # SecAgg+
     from beyond_averaging import secure_aggregation_mod  # its client side, a ClientApp mod
 
 The library's parts are subpackages: ``beyond_averaging.strategies`` (the aggregation rules),
@@ -72,12 +72,14 @@ if TYPE_CHECKING:
     from .strategies import and_mask as and_mask
     from .strategies import learn_aggregation_weights as learn_aggregation_weights
     from .strategies import track as track
+    from .strategies.secure import BOUNDS_OFF as BOUNDS_OFF
     from .strategies.secure import SecAggOptions as SecAggOptions
     from .strategies.secure import SecureAggregation as SecureAggregation
 
 # Exports resolve on first use (PEP 562): `import beyond_averaging.tasks.protocol` must not pull
 # in torch, and a ServerApp that only needs a strategy does not import the client helpers.
 _MODULE_OF_EXPORT = {
+    "BOUNDS_OFF": ".strategies.secure",
     "ClientReply": ".strategies",
     "ContractStrategy": ".strategies",
     "ElasticAggregation": ".strategies",
