@@ -10,18 +10,22 @@ threshold the round fails with an error that says how to resume.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
+from beyond_averaging.client import secure as client_secure
 from beyond_averaging.client.secure import secure_aggregation_mod
 from beyond_averaging.server.config import config_problems
-from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGrid
+from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
 from beyond_averaging.strategies import (
     ContractStrategy,
     ElasticAggregation,
@@ -282,3 +286,50 @@ def test_the_run_configuration_accepts_the_defaults_and_server_side_defences_und
         )
         == []
     )
+
+
+def test_server_noise_reads_only_the_aggregate_and_still_runs_under_it() -> None:
+    options = SecAggOptions(max_weight=100.0)
+    secure, _, new, _ = run_round(FedAvg(server_noise_std=0.01, **BOUNDS_OFF), options)
+    expected = plain("fedavg", ALL)
+    difference = np.concatenate([(new[k] - expected[k]).ravel() for k in GLOBAL])
+    assert secure.aggregation_metrics[1]["server-noise-std"] == 0.01
+    assert 0.005 < float(difference.std()) < 0.02  # the noise, not the quantisation
+
+
+# ------------------------------------------------------------------ the real app, in process
+REPO = Path(__file__).resolve().parents[1]
+APP_SETTINGS: dict[str, Any] = {
+    "strategy": "fedavg",
+    "num-clients": 3,
+    "num-server-rounds": 3,
+    "local-epochs": 1,
+    "device": "cpu",
+    "seed": 3,
+    "secure-aggregation": "secaggplus",
+}
+
+
+def test_a_run_failed_below_the_threshold_resumes_to_the_uninterrupted_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_inprocess(REPO, {**APP_SETTINGS, "output-dir": str(tmp_path), "run-name": "whole"})
+    whole = torch.load(tmp_path / "whole" / "final_model.pt")
+
+    def no_shares_in_round_2(config: ConfigRecord, context: Context) -> ConfigRecord:
+        if config["server-round"] == 2:
+            raise RuntimeError("node lost before unmasking")
+        return unmask(config, context)
+
+    unmask = client_secure._unmask
+    monkeypatch.setattr(client_secure, "_unmask", no_shares_in_round_2)
+    with pytest.raises(SecureAggregationError, match="resume-from"):
+        run_inprocess(REPO, {**APP_SETTINGS, "output-dir": str(tmp_path), "run-name": "cut"})
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    monkeypatch.setattr(client_secure, "_unmask", unmask)
+    run_inprocess(REPO, {**APP_SETTINGS, "resume-from": str(tmp_path / "cut")})
+    resumed = torch.load(tmp_path / "cut" / "final_model.pt")
+    # Masks cancel exactly and quantisation rounds the same way: the same model, bit for bit.
+    for name, value in whole.items():
+        assert torch.equal(resumed[name], value), name
