@@ -403,10 +403,15 @@ class SecureAggregation(Strategy):
                 elif src in key_shares:
                     key_shares[src].append(share)
         started = time.perf_counter()
-        self_seeds = {node: join_secret(shares) for node, shares in seed_shares.items()}
+        # Any threshold of a node's shares rebuilds its secret: more only cost time (Shamir's
+        # combination is quadratic in the shares given).
+        self_seeds = {
+            node: join_secret(shares[: self._needed(keys, node)])
+            for node, shares in seed_shares.items()
+        }
         pair_seeds: dict[tuple[int, int], bytes] = {}
         for gone, shares in key_shares.items():
-            mask_private = join_secret(shares)
+            mask_private = join_secret(shares[: self._needed(keys, gone)])
             for survivor in keys.graph[gone]:
                 if survivor in masked:
                     pair_seeds[(survivor, gone)] = shared_seed(
@@ -465,6 +470,10 @@ class SecureAggregation(Strategy):
         )
         return record, client_metrics
 
+    def _needed(self, keys: _RoundKeys, node: int) -> int:
+        """Shares that rebuild ``node``'s secrets (its threshold among its share holders)."""
+        return threshold(keys.holders[node], self.options.threshold)
+
     def _check_survivors(
         self,
         server_round: int,
@@ -484,7 +493,7 @@ class SecureAggregation(Strategy):
             )
         for node in [*alive, *dropped]:
             holders = [node, *keys.graph[node]]
-            needed = threshold(keys.holders[node], self.options.threshold)
+            needed = self._needed(keys, node)
             present = sum(holder in answering for holder in holders)
             if present < needed:
                 raise SecureAggregationError(
