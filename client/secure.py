@@ -122,6 +122,10 @@ def _share_keys(config: ConfigRecord, context: Context, node: int) -> ConfigReco
     ids = [int(i) for i in cast(list[int], config["ids"])]
     if node in ids:
         raise SecureStageError(f"node {node} is named among its own neighbours")
+    if not ids:
+        # Alone, its secrets would be shared with itself only: the server could unmask its
+        # vector by itself.
+        raise SecureStageError(f"node {node} is given no neighbour to mask with")
     holders = [node, *ids]
     needed = threshold(len(holders), float(cast(float, state["threshold"])))
     seed = new_seed()

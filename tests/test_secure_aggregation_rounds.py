@@ -43,6 +43,7 @@ from beyond_averaging.strategies.secure import (
     SecureAggregationError,
 )
 from beyond_averaging.tasks.secure_aggregation import MASKED_RECORD, SECURE_RECORD, STAGE_KEY
+from tests.conftest import instruction_message
 
 NUM_NODES = 6
 GLOBAL = {"w": np.linspace(-1.0, 1.0, 12, dtype=np.float64).reshape(3, 4), "b": np.zeros(4)}
@@ -333,3 +334,25 @@ def test_a_run_failed_below_the_threshold_resumes_to_the_uninterrupted_model(
     # Masks cancel exactly and quantisation rounds the same way: the same model, bit for bit.
     for name, value in whole.items():
         assert torch.equal(resumed[name], value), name
+
+
+def test_a_node_given_no_neighbour_refuses_to_share_its_keys() -> None:
+    context = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
+    setup = ConfigRecord({**SecAggOptions().to_config(), "stage": "setup", "server-round": 1})
+    message = instruction_message(RecordDict({SECURE_RECORD: setup}), node_id=5)
+    secure_aggregation_mod(message, context, lambda m, c: m)
+    lonely = ConfigRecord(
+        {
+            "stage": "share-keys",
+            "server-round": 1,
+            "ids": [],
+            "channel-publics": [],
+            "mask-publics": [],
+        }
+    )
+    with pytest.raises(client_secure.SecureStageError, match="no neighbour"):
+        secure_aggregation_mod(
+            instruction_message(RecordDict({SECURE_RECORD: lonely}), node_id=5),
+            context,
+            lambda m, c: m,
+        )
