@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.deploy_helpers import read_metrics
 from tests.test_deployment_local import (
     NUM_SUPERNODES,
     RUN_SETTINGS,
@@ -28,11 +29,20 @@ def insecure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TappedDeploym
 
 
 def test_a_deployed_elastic_round_under_secaggplus_uploads_masked_vectors_only(
-    insecure: TappedDeployment, monkeypatch: pytest.MonkeyPatch
+    insecure: TappedDeployment,
 ) -> None:
-    monkeypatch.setitem(RUN_SETTINGS, "secure-aggregation", "secaggplus")
-    monkeypatch.setitem(RUN_SETTINGS, "min-train-replies", NUM_SUPERNODES)
-    metrics, uploads = insecure.run_strategy("elastic", "secure")
+    for tap in insecure.taps:
+        tap.take()  # forget the idle traffic before this run
+    settings = {
+        **RUN_SETTINGS,
+        "strategy": "elastic",
+        "secure-aggregation": "secaggplus",
+        "min-train-replies": NUM_SUPERNODES,
+        "run-name": "elastic-secure",
+        "output-dir": str(insecure.deployment.workdir / "runs"),
+    }
+    metrics = read_metrics(insecure.deployment.run(settings, timeout=300.0))
+    uploads = [tap.take()[0] for tap in insecure.taps]
     last = metrics[-1]
     assert last["aggregated"] == 1
     assert last["replies-valid"] == NUM_SUPERNODES
