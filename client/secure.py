@@ -96,8 +96,8 @@ def _state(context: Context, stage: str, config: ConfigRecord) -> ConfigRecord:
         )
     if state.get("server-round") != config.get("server-round"):
         raise SecureStageError(
-            f"secure-aggregation stage {stage!r} of round {config.get('server-round')} but "
-            f"this node's keys are of round {state.get('server-round')}: a stale message"
+            f"secure-aggregation stage {stage!r} of round {config.get('server-round')!r} but "
+            f"this node's keys are of round {state.get('server-round')!r}: a stale message"
         )
     return state
 
