@@ -285,9 +285,15 @@ class RunConfig(BaseModel):
             if getattr(self, name) != off:
                 needs.append(f"{_kebab(name)} = {getattr(self, name)!r}")
         if needs:
+            verb = "needs" if len(needs) == 1 else "need"
+            vectorised = (
+                " (the vectorised backend trains without the ClientApp that masks)"
+                if self.client_backend != "clientapp"
+                else ""
+            )
             raise ValueError(
-                f"{why}, and {', '.join(needs)} need(s) each reply (the vectorised backend "
-                "trains without the ClientApp that masks): set them off; secure-clip-norm and "
+                f"{why}, and {', '.join(needs)} {verb} each reply{vectorised}: set "
+                f"{'it' if len(needs) == 1 else 'them'} off; secure-clip-norm and "
                 "secure-max-weight bound each client on its own side"
             )
         bits = self.resolved_quantization_bits
