@@ -356,3 +356,14 @@ def test_a_node_given_no_neighbour_refuses_to_share_its_keys() -> None:
             context,
             lambda m, c: m,
         )
+
+
+def test_the_default_quantisation_is_the_finest_the_federation_fits() -> None:
+    from beyond_averaging.server.config import parse_run_config
+
+    on = {"secure-aggregation": "secaggplus"}
+    assert parse_run_config(on).resolved_quantization_bits == 28  # 10 clients, 2^32
+    assert parse_run_config({**on, "num-clients": 1000}).resolved_quantization_bits == 22
+    wide = {**on, "secure-modulus-bits": 64, "num-clients": 100}
+    assert parse_run_config(wide).resolved_quantization_bits == 57
+    assert parse_run_config({**on, "secure-quantization-bits": 20}).resolved_quantization_bits == 20
