@@ -6,6 +6,8 @@ The public API a Flower app needs::
     from beyond_averaging import FedAdam, FedAvgM  # Flower's names and arguments
     from beyond_averaging import sensitivity_record  # the client side of Elastic aggregation
     from beyond_averaging import last_step_gradient  # the client side of hard FedGMA
+    from beyond_averaging import SecureAggregation, SecAggOptions, BOUNDS_OFF  # SecAgg+
+    from beyond_averaging import secure_aggregation_mod  # its client side, a ClientApp mod
 
 The library's parts are subpackages: ``beyond_averaging.strategies`` (the aggregation rules),
 ``beyond_averaging.client`` (client-side helpers and this project's ClientApp),
@@ -48,6 +50,7 @@ from .tasks.lazy_exports import lazy_exports  # noqa: E402 - needs the search pa
 
 if TYPE_CHECKING:
     from .client.gradient import last_step_gradient as last_step_gradient
+    from .client.secure import secure_aggregation_mod as secure_aggregation_mod
     from .client.sensitivity import sensitivity_record as sensitivity_record
     from .strategies import ClientReply as ClientReply
     from .strategies import ContractStrategy as ContractStrategy
@@ -69,10 +72,14 @@ if TYPE_CHECKING:
     from .strategies import and_mask as and_mask
     from .strategies import learn_aggregation_weights as learn_aggregation_weights
     from .strategies import track as track
+    from .strategies.secure import BOUNDS_OFF as BOUNDS_OFF
+    from .strategies.secure import SecAggOptions as SecAggOptions
+    from .strategies.secure import SecureAggregation as SecureAggregation
 
 # Exports resolve on first use (PEP 562): `import beyond_averaging.tasks.protocol` must not pull
 # in torch, and a ServerApp that only needs a strategy does not import the client helpers.
 _MODULE_OF_EXPORT = {
+    "BOUNDS_OFF": ".strategies.secure",
     "ClientReply": ".strategies",
     "ContractStrategy": ".strategies",
     "ElasticAggregation": ".strategies",
@@ -84,6 +91,8 @@ _MODULE_OF_EXPORT = {
     "FedLAW": ".strategies",
     "MissingRecordError": ".strategies",
     "ProxySetError": ".strategies",
+    "SecAggOptions": ".strategies.secure",
+    "SecureAggregation": ".strategies.secure",
     "ServerOptimizer": ".strategies",
     "aggregate_elastic": ".strategies",
     "aggregate_fedavg": ".strategies",
@@ -93,6 +102,7 @@ _MODULE_OF_EXPORT = {
     "and_mask": ".strategies",
     "last_step_gradient": ".client.gradient",
     "learn_aggregation_weights": ".strategies",
+    "secure_aggregation_mod": ".client.secure",
     "sensitivity_record": ".client.sensitivity",
     "track": ".strategies",
 }

@@ -35,6 +35,7 @@ from beyond_averaging.tasks.protocol import (
 )
 from beyond_averaging.tasks.training import train_local
 
+from .secure import secure_aggregation_mod
 from .sensitivity import sensitivity_record
 
 app = ClientApp()
@@ -115,7 +116,8 @@ def cpu_state(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
     return ArrayRecord({key: value.detach().cpu() for key, value in tensors.items()})
 
 
-@app.train()
+# Secure aggregation's stages (client/secure.py): a train message without them passes through.
+@app.train(mods=[secure_aggregation_mod])
 def train(message: Message, context: Context) -> Message:
     """Local training; replies with ``arrays``, ``metrics`` and any requested extra records."""
     config: ConfigRecord = message.content[CONFIG_RECORD]  # type: ignore[assignment]

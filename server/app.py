@@ -34,8 +34,8 @@ from beyond_averaging.server.runs.plots import write_run_plot
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.runs.tracking import open_run_tracker
 from beyond_averaging.server.runtime.inprocess import InProcessGrid
-from beyond_averaging.strategies import ContractStrategy
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
+from beyond_averaging.strategies.secure import RunStrategy
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate, resolve_device
 from beyond_averaging.tasks.federation import DataSpec, load_server_splits
@@ -218,7 +218,7 @@ class CentralEvaluation:
         model: torch.nn.Module,
         test_set: Any,
         device: torch.device,
-        strategy: ContractStrategy,
+        strategy: RunStrategy,
         recorder: RunRecorder,
         num_rounds: int,
     ) -> None:
@@ -303,9 +303,7 @@ def round_reply_counts(
     return counts
 
 
-def idle_reason(
-    outcome: RoundOutcome, metrics: Mapping[str, Any], strategy: ContractStrategy
-) -> str:
+def idle_reason(outcome: RoundOutcome, metrics: Mapping[str, Any], strategy: RunStrategy) -> str:
     """Why a round kept the previous model, from its metrics (reply counts, drops, rejection)."""
     drops = ", ".join(
         f"{key.removeprefix('dropped-')} {value}"
@@ -328,7 +326,7 @@ class RunProgress:
     def __init__(
         self,
         config: RunConfig,
-        strategy: ContractStrategy,
+        strategy: RunStrategy,
         evaluation: CentralEvaluation,
         recorder: RunRecorder,
         idle_rounds: int = 0,

@@ -195,6 +195,24 @@ class RunConfig(BaseModel):
     max_reply_bytes: int = Field(
         0, ge=0, description="larger replies are dropped undecoded; 0: from the model's bytes"
     )
+    # --- secure aggregation (strategies/secure/, client/secure.py, docs/reliability.md) -------
+    secure_aggregation: Literal["none", "secaggplus"] = Field(
+        "none", description="secaggplus: the server sees only the sum of the replies"
+    )
+    secure_clip_norm: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="each client clips its update to it; 0: off"
+    )
+    secure_max_weight: float = Field(
+        10_000.0, gt=0.0, allow_inf_nan=False, description="no client counts for more examples"
+    )
+    secure_neighbours: int = Field(0, ge=0, description="SecAgg+'s neighbours per node; 0: all")
+    secure_threshold: float = Field(
+        0.5, ge=0.5, lt=1.0, description="share of a node's share holders that unmask it"
+    )
+    secure_quantization_bits: int = Field(
+        0, ge=0, le=62, description="levels 2^bits in [-8, 8]; 0: the finest the cohort fits"
+    )
+    secure_modulus_bits: Literal[32, 64] = Field(32, description="sums wrap modulo 2^this")
     # --- experiment tracker (strategies/tracking.py; each an optional extra) -----------------
     tracker: Literal["none", "tensorboard", "mlflow", "wandb"] = Field(
         "none", description="sends every round's metrics there; needs its extra installed"
@@ -230,12 +248,74 @@ class RunConfig(BaseModel):
                     f"{use}, and proxy-per-class = 0 with no proxy-dir leaves it none: set "
                     "proxy-per-class >= 1 (10 gives a 100-sample root set on 10 classes)"
                 )
+        if self.secure_aggregation != "none":
+            self._check_secure_aggregation()
         if self.strategy == "fedlaw" and self.proxy_per_class == 0 and not self.proxy_dir:
             raise ValueError(
                 "strategy = 'fedlaw' with proxy-per-class = 0 and no proxy-dir leaves FedLAW "
                 "without a proxy set: set proxy-per-class >= 1 (the paper uses 10)"
             )
         return self
+
+    def _check_secure_aggregation(self) -> None:
+        """Refuse what needs each client's own reply: the server sees only their sum."""
+        why = "secure-aggregation = 'secaggplus' shows the server only the sum of the replies"
+        if self.strategy == "fedlaw":
+            raise ValueError(
+                f"{why}, and strategy = 'fedlaw' learns a weight per client on each client's "
+                "own model: use fedavg, elastic or fedgma, or secure-aggregation = 'none'"
+            )
+        # The bounds are on by default: under secure aggregation they are off at their
+        # defaults (the app's defaults set every key, so "set" cannot be told from "default");
+        # one set to another value but 0 is refused, as the options below.
+        bounds = ("update_norm_factor", "update_clip_factor", "direction_outlier_factor")
+        needs = [
+            f"{_kebab(name)} = {getattr(self, name)!r}"
+            for name in (*bounds, "max_claim_factor")
+            if getattr(self, name) not in (0.0, type(self).model_fields[name].default)
+        ]
+        if self.max_client_weight < 1.0:
+            needs.append(f"max-client-weight = {self.max_client_weight!r}")
+        for name, off in (
+            ("robust_aggregation", "none"),
+            ("pre_aggregation", "none"),
+            ("diagnostics", False),
+            ("client_backend", "clientapp"),
+        ):
+            if getattr(self, name) != off:
+                needs.append(f"{_kebab(name)} = {getattr(self, name)!r}")
+        if needs:
+            verb = "needs" if len(needs) == 1 else "need"
+            vectorised = (
+                " (the vectorised backend trains without the ClientApp that masks)"
+                if self.client_backend != "clientapp"
+                else ""
+            )
+            raise ValueError(
+                f"{why}, and {', '.join(needs)} {verb} each reply{vectorised}: set "
+                f"{'it' if len(needs) == 1 else 'them'} off; secure-clip-norm and "
+                "secure-max-weight bound each client on its own side"
+            )
+        bits = self.resolved_quantization_bits
+        cohort = 2 ** (self.secure_modulus_bits - bits) - 1
+        if not 1 <= bits <= self.secure_modulus_bits - 2 or cohort < self.num_clients:
+            raise ValueError(
+                "secure-aggregation = 'secaggplus' sums quantised values modulo "
+                f"2^{self.secure_modulus_bits}: secure-quantization-bits = "
+                f"{self.secure_quantization_bits} leaves room for {max(cohort, 0)} clients and "
+                f"num-clients = {self.num_clients}: lower it to "
+                f"{self.secure_modulus_bits - self.num_clients.bit_length()} or below (0: the "
+                "finest that fits)"
+            )
+
+    @property
+    def resolved_quantization_bits(self) -> int:
+        """Secure aggregation's quantisation bits: ``secure-quantization-bits``, or for 0 the
+        finest levels whose sum over ``num-clients`` cannot wrap, modulus - bit_length(clients)
+        (28 for 10 clients modulo 2^32, 22 for 1,000)."""
+        if self.secure_quantization_bits:
+            return self.secure_quantization_bits
+        return min(self.secure_modulus_bits - self.num_clients.bit_length(), 62)
 
     @property
     def resolved_server_lr(self) -> float:

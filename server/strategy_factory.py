@@ -18,6 +18,7 @@ from beyond_averaging.strategies import (
 )
 from beyond_averaging.strategies.defences.root_set import root_set_use
 from beyond_averaging.strategies.replies.bounds import BoundsOptions
+from beyond_averaging.strategies.secure import RunStrategy, SecAggOptions, SecureAggregation
 from beyond_averaging.tasks.datasets import LabeledData
 
 from .config import ConfigError, RunConfig
@@ -36,7 +37,17 @@ class ServerResources:
 
 
 def reply_bounds(config: RunConfig) -> BoundsOptions:
-    """The reply bounds' options (:mod:`strategies.replies.bounds`) the run configuration sets."""
+    """The reply bounds' options (:mod:`strategies.replies.bounds`) the run configuration sets:
+    all off under secure aggregation, where no reply is seen alone (the configuration refuses one
+    set on explicitly; the clients' clip and weight bound take their place)."""
+    if config.secure_aggregation != "none":
+        return BoundsOptions(
+            max_client_weight=1.0,
+            update_norm_factor=0.0,
+            update_clip_factor=0.0,
+            direction_outlier_factor=0.0,
+            max_claim_factor=0.0,
+        )
     return BoundsOptions(
         max_client_weight=config.max_client_weight,
         update_norm_factor=config.update_norm_factor,
@@ -60,8 +71,29 @@ def trigger_unlearning(config: RunConfig) -> TriggerUnlearning | None:
     )
 
 
-def build_strategy(config: RunConfig, resources: ServerResources) -> ContractStrategy:
-    """The configured strategy, validated and ready to start."""
+def secure_options(config: RunConfig) -> SecAggOptions:
+    """Secure aggregation's options (:mod:`tasks.secure_aggregation`) the run configuration sets."""
+    return SecAggOptions(
+        clip_norm=config.secure_clip_norm,
+        max_weight=config.secure_max_weight,
+        quantization_bits=config.resolved_quantization_bits,
+        modulus_bits=config.secure_modulus_bits,
+        neighbours=config.secure_neighbours,
+        threshold=config.secure_threshold,
+    )
+
+
+def build_strategy(config: RunConfig, resources: ServerResources) -> RunStrategy:
+    """The configured strategy, validated and ready to start; under ``secure-aggregation`` the
+    rule inside SecAgg+'s driver (:class:`strategies.secure.SecureAggregation`)."""
+    rule = build_rule(config, resources)
+    if config.secure_aggregation == "none":
+        return rule
+    return SecureAggregation(rule, secure_options(config), stage_timeout=config.round_timeout)
+
+
+def build_rule(config: RunConfig, resources: ServerResources) -> ContractStrategy:
+    """The configured rule with its defences, validated."""
     # The run option min-train-replies is also the fewest nodes a round samples, as before the
     # strategies took Flower's min_*_nodes; fraction-evaluate is passed as the run's own default.
     base: dict[str, Any] = {

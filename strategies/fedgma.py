@@ -185,19 +185,32 @@ def hard_mask(
     """
     _check_threshold(threshold)
     keys = _check_same_keys("gradient", gradients)
-    # Vote counts are integers, so ">= threshold * K" is ">= ceil(threshold * K)"; sums of
-    # +-1 and 0 are exact in float64.
     voters = len(gradients) + abstentions
-    votes_needed = math.ceil(threshold * voters - _AGREEMENT_TOLERANCE)
     ones = np.ones(len(gradients))
     # Votes are counted in integers, one int8 vote per client added into an int16 count (int32
     # beyond 32767 clients): about 5x faster than weighting each vote into float64.
     count = np.int16 if len(gradients) < np.iinfo(np.int16).max else np.int32
     return {
-        key: np.abs(blockwise_sum(gradients, ones, key, _shape(gradients, key), _SignVote(), count))
-        >= votes_needed
+        key: vote_mask(
+            blockwise_sum(gradients, ones, key, _shape(gradients, key), _SignVote(), count),
+            voters,
+            threshold,
+        )
         for key in keys
     }
+
+
+def vote_mask(votes: npt.NDArray[Any], voters: int, threshold: float) -> npt.NDArray[np.bool_]:
+    """The AND-mask from the vote sums sum_k sign(g_k): True where |votes| >= threshold * voters.
+
+    What :func:`hard_mask` computes from the clients' gradients, here from their summed signs
+    alone (secure aggregation sums the signs under the mask, :mod:`strategies.secure`).
+    """
+    # Vote counts are integers, so ">= threshold * K" is ">= ceil(threshold * K)"; sums of
+    # +-1 and 0 are exact in float64.
+    votes_needed = math.ceil(threshold * voters - _AGREEMENT_TOLERANCE)
+    kept: npt.NDArray[np.bool_] = np.abs(votes) >= votes_needed
+    return kept
 
 
 def soft_mask(
@@ -225,7 +238,7 @@ def soft_mask(
     keys = _check_same_keys("update", updates)
     probabilities = normalise_weights(weights, num_clients=len(updates))
     return {
-        key: _agreement_mask(
+        key: agreement_mask(
             blockwise_sum(updates, probabilities, key, _shape(updates, key), _SignVote()),
             threshold,
         )
@@ -335,10 +348,11 @@ def is_stepped(key: str, value: npt.NDArray[Any]) -> bool:
     return is_floating(value) and key.rsplit(".", 1)[-1] not in NORM_BUFFER_NAMES
 
 
-def _agreement_mask(
+def agreement_mask(
     signed_agreement: npt.NDArray[np.float64], threshold: float
 ) -> npt.NDArray[np.float64]:
-    """m = 1 where A = |sum_k p_k sign(D_k)| >= threshold, A elsewhere (in the input's buffer)."""
+    """m = 1 where A = |sum_k p_k sign(D_k)| >= threshold, A elsewhere (in the input's buffer):
+    the soft mask from the weighted sign agreement, however it was summed."""
     agreement = np.abs(signed_agreement, out=signed_agreement)
     agreement[agreement >= threshold - _AGREEMENT_TOLERANCE] = 1.0
     return agreement
@@ -495,7 +509,7 @@ def fedgma_step(
         )
     )
     masks = {
-        key: _agreement_mask(
+        key: agreement_mask(
             blockwise_sum(
                 client_arrays,
                 probabilities,
@@ -517,8 +531,8 @@ def fedgma_step(
         )
         for key in float_keys
     }
-    for key, agreement_mask in masks.items():
-        mean_update[key] *= agreement_mask
+    for key, soft in masks.items():
+        mean_update[key] *= soft
     stepped = {**average, **ServerOptimizer("sgd", server_lr).step(global_np, mean_update)}
     total = sum(m.size for m in masks.values())
     mask_mean = sum(float(m.sum()) for m in masks.values()) / max(total, 1)

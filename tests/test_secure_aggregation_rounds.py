@@ -1,0 +1,369 @@
+"""SecAgg+'s rounds end to end: the server's driver (strategies/secure/driver.py) and the client's
+mod (client/secure.py) over the in-process Grid, with a small ClientApp whose replies are known.
+
+What the tests hold: the new model is the rule's over the individual replies (computed here,
+independently, from the same replies in the clear) within the quantisation error; what reaches
+the aggregation is masked vectors and their unmasked sum, never a reply's model, weight or
+metrics; a node that drops after sharing its keys does not stop the round, and below the
+threshold the round fails with an error that says how to resume.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.supercore.task_identity import TaskIdentity
+
+from beyond_averaging.client import secure as client_secure
+from beyond_averaging.client.secure import secure_aggregation_mod
+from beyond_averaging.server.config import config_problems
+from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
+from beyond_averaging.strategies import (
+    ContractStrategy,
+    ElasticAggregation,
+    FedAvg,
+    FedGMA,
+    FedGMASoft,
+    FedLAW,
+    aggregate_elastic,
+    aggregate_fedavg,
+)
+from beyond_averaging.strategies.fedgma import fedgma_step
+from beyond_averaging.strategies.secure import (
+    SecAggOptions,
+    SecureAggregation,
+    SecureAggregationError,
+)
+from beyond_averaging.tasks.secure_aggregation import MASKED_RECORD, SECURE_RECORD, STAGE_KEY
+from tests.conftest import instruction_message
+
+NUM_NODES = 6
+GLOBAL = {"w": np.linspace(-1.0, 1.0, 12, dtype=np.float64).reshape(3, 4), "b": np.zeros(4)}
+BOUNDS_OFF: dict[str, Any] = {
+    "update_norm_factor": 0.0,
+    "update_clip_factor": 0.0,
+    "direction_outlier_factor": 0.0,
+    "max_claim_factor": 0.0,
+    "min_train_nodes": NUM_NODES,
+    "min_available_nodes": NUM_NODES,
+    "fraction_evaluate": 0.0,
+    "min_train_replies": 2,
+    "log_rounds": False,
+}
+
+
+def client_reply(
+    node: int,
+) -> tuple[dict[str, np.ndarray], float, dict[str, dict[str, np.ndarray]]]:
+    """Node ``node``'s trained model, example count and records: fixed, so the test knows them."""
+    rng = np.random.default_rng(node)
+    model = {k: v + rng.normal(scale=0.2, size=v.shape) for k, v in GLOBAL.items()}
+    records = {
+        "sensitivity": {k: rng.uniform(0.0, 2.0, size=v.shape) for k, v in GLOBAL.items()},
+        "gradient": {k: rng.normal(loc=0.2, size=v.shape) for k, v in GLOBAL.items()},
+    }
+    return model, float(20 + 13 * (node % 5)), records
+
+
+def make_app(seen: list[RecordDict]) -> ClientApp:
+    app = ClientApp()
+
+    @app.train(mods=[secure_aggregation_mod])
+    def train(message: Message, context: Context) -> Message:
+        seen.append(message.content)  # what the wrapped function receives
+        model, examples, records = client_reply(message.metadata.dst_node_id)
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({k: Array(v) for k, v in model.items()}),
+                "metrics": MetricRecord({"num-examples": examples, "train-loss": 0.25}),
+            }
+        )
+        requested = str(message.content["config"].get("request-records", ""))
+        for name in filter(None, requested.split(",")):
+            content[name] = ArrayRecord({k: Array(v) for k, v in records[name].items()})
+        return Message(content=content, reply_to=message)
+
+    return app
+
+
+class DroppingGrid(InProcessGrid):
+    """The in-process Grid, where the given nodes go silent from the given stage on."""
+
+    def __init__(self, app: ClientApp, drop: dict[str, set[int]]) -> None:
+        super().__init__(app, NUM_NODES, {})
+        self.drop = drop
+        self.gone: set[int] = set()
+        self.aggregated_inputs: list[Message] = []
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        messages = list(messages)
+        stage = ""
+        if messages and SECURE_RECORD in messages[0].content:
+            stage = str(messages[0].content[SECURE_RECORD][STAGE_KEY])
+        self.gone |= self.drop.get(stage, set())
+        kept = [m for m in messages if m.metadata.dst_node_id not in self.gone]
+        replies = list(super().send_and_receive(kept, timeout=timeout))
+        if stage == "collect":
+            self.aggregated_inputs = replies
+        return replies
+
+
+def run_round(
+    strategy: ContractStrategy, options: SecAggOptions, drop: dict[str, set[int]] | None = None
+) -> tuple[SecureAggregation, DroppingGrid, dict[str, np.ndarray], list[RecordDict]]:
+    seen: list[RecordDict] = []
+    grid = DroppingGrid(make_app(seen), drop or {})
+    secure = SecureAggregation(strategy, options, stage_timeout=30.0)
+    arrays = ArrayRecord({k: Array(v) for k, v in GLOBAL.items()})
+    instructions = secure.configure_train(1, arrays, ConfigRecord({"seed": 0}), grid)
+    replies = grid.send_and_receive(instructions)
+    new, metrics = secure.aggregate_train(1, replies)
+    assert new is not None
+    assert metrics is not None
+    assert metrics["train-loss"] == pytest.approx(0.25, abs=1e-4)
+    return secure, grid, {k: v.numpy() for k, v in new.items()}, seen
+
+
+def plain(rule: str, nodes: list[int]) -> dict[str, np.ndarray]:
+    """The rule over the individual replies of ``nodes``, in the clear (weights capped at W)."""
+    replies = [client_reply(n) for n in nodes]
+    models = [r[0] for r in replies]
+    weights = np.array([r[1] for r in replies])
+    if rule == "fedavg":
+        return aggregate_fedavg(GLOBAL, models, weights)
+    if rule == "elastic":
+        return aggregate_elastic(
+            GLOBAL, models, [r[2]["sensitivity"] for r in replies], weights, 0.5
+        )
+    gradients = [r[2]["gradient"] for r in replies] if rule == "fedgma" else None
+    mask = "hard" if rule == "fedgma" else "soft"
+    return fedgma_step(
+        GLOBAL, models, gradients, weights, threshold=0.5, server_lr=1.0, mask=mask
+    ).arrays
+
+
+@pytest.fixture(autouse=True)
+def server_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a ServerApp process is told before it makes messages."""
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
+
+
+RULES = {
+    "fedavg": lambda: FedAvg(**BOUNDS_OFF),
+    "elastic": lambda: ElasticAggregation(tau=0.5, **BOUNDS_OFF),
+    "fedgma": lambda: FedGMA(threshold=0.5, server_lr=1.0, **BOUNDS_OFF),
+    "fedgma-soft": lambda: FedGMASoft(threshold=0.5, server_lr=1.0, **BOUNDS_OFF),
+}
+ALL = list(range(FIRST_NODE_ID, FIRST_NODE_ID + NUM_NODES))
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_the_secure_round_gives_the_rules_model_over_the_replies_within_quantisation(
+    rule: str,
+) -> None:
+    options = SecAggOptions(max_weight=100.0)
+    _, _, new, _ = run_round(RULES[rule](), options)
+    expected = plain(rule, ALL)
+    for key in GLOBAL:
+        # Each weighted value is within half a step; the mean divides by R = sum r >= 1.2.
+        np.testing.assert_allclose(new[key], expected[key], atol=NUM_NODES * options.quantum)
+
+
+def test_the_aggregation_receives_masked_vectors_and_the_unmasked_sum_only() -> None:
+    options = SecAggOptions(max_weight=100.0)
+    secure, grid, _, seen = run_round(FedAvg(**BOUNDS_OFF), options)
+    # The wrapped train function got the model and config, never a secret of the stages.
+    assert all(SECURE_RECORD not in content for content in seen)
+    for reply in grid.aggregated_inputs:
+        assert set(reply.content.keys()) == {MASKED_RECORD, SECURE_RECORD}  # no model, no metrics
+        assert not reply.content.metric_records
+    inputs = secure.last_sum_inputs
+    assert set(inputs) == {"masked", "sum"}
+    # Each masked vector is unlike the node's own quantised vector: it differs from it in
+    # almost every value (the masks are uniform modulo 2^32), while their sum is exact.
+    from beyond_averaging.strategies.secure import secure_layout
+    from beyond_averaging.tasks.secure_aggregation import client_vector
+
+    layout = secure_layout(FedAvg(**BOUNDS_OFF), GLOBAL)
+    total = np.zeros_like(inputs["sum"])
+    for node, masked in inputs["masked"].items():
+        model, examples, records = client_reply(node)
+        own = client_vector(layout, GLOBAL, model, records, {"train-loss": 0.25}, examples, options)
+        assert np.mean(masked == own) < 0.01
+        total += own
+    assert inputs["sum"].tolist() == total.tolist()
+
+
+def test_a_node_dropping_after_sharing_keys_leaves_the_round_to_the_others() -> None:
+    options = SecAggOptions(max_weight=100.0)
+    dropped = ALL[2]
+    secure, _, new, _ = run_round(FedAvg(**BOUNDS_OFF), options, {"collect": {dropped}})
+    survivors = [n for n in ALL if n != dropped]
+    expected = plain("fedavg", survivors)
+    for key in GLOBAL:
+        np.testing.assert_allclose(new[key], expected[key], atol=NUM_NODES * options.quantum)
+    figures = secure.aggregation_metrics[1]
+    assert figures["secure-dropped-after-keys"] == 1
+    assert sorted(secure.last_sum_inputs["masked"]) == survivors
+    statuses = {r["node-id"]: r["status"] for r in secure.last_client_records}
+    assert statuses[dropped] == "dropped"
+
+
+def test_a_ring_of_neighbours_with_a_dropout_and_a_node_lost_before_sharing_still_unmasks() -> None:
+    options = SecAggOptions(max_weight=100.0, neighbours=2)
+    lost, dropped = ALL[0], ALL[3]
+    _, _, new, _ = run_round(
+        ElasticAggregation(tau=0.5, **BOUNDS_OFF),
+        options,
+        {"share-keys": {lost}, "collect": {dropped}},
+    )
+    expected = plain("elastic", [n for n in ALL if n not in (lost, dropped)])
+    for key in GLOBAL:
+        np.testing.assert_allclose(new[key], expected[key], atol=NUM_NODES * options.quantum)
+
+
+def test_below_the_threshold_the_round_fails_with_an_error_that_says_how_to_resume() -> None:
+    options = SecAggOptions(max_weight=100.0, threshold=0.9)  # every holder is needed
+    with pytest.raises(SecureAggregationError, match="resume-from"):
+        run_round(FedAvg(**BOUNDS_OFF), options, {"unmask": {ALL[1]}})
+
+
+def test_rules_and_options_that_need_each_reply_are_refused_naming_secure_aggregation() -> None:
+    with pytest.raises(ValueError, match=r"update_norm_factor = 10\.0"):
+        SecureAggregation(FedAvg(), SecAggOptions())
+    with pytest.raises(ValueError, match="robust_aggregation = 'median'"):
+        SecureAggregation(FedAvg(**BOUNDS_OFF, robust_aggregation="median"), SecAggOptions())
+    with pytest.raises(ValueError, match="FedLAW"):
+        SecureAggregation(FedLAW.__new__(FedLAW), SecAggOptions())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"strategy": "fedlaw"}, "strategy = 'fedlaw'"),
+        ({"robust-aggregation": "krum"}, "robust-aggregation = 'krum'"),
+        ({"robust-aggregation": "flame"}, "robust-aggregation = 'flame'"),
+        ({"robust-aggregation": "fltrust"}, "robust-aggregation = 'fltrust'"),
+        ({"pre-aggregation": "nnm"}, "pre-aggregation = 'nnm'"),
+        ({"update-clip-factor": 3.0}, "update-clip-factor = 3.0"),
+        ({"max-claim-factor": 4.0}, "max-claim-factor = 4.0"),
+        ({"diagnostics": True}, "diagnostics = True"),
+        ({"client-backend": "vectorized"}, "client-backend = 'vectorized'"),
+        ({"secure-quantization-bits": 30}, "secure-quantization-bits = 30"),
+    ],
+)
+def test_the_run_configuration_refuses_in_one_line_what_secure_aggregation_cannot_run(
+    overrides: dict[str, Any], named: str
+) -> None:
+    problems = config_problems({"secure-aggregation": "secaggplus", **overrides})
+    assert len(problems) == 1, problems
+    assert "secure-aggregation = 'secaggplus'" in problems[0]
+    assert named in problems[0]
+
+
+def test_the_run_configuration_accepts_the_defaults_and_server_side_defences_under_it() -> None:
+    assert config_problems({"secure-aggregation": "secaggplus"}) == []
+    assert (
+        config_problems(
+            {
+                "secure-aggregation": "secaggplus",
+                "strategy": "elastic",
+                "server-noise-std": 0.001,
+                "backdoor-defence": "trigger-unlearning",
+                "secure-clip-norm": 2.0,
+            }
+        )
+        == []
+    )
+
+
+def test_server_noise_reads_only_the_aggregate_and_still_runs_under_it() -> None:
+    options = SecAggOptions(max_weight=100.0)
+    secure, _, new, _ = run_round(FedAvg(server_noise_std=0.01, **BOUNDS_OFF), options)
+    expected = plain("fedavg", ALL)
+    difference = np.concatenate([(new[k] - expected[k]).ravel() for k in GLOBAL])
+    assert secure.aggregation_metrics[1]["server-noise-std"] == 0.01
+    assert 0.005 < float(difference.std()) < 0.02  # the noise, not the quantisation
+
+
+# ------------------------------------------------------------------ the real app, in process
+REPO = Path(__file__).resolve().parents[1]
+APP_SETTINGS: dict[str, Any] = {
+    "strategy": "fedavg",
+    "num-clients": 3,
+    "num-server-rounds": 3,
+    "local-epochs": 1,
+    "device": "cpu",
+    "seed": 3,
+    "secure-aggregation": "secaggplus",
+}
+
+
+def test_a_run_failed_below_the_threshold_resumes_to_the_uninterrupted_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_inprocess(REPO, {**APP_SETTINGS, "output-dir": str(tmp_path), "run-name": "whole"})
+    whole = torch.load(tmp_path / "whole" / "final_model.pt")
+
+    def no_shares_in_round_2(config: ConfigRecord, context: Context) -> ConfigRecord:
+        if config["server-round"] == 2:
+            raise RuntimeError("node lost before unmasking")
+        return unmask(config, context)
+
+    unmask = client_secure._unmask
+    monkeypatch.setattr(client_secure, "_unmask", no_shares_in_round_2)
+    with pytest.raises(SecureAggregationError, match="resume-from"):
+        run_inprocess(REPO, {**APP_SETTINGS, "output-dir": str(tmp_path), "run-name": "cut"})
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    monkeypatch.setattr(client_secure, "_unmask", unmask)
+    run_inprocess(REPO, {**APP_SETTINGS, "resume-from": str(tmp_path / "cut")})
+    resumed = torch.load(tmp_path / "cut" / "final_model.pt")
+    # Masks cancel exactly and quantisation rounds the same way: the same model, bit for bit.
+    for name, value in whole.items():
+        assert torch.equal(resumed[name], value), name
+
+
+def test_a_node_given_no_neighbour_refuses_to_share_its_keys() -> None:
+    context = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
+    setup = ConfigRecord({**SecAggOptions().to_config(), "stage": "setup", "server-round": 1})
+    message = instruction_message(RecordDict({SECURE_RECORD: setup}), node_id=5)
+    secure_aggregation_mod(message, context, lambda m, c: m)
+    lonely = ConfigRecord(
+        {
+            "stage": "share-keys",
+            "server-round": 1,
+            "ids": [],
+            "channel-publics": [],
+            "mask-publics": [],
+        }
+    )
+    with pytest.raises(client_secure.SecureStageError, match="no neighbour"):
+        secure_aggregation_mod(
+            instruction_message(RecordDict({SECURE_RECORD: lonely}), node_id=5),
+            context,
+            lambda m, c: m,
+        )
+
+
+def test_the_default_quantisation_is_the_finest_the_federation_fits() -> None:
+    from beyond_averaging.server.config import parse_run_config
+
+    on = {"secure-aggregation": "secaggplus"}
+    assert parse_run_config(on).resolved_quantization_bits == 28  # 10 clients, 2^32
+    assert parse_run_config({**on, "num-clients": 1000}).resolved_quantization_bits == 22
+    wide = {**on, "secure-modulus-bits": 64, "num-clients": 100}
+    assert parse_run_config(wide).resolved_quantization_bits == 57
+    assert parse_run_config({**on, "secure-quantization-bits": 20}).resolved_quantization_bits == 20
