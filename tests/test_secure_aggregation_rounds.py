@@ -29,7 +29,9 @@ from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGr
 from beyond_averaging.strategies import (
     ContractStrategy,
     ElasticAggregation,
+    FedAdam,
     FedAvg,
+    FedAvgM,
     FedGMA,
     FedGMASoft,
     FedLAW,
@@ -179,6 +181,104 @@ def test_the_secure_round_gives_the_rules_model_over_the_replies_within_quantisa
     for key in GLOBAL:
         # Each weighted value is within half a step; the mean divides by R = sum r >= 1.2.
         np.testing.assert_allclose(new[key], expected[key], atol=NUM_NODES * options.quantum)
+
+
+# ------------------------------------------------- the server optimizers: FedAvgM and FedAdam
+#: Below the update norms of the fixed replies (about 0.8): most clients are clipped.
+CLIP = 0.6
+
+
+def clipped_mean_update(global_arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """sum_k r_k c_k (theta_k - w) / sum_k r_k over every node's fixed reply, each update scaled
+    to L2 norm <= CLIP (c_k) and weighted by r_k = min(n_k, W) / W: what the clients' side does,
+    written out here in the clear."""
+    total = {k: np.zeros_like(v) for k, v in global_arrays.items()}
+    weights = 0.0
+    for node in ALL:
+        model, examples, _ = client_reply(node)
+        update = {k: model[k] - global_arrays[k] for k in global_arrays}
+        norm = float(np.sqrt(sum(np.sum(u**2) for u in update.values())))
+        scale = min(1.0, CLIP / norm)
+        weight = min(examples, 100.0) / 100.0
+        weights += weight
+        for k in total:
+            total[k] += weight * scale * update[k]
+    return {k: v / weights for k, v in total.items()}
+
+
+def fedavgm_by_hand(rounds: int, lr: float, momentum: float) -> list[dict[str, np.ndarray]]:
+    """Flower's FedAvgM: D = w - avg, v <- momentum v + D (v = D at first), w <- w - lr v."""
+    w, velocity, models = dict(GLOBAL), None, []
+    for _ in range(rounds):
+        step = {k: -u for k, u in clipped_mean_update(w).items()}
+        velocity = step if velocity is None else {k: momentum * velocity[k] + step[k] for k in w}
+        w = {k: w[k] - lr * velocity[k] for k in w}
+        models.append(w)
+    return models
+
+
+def fedadam_by_hand(
+    rounds: int, eta: float, beta_1: float, beta_2: float, tau: float
+) -> list[dict[str, np.ndarray]]:
+    """Flower's FedAdam: delta = avg - w, m and v its moments, w <- w + eta_t m / (sqrt(v) + tau)
+    with eta_t = eta sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1)) in server round t."""
+    w = dict(GLOBAL)
+    m = {k: np.zeros_like(v) for k, v in w.items()}
+    v = {k: np.zeros_like(x) for k, x in w.items()}
+    models = []
+    for t in range(1, rounds + 1):
+        delta = clipped_mean_update(w)
+        m = {k: beta_1 * m[k] + (1 - beta_1) * delta[k] for k in w}
+        v = {k: beta_2 * v[k] + (1 - beta_2) * delta[k] ** 2 for k in w}
+        eta_t = eta * np.sqrt(1 - beta_2 ** (t + 1)) / (1 - beta_1 ** (t + 1))
+        w = {k: w[k] + eta_t * m[k] / (np.sqrt(v[k]) + tau) for k in w}
+        models.append(w)
+    return models
+
+
+def secure_rounds(
+    strategy: ContractStrategy, options: SecAggOptions, rounds: int
+) -> list[dict[str, np.ndarray]]:
+    """``rounds`` secure rounds of ``strategy`` over the in-process Grid; each round's model."""
+    grid = DroppingGrid(make_app([]), {})
+    secure = SecureAggregation(strategy, options, stage_timeout=30.0)
+    arrays = ArrayRecord({k: Array(v) for k, v in GLOBAL.items()})
+    models = []
+    for server_round in range(1, rounds + 1):
+        instructions = secure.configure_train(server_round, arrays, ConfigRecord({"seed": 0}), grid)
+        arrays, _ = secure.aggregate_train(server_round, grid.send_and_receive(instructions))
+        assert arrays is not None
+        models.append({k: v.numpy() for k, v in arrays.items()})
+    return models
+
+
+def test_fedavgm_under_secaggplus_steps_as_the_clipped_plain_rounds_within_quantisation() -> None:
+    options = SecAggOptions(max_weight=100.0, clip_norm=CLIP)
+    strategy = FedAvgM(server_learning_rate=0.7, server_momentum=0.9, **BOUNDS_OFF)
+    secure = secure_rounds(strategy, options, 3)
+    expected = fedavgm_by_hand(3, lr=0.7, momentum=0.9)
+    without_momentum = fedavgm_by_hand(3, lr=0.7, momentum=0.0)[-1]
+    for got, want in zip(secure, expected, strict=True):
+        for key in GLOBAL:
+            # A round's mean update is within N quanta; momentum and the next rounds' clip
+            # carry it on, a few times over by round 3.
+            np.testing.assert_allclose(got[key], want[key], atol=8 * NUM_NODES * options.quantum)
+    assert np.abs(expected[-1]["w"] - without_momentum["w"]).max() > 0.05  # momentum matters
+
+
+def test_fedadam_under_secaggplus_steps_as_the_clipped_plain_rounds_within_quantisation() -> None:
+    options = SecAggOptions(max_weight=100.0, clip_norm=CLIP)
+    adam = {"eta": 0.1, "beta_1": 0.9, "beta_2": 0.99, "tau": 0.01}
+    secure = secure_rounds(FedAdam(**adam, **BOUNDS_OFF), options, 3)
+    expected = fedadam_by_hand(3, **adam)
+    # Adam's step m / (sqrt(v) + tau) changes by at most (1 - beta_1) / tau = 10 times the
+    # change of the mean update, so the quantisation error is 10x FedAvg's in each round.
+    tolerance = 3 * 10 * NUM_NODES * options.quantum
+    for got, want in zip(secure, expected, strict=True):
+        for key in GLOBAL:
+            np.testing.assert_allclose(got[key], want[key], atol=tolerance)
+    plain_mean = {k: GLOBAL[k] + u for k, u in clipped_mean_update(GLOBAL).items()}
+    assert np.abs(expected[0]["w"] - plain_mean["w"]).max() > 100 * tolerance  # not FedAvg
 
 
 def test_the_aggregation_receives_masked_vectors_and_the_unmasked_sum_only() -> None:
