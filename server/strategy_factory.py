@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from logging import INFO
 from typing import Any
 
 import torch
+from flwr.common import log
 
 from beyond_averaging.strategies import (
     ContractStrategy,
@@ -57,6 +59,36 @@ def reply_bounds(config: RunConfig) -> BoundsOptions:
     )
 
 
+#: The per-reply bounds that read each reply, off under secure aggregation.
+PER_REPLY_BOUNDS = (
+    "update_norm_factor",
+    "update_clip_factor",
+    "direction_outlier_factor",
+    "max_claim_factor",
+)
+
+
+def secure_bounds_note(config: RunConfig) -> str:
+    """The line a secure run logs at its start: which per-reply bounds its configuration left on
+    (their defaults) are off, and the clients' own clip and weight bound that take their place."""
+    off = [
+        f"{name.replace('_', '-')} = {getattr(config, name)!r}"
+        for name in PER_REPLY_BOUNDS
+        if getattr(config, name) != 0.0
+    ]
+    clip = (
+        f"each client clips its update to L2 norm secure-clip-norm = {config.secure_clip_norm!r}"
+        if config.secure_clip_norm > 0.0
+        else "secure-clip-norm = 0.0 leaves each client's update unclipped (set it > 0 to bound it)"
+    )
+    return (
+        "secure aggregation: the server sees no reply alone, so the per-reply bounds "
+        f"{', '.join(off) if off else '(all set to 0 already)'} are off; in their place {clip}, "
+        f"and no client counts for more than secure-max-weight = {config.secure_max_weight!r} "
+        "examples"
+    )
+
+
 def trigger_unlearning(config: RunConfig) -> TriggerUnlearning | None:
     """Trigger unlearning's options (:mod:`strategies.defences.trigger_unlearning`), when the run's
     ``backdoor-defence`` asks for it."""
@@ -89,6 +121,7 @@ def build_strategy(config: RunConfig, resources: ServerResources) -> RunStrategy
     rule = build_rule(config, resources)
     if config.secure_aggregation == "none":
         return rule
+    log(INFO, secure_bounds_note(config))
     return SecureAggregation(rule, secure_options(config), stage_timeout=config.round_timeout)
 
 

@@ -11,6 +11,7 @@ threshold the round fails with an error that says how to resume.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,9 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from beyond_averaging.client import secure as client_secure
 from beyond_averaging.client.secure import secure_aggregation_mod
-from beyond_averaging.server.config import config_problems
+from beyond_averaging.server.config import config_problems, parse_run_config
 from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import (
     ContractStrategy,
     ElasticAggregation,
@@ -44,6 +46,8 @@ from beyond_averaging.strategies.secure import (
     SecureAggregation,
     SecureAggregationError,
 )
+from beyond_averaging.tasks.datasets import LabeledData
+from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.secure_aggregation import MASKED_RECORD, SECURE_RECORD, STAGE_KEY
 from tests.conftest import instruction_message
 
@@ -387,6 +391,52 @@ def test_the_run_configuration_accepts_the_defaults_and_server_side_defences_und
         )
         == []
     )
+
+
+def secure_start_notes(caplog: pytest.LogCaptureFixture, settings: dict[str, Any]) -> list[str]:
+    """The INFO lines about the bounds that building the run's strategy logs."""
+    config = parse_run_config(
+        {"dataset": "digits", "model": "mlp", "num-clients": 3, "device": "cpu", **settings}
+    )
+    probe = LabeledData(np.zeros((10, 1, 8, 8), np.float32), np.arange(10), 10)
+    model = build_model(config.model, probe.input_shape, probe.num_classes, seed=0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        build_strategy(config, ServerResources(model, probe, torch.device("cpu")))
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.INFO and "per-reply bounds" in r.getMessage()
+    ]
+
+
+def test_a_secure_run_names_at_its_start_the_bounds_it_turns_off_and_what_replaces_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    (note,) = secure_start_notes(caplog, {"secure-aggregation": "secaggplus"})
+    for bound in (
+        "update-norm-factor = 10.0",
+        "update-clip-factor = 2.0",
+        "direction-outlier-factor = 2.0",
+        "max-claim-factor = 10.0",
+    ):
+        assert bound in note
+    assert "secure-clip-norm = 0.0 leaves each client's update unclipped" in note
+    assert "secure-max-weight = 10000.0" in note
+    (note,) = secure_start_notes(
+        caplog,
+        {
+            "secure-aggregation": "secaggplus",
+            "update-clip-factor": 0.0,
+            "secure-clip-norm": 2.5,
+            "secure-max-weight": 500.0,
+        },
+    )
+    assert "update-clip-factor" not in note  # off already: not turned off by secure aggregation
+    assert "direction-outlier-factor = 2.0" in note
+    assert "clips its update to L2 norm secure-clip-norm = 2.5" in note
+    assert "secure-max-weight = 500.0" in note
+    assert secure_start_notes(caplog, {}) == []  # a plain run keeps its bounds, says nothing
 
 
 def test_server_noise_reads_only_the_aggregate_and_still_runs_under_it() -> None:
