@@ -177,6 +177,8 @@ class Rule:
     client_recipe: str | None
     #: Optional recipes applied to the server file after ``server_recipe`` (outside its budget).
     server_extras: tuple[str, ...] = ()
+    #: Optional recipes applied to the client file after ``client_recipe`` (outside its budget).
+    client_extras: tuple[str, ...] = ()
 
 
 RULES = (
@@ -251,7 +253,8 @@ def patched_files(shape: AppShape, rule: Rule) -> dict[str, tuple[str, str]]:
     """File -> (unpatched, patched) for the files the rule's recipes change."""
     changes = {
         shape.server_module: (rule.server_recipe, *rule.server_extras),
-        shape.client_module: (rule.client_recipe,) if rule.client_recipe else (),
+        shape.client_module: ((rule.client_recipe,) if rule.client_recipe else ())
+        + rule.client_extras,
     }
     files = {}
     for module, names in changes.items():
