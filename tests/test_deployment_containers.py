@@ -7,6 +7,8 @@ Flower release this interpreter runs: flwr 1.39 builds ``FLEET=grpc``, 1.40 and 
 - the insecure stack of compose.yaml (SuperLink + 3 SuperNodes) runs 2 rounds of each strategy of
   this build through ``flwr run`` from the host; the compose health checks pass; the engine
   published the Fleet and Control APIs on 127.0.0.1 only;
+- on the same stack one round of Elastic runs under secure aggregation (SecAgg+'s four stages
+  through the containers' SuperLink and warm executors);
 - on the same stack a SuperNode is stopped (``docker compose stop``) while a run is under way, and
   the run completes with the two others;
 - the SuperLink is restarted: its state was in memory, so every SuperNode comes back under a new
@@ -292,6 +294,32 @@ def test_two_rounds_of_each_strategy_through_the_compose_stack(
     run_dir = insecure_stack.run(staged_app, strategy, f"{strategy}-compose")
     timed(f"{strategy}: 2 rounds", started)
     assert_every_round_aggregated(read_metrics(run_dir), NUM_SUPERNODES)
+
+
+@pytest.mark.http_fleet
+def test_a_secure_elastic_round_through_the_compose_stack(
+    insecure_stack: Deployment, staged_app: Path
+) -> None:
+    # SecAgg+'s four stages (keys, shares, masked vectors, unmasking) between the SuperLink's
+    # ServerApp and the warm executors of the three SuperNode containers.
+    started = time.monotonic()
+    run_dir = insecure_stack.run(
+        staged_app,
+        "elastic",
+        "elastic-secure-compose",
+        **{
+            "secure-aggregation": "secaggplus",
+            "min-train-replies": NUM_SUPERNODES,
+            "num-server-rounds": 1,
+        },
+    )
+    timed("elastic under secaggplus: 1 round", started)
+    last = read_metrics(run_dir)[-1]
+    assert last["round"] == 1
+    assert last["aggregated"] == 1
+    assert last["replies-valid"] == NUM_SUPERNODES
+    assert last["secure-dropped-after-keys"] == 0
+    assert last["elastic-scaled-tensors"] > 0  # zeta from the summed sensitivities
 
 
 def documented_results_copy() -> tuple[list[str], list[str]]:
