@@ -34,7 +34,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +189,7 @@ def measure(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
     }
 
 
-def table(rows: list[Mapping[str, Any]]) -> str:
+def table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The markdown table: the median of each figure over the repeats, per mode."""
     names = ("serverapp-cpu-s", "clientapp-cpu-s", "node-up-kB", "node-down-kB", "round-s")
     lines = [

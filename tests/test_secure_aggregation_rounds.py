@@ -250,8 +250,9 @@ def secure_rounds(
     models = []
     for server_round in range(1, rounds + 1):
         instructions = secure.configure_train(server_round, arrays, ConfigRecord({"seed": 0}), grid)
-        arrays, _ = secure.aggregate_train(server_round, grid.send_and_receive(instructions))
-        assert arrays is not None
+        new, _ = secure.aggregate_train(server_round, grid.send_and_receive(instructions))
+        assert new is not None
+        arrays = new
         models.append({k: v.numpy() for k, v in arrays.items()})
     return models
 
@@ -272,7 +273,7 @@ def test_fedavgm_under_secaggplus_steps_as_the_clipped_plain_rounds_within_quant
 
 def test_fedadam_under_secaggplus_steps_as_the_clipped_plain_rounds_within_quantisation() -> None:
     options = SecAggOptions(max_weight=100.0, clip_norm=CLIP)
-    adam = {"eta": 0.1, "beta_1": 0.9, "beta_2": 0.99, "tau": 0.01}
+    adam: dict[str, Any] = {"eta": 0.1, "beta_1": 0.9, "beta_2": 0.99, "tau": 0.01}
     secure = secure_rounds(FedAdam(**adam, **BOUNDS_OFF), options, 3)
     expected = fedadam_by_hand(3, **adam)
     # Adam's step m / (sqrt(v) + tau) changes by at most (1 - beta_1) / tau = 10 times the
