@@ -186,6 +186,12 @@ class RunConfig(BaseModel):
     unlearning_patched_share: float = Field(
         0.2, gt=0.0, le=1.0, description="the stamped inputs' share of each unlearning step's loss"
     )
+    unlearning_additive: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="additive search's weight; 0: no search"
+    )
+    unlearning_dormant_inputs: bool = Field(
+        False, description="keep first-layer weights of inputs blank in the root set unchanged"
+    )
     server_noise_std: float = Field(
         0.0, ge=0.0, allow_inf_nan=False, description="Gaussian noise on each new model (weak DP)"
     )
