@@ -50,7 +50,10 @@ from beyond_averaging.server.runs.folder import COMPLETED_WITH_ALARMS
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.strategy_factory import build_strategy
 from beyond_averaging.strategies import ContractStrategy
-from beyond_averaging.strategies.defences.trigger_unlearning import TriggerUnlearning
+from beyond_averaging.strategies.defences.trigger_unlearning import (
+    TriggerUnlearning,
+    backdoor_alarms,
+)
 from beyond_averaging.strategies.replies.bounds import (
     DEFAULT_MAX_CLAIM_FACTOR,
     DEFAULT_UPDATE_CLIP_FACTOR,
@@ -496,36 +499,19 @@ def adaptive_attack(
     fed: Federation, config: RunConfig, attack: Attack, attackers: int
 ) -> tuple[Attack, dict[str, Any]]:
     """``attack`` with the trigger :func:`benchmarks.triggers.choose_trigger` picks against the
-    published defence (trigger unlearning with 6 passes), and the figures of the choice for the
-    round-0 line: ``adaptive-trigger`` (its index in
-    :data:`benchmarks.triggers.ADAPTIVE_CANDIDATES`)
-    and ``adaptive-survival`` (each candidate's success after the rehearsed defence).
-
-    The attackers rehearse on their pooled partitions from the initial global model, with the
-    server's root set (the proxy set) as the search's inputs: omniscient, as the table's other
-    attackers, who see every honest update.
-    """
-    cpu = torch.device("cpu")
-    task = client_task(config)
+    published defence (trigger unlearning, 6 passes), rehearsed on the attackers' pooled
+    partitions from the initial model with the server's root set as the search's inputs
+    (omniscient, as the table's other attackers); and the round-0 figures of the choice."""
+    cpu, task = torch.device("cpu"), client_task(config)
     spec = DataSpec.from_task(task, config.num_clients)
     parts = [client_module.device_partition(spec, pid, cpu) for pid in range(attackers)]
-    pooled = DeviceData(
-        torch.cat([part.features for part in parts]),
-        torch.cat([part.labels for part in parts]),
-        parts[0].num_classes,
-    )
-    _, root = load_server_splits(data_spec(config))
+    pooled = [torch.cat([getattr(part, key) for part in parts]) for key in ("features", "labels")]
+    root = DeviceData.from_labeled(load_server_splits(data_spec(config))[1], cpu)
     fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
     best, survived = choose_trigger(
-        fed.model,
-        pooled,
-        torch.from_numpy(root.features),
-        torch.from_numpy(root.labels),
-        TriggerUnlearning(epochs=6),
-        learning_rate=task.learning_rate,
-        batch_size=task.batch_size,
-        seed=config.seed,
-    )
+        fed.model, DeviceData(*pooled, parts[0].num_classes), root, TriggerUnlearning(epochs=6),
+        learning_rate=task.learning_rate, batch_size=task.batch_size, seed=config.seed,
+    )  # fmt: skip
     figures = {
         "adaptive-trigger": ADAPTIVE_CANDIDATES.index(best),
         "adaptive-survival": [survived[name] for name in ADAPTIVE_CANDIDATES],
@@ -610,6 +596,7 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
                 figures = dict(fed.strategy.last_round_metrics)
             last = server_round == config.num_server_rounds
             alarms = round_alarms(history, accuracy, loss, chance, last=last)
+            alarms |= backdoor_alarms(figures)
             history.append((accuracy, loss))
             recorder.log_round(
                 {

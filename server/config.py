@@ -55,6 +55,23 @@ ServerOptimizerChoice = Literal["sgd", "momentum", "adam"]
 SERVER_LR_DEFAULTS: dict[str, float] = {"sgd": 1.0, "momentum": 1.0, "adam": 0.1}
 
 
+#: ``defence-profile``: the run options each name sets, the combinations the backdoor tables of
+#: docs/reliability.md ("Defence profiles") measured for that kind of federation. The library's
+#: :func:`strategies.defences.profiles.defence_profile` gives the same as strategy keywords (a
+#: test keeps the two identical).
+DEFENCE_PROFILES: dict[str, dict[str, Any]] = {
+    "none": {},
+    "iid": {"robust-aggregation": "fltrust", "backdoor-defence": "trigger-unlearning"},
+    "label-skew": {
+        "backdoor-defence": "trigger-unlearning",
+        "max-claim-factor": 1.0,
+        "unlearning-epochs": 6,
+        "unlearning-additive": 1.0,
+        "unlearning-dormant-inputs": True,
+    },
+}
+
+
 class RunConfig(BaseModel):
     """Every option of a run, with its default and its allowed range.
 
@@ -174,6 +191,9 @@ class RunConfig(BaseModel):
     )
     pre_aggregation: Literal["none", "nnm", "bucketing", "centered-clipping"] = "none"
     bucket_size: int = Field(2, ge=1, le=1_000_000, description="replies per bucket (bucketing)")
+    defence_profile: Literal["none", "iid", "label-skew"] = Field(
+        "none", description="one name for a measured defence combination (DEFENCE_PROFILES)"
+    )
     backdoor_defence: Literal["none", "trigger-unlearning"] = Field(
         "none", description="after each aggregation: invert and unlearn trigger patches"
     )
@@ -211,6 +231,28 @@ class RunConfig(BaseModel):
     tracker_project: str = Field(
         "beyond-averaging", min_length=1, description="MLflow experiment / W&B project"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_profile(cls, data: Any) -> Any:
+        """``defence-profile``'s options (:data:`DEFENCE_PROFILES`) in place of the keys still at
+        their defaults: a key the user set to another value keeps it. Flower's run config holds
+        every key (pyproject.toml's defaults), so "at its default" is what "not set" means."""
+        if not isinstance(data, Mapping):
+            return data
+        profile = data.get("defence-profile", data.get("defence_profile"))
+        if not isinstance(profile, str) or profile not in DEFENCE_PROFILES:
+            return data  # an unknown profile is refused, with the closest name, as any value
+        expanded = dict(data)
+        for key, value in DEFENCE_PROFILES[profile].items():
+            name = key.replace("-", "_")
+            given = expanded.get(key, expanded.get(name, cls.model_fields[name].default))
+            if given == cls.model_fields[name].default and type(given) is type(
+                cls.model_fields[name].default
+            ):
+                expanded.pop(name, None)
+                expanded[key] = value
+        return expanded
 
     @model_validator(mode="after")
     def _check_relations(self) -> RunConfig:

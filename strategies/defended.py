@@ -83,8 +83,10 @@ from beyond_averaging.strategies.defences.root_set import (
     trusted_replies,
 )
 from beyond_averaging.strategies.defences.trigger_unlearning import (
+    DORMANT_ALARM_RATIO,
     TriggerUnlearning,
     dormant_positions,
+    dormant_update_ratio,
     first_layer_key,
     freeze_dormant_inputs,
     unlearn_triggers,
@@ -382,6 +384,7 @@ class DefendedStrategy(ContractStrategy):
         if self.trigger_unlearning is None or self.root_set is None:
             return arrays
         started = time.perf_counter()
+        aggregate = arrays
         arrays, figures = unlearn_triggers(
             self.root_set.model,
             arrays,
@@ -393,7 +396,21 @@ class DefendedStrategy(ContractStrategy):
         if self.trigger_unlearning.dormant_inputs and previous is not None:
             key, dormant = self._dormant_inputs()
             arrays = freeze_dormant_inputs(previous, arrays, key, dormant)
+            ratio = dormant_update_ratio(previous, aggregate, key, dormant)
             self._defence_metrics["unlearning-dormant-inputs"] = int(dormant.sum())
+            self._defence_metrics["unlearning-dormant-update"] = ratio
+            self._defence_metrics["backdoor-suspected"] = int(ratio >= DORMANT_ALARM_RATIO)
+            if ratio >= DORMANT_ALARM_RATIO:
+                log(
+                    WARNING,
+                    "round %d: the aggregate update on the weights of the %d inputs blank in the "
+                    "whole root set is %.2f x its size elsewhere (alarm at %.2f): honest data "
+                    "leave them alone, a trigger there does not; the update was not applied",
+                    server_round,
+                    int(dormant.sum()),
+                    ratio,
+                    DORMANT_ALARM_RATIO,
+                )
         self._defence_metrics["unlearning-seconds"] = time.perf_counter() - started
         return arrays
 

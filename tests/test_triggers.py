@@ -45,7 +45,7 @@ def test_a_corner_patch_sets_its_square_to_the_batch_maximum_and_leaves_the_rest
     torch.testing.assert_close(with_trigger(features, name), expected)
 
 
-def test_a_distributed_patch_gives_each_attacker_one_band_of_rows_and_the_bands_make_the_whole() -> (
+def test_a_distributed_patch_gives_each_attacker_a_band_of_rows_and_the_bands_make_the_whole() -> (
     None
 ):
     features = batch()
@@ -71,7 +71,8 @@ def test_the_additive_pattern_adds_a_fixed_plus_minus_one_image_at_its_share_of_
     shared = signs[2:3].expand_as(signs)  # image 2 holds no pixel at the range's ends
     torch.testing.assert_close(signs[inside], shared[inside])  # one image for every input
     assert 0.3 < float((signs[2] > 0).float().mean()) < 0.7  # +-1, not a flat shift
-    assert float(stamped.min()) >= 0.0 and float(stamped.max()) <= 1.0  # clipped to the range
+    assert float(stamped.min()) >= 0.0
+    assert float(stamped.max()) <= 1.0
     torch.testing.assert_close(with_trigger(features, f"additive-{amplitude}"), stamped)
 
 
@@ -105,7 +106,8 @@ def test_each_new_backdoor_boosts_its_own_update_to_0_99_of_the_clip_bound_with_
     name: str,
 ) -> None:
     attack = ATTACKS[name]
-    assert attack.backdoor and attack.num_examples is None  # true claim: within the bound
+    assert attack.backdoor
+    assert attack.num_examples is None
     assert attack.trigger in TRIGGERS or attack.trigger == "adaptive"
     # benign norms 1, 2, 3: median 2, clip bound 2 x 2; the attacker's own update any length
     benign = [{"w": np.full(4, n / 2.0)} for n in (1.0, 2.0, 3.0)]
@@ -136,7 +138,7 @@ def test_the_adaptive_attacker_keeps_the_candidate_that_survives_the_rehearsed_d
     features, labels = batch(), torch.tensor([3, 4, 5, 6, 7])
     data = DeviceData(features, labels, 10)
     best, survived = choose_trigger(
-        TopLeft(), data, features, labels, triggers.TriggerUnlearning(),
+        TopLeft(), data, data, triggers.TriggerUnlearning(),
         learning_rate=0.0, batch_size=2, seed=0,
     )  # fmt: skip
     assert set(survived) == set(ADAPTIVE_CANDIDATES)

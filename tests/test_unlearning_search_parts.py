@@ -17,8 +17,11 @@ from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import FedAvg, TriggerUnlearning
 from beyond_averaging.strategies.defences.trigger_unlearning import (
+    DORMANT_ALARM_RATIO,
     AdditiveTrigger,
+    backdoor_alarms,
     dormant_positions,
+    dormant_update_ratio,
     first_layer_key,
     freeze_dormant_inputs,
     invert_additive,
@@ -162,7 +165,11 @@ def test_a_rule_with_dormant_inputs_keeps_their_first_layer_weights_at_the_globa
     after = aggregated(strategy, models)
     np.testing.assert_array_equal(after["0.weight"][:, 2], state["0.weight"][:, 2])
     assert not np.allclose(after["0.weight"][:, [0, 1, 3]], state["0.weight"][:, [0, 1, 3]])
-    assert strategy.aggregation_metrics[1]["unlearning-dormant-inputs"] == 1
+    figures = strategy.aggregation_metrics[1]
+    assert figures["unlearning-dormant-inputs"] == 1
+    # the replies moved column 2 as much as the others: the alarm's figure sees it
+    assert figures["unlearning-dormant-update"] > DORMANT_ALARM_RATIO
+    assert figures["backdoor-suspected"] == 1
 
 
 def test_dormant_inputs_on_a_model_without_a_linear_first_layer_is_refused_naming_the_fix() -> None:
@@ -207,3 +214,22 @@ def test_the_new_run_options_reach_the_strategy() -> None:
 def test_bad_new_options_are_refused_naming_the_value(options: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         TriggerUnlearning(**options)
+
+
+def test_the_dormant_update_ratio_compares_root_mean_squares_of_the_two_column_sets() -> None:
+    previous = {"w": np.zeros((2, 3))}
+    new = {"w": np.array([[3.0, 1.0, 0.0], [4.0, 1.0, 0.0]])}
+    # dormant column 0: RMS 3.5355 (sqrt(12.5)); the others: sqrt((1 + 1 + 0 + 0) / 4) = 0.7071
+    ratio = dormant_update_ratio(previous, new, "w", np.array([True, False, False]))
+    assert ratio == pytest.approx(np.sqrt(12.5) / np.sqrt(0.5))
+    assert dormant_update_ratio(previous, new, "w", np.array([False] * 3)) == 0.0
+    assert dormant_update_ratio(previous, previous, "w", np.array([True, False, False])) == 0.0
+
+
+def test_the_backdoor_alarm_fires_only_on_a_round_whose_check_fired_and_names_the_figure() -> None:
+    assert backdoor_alarms({"unlearning-dormant-update": 0.1, "backdoor-suspected": 0}) == {}
+    assert backdoor_alarms({}) == {}
+    alarm = backdoor_alarms({"unlearning-dormant-update": 0.8, "backdoor-suspected": 1})
+    assert list(alarm) == ["backdoor-suspected"]
+    assert "0.80 x its size elsewhere" in alarm["backdoor-suspected"]
+    assert f"alarm at {DORMANT_ALARM_RATIO}" in alarm["backdoor-suspected"]

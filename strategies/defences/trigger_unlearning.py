@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -222,6 +223,40 @@ def first_layer_key(model: nn.Module, num_inputs: int) -> str | None:
         if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d | nn.Embedding):
             return None
     return None
+
+
+#: A round whose aggregate update on the dormant inputs' weights is at least this share of its
+#: update on the other inputs' (root mean squares, :func:`dormant_update_ratio`) raises the
+#: ``backdoor-suspected`` alarm: honest clients' data are as blank there as the root set's, so
+#: only weight decay writes them (docs/reliability.md, "Alarms").
+DORMANT_ALARM_RATIO = 0.25
+
+
+def dormant_update_ratio(
+    previous: NDArrayDict, new: NDArrayDict, key: str, dormant: npt.NDArray[np.bool_]
+) -> float:
+    """RMS of ``new - previous`` on the columns ``dormant`` of weight ``key`` over its RMS on
+    the other columns (0 when either set is empty or the others did not move)."""
+    update = as_numpy(new[key]).astype(np.float64) - as_numpy(previous[key])
+    if not dormant.any() or dormant.all():
+        return 0.0
+    active = float(np.sqrt(np.mean(np.square(update[:, ~dormant]))))
+    return float(np.sqrt(np.mean(np.square(update[:, dormant])))) / active if active > 0 else 0.0
+
+
+def backdoor_alarms(metrics: Mapping[str, Any]) -> dict[str, str]:
+    """The run alarm a round's metrics call for: ``backdoor-suspected`` when the dormant inputs'
+    check (``backdoor-suspected`` = 1, :data:`DORMANT_ALARM_RATIO`) fired, naming the figure."""
+    if not metrics.get("backdoor-suspected"):
+        return {}
+    ratio = float(metrics.get("unlearning-dormant-update", 0.0))
+    return {
+        "backdoor-suspected": (
+            f"the aggregate update on the weights of inputs blank in the whole root set was "
+            f"{ratio:.2f} x its size elsewhere (alarm at {DORMANT_ALARM_RATIO}): a trigger "
+            "there is likely; check the replies' clients and test the model with triggers"
+        )
+    }
 
 
 def freeze_dormant_inputs(
