@@ -45,6 +45,8 @@ DatasetChoice = Literal[
 ]
 PartitionChoice = Literal["iid", "dirichlet", "classes"]
 ModelChoice = Literal["logreg", "mlp", "lenet5", "cnn"]
+#: The models whose first layer is a convolution (no weight belongs to one input position).
+CONVOLUTIONAL = ("lenet5", "cnn")
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ClientBackendChoice = Literal["clientapp", "vectorized"]
 StrategyChoice = Literal["fedavg", "elastic", "fedlaw", "fedgma"]
@@ -244,8 +246,11 @@ class RunConfig(BaseModel):
         if not isinstance(profile, str) or profile not in DEFENCE_PROFILES:
             return data  # an unknown profile is refused, with the closest name, as any value
         expanded = dict(data)
+        convolutional = expanded.get("model", cls.model_fields["model"].default) in CONVOLUTIONAL
         for key, value in DEFENCE_PROFILES[profile].items():
             name = key.replace("-", "_")
+            if name == "unlearning_dormant_inputs" and convolutional:
+                continue  # no weight belongs to one input position: refused if set by hand
             given = expanded.get(key, expanded.get(name, cls.model_fields[name].default))
             if given == cls.model_fields[name].default and type(given) is type(
                 cls.model_fields[name].default
@@ -278,6 +283,12 @@ class RunConfig(BaseModel):
                     f"{use}, and proxy-per-class = 0 with no proxy-dir leaves it none: set "
                     "proxy-per-class >= 1 (10 gives a 100-sample root set on 10 classes)"
                 )
+        if self.unlearning_dormant_inputs and self.model in CONVOLUTIONAL:
+            raise ValueError(
+                f"unlearning-dormant-inputs = true with model = {self.model!r}: a convolution "
+                "reads every input position through shared weights, so no weight belongs to "
+                "one position; use model = 'mlp' or 'logreg', or unlearning-dormant-inputs = false"
+            )
         if self.strategy == "fedlaw" and self.proxy_per_class == 0 and not self.proxy_dir:
             raise ValueError(
                 "strategy = 'fedlaw' with proxy-per-class = 0 and no proxy-dir leaves FedLAW "

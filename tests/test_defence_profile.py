@@ -69,3 +69,13 @@ def test_the_library_helper_refuses_an_unknown_name_naming_the_closest() -> None
     assert defence_profile("label-skew")["trigger_unlearning"] == TriggerUnlearning(
         epochs=6, additive_weight=1.0, dormant_inputs=True
     )
+
+
+def test_dormant_inputs_with_a_convolutional_model_is_refused_and_the_profile_leaves_it_off() -> (
+    None
+):
+    with pytest.raises(ConfigError, match="unlearning-dormant-inputs = false"):
+        parse_run_config({"unlearning-dormant-inputs": True, "model": "cnn"})
+    config = parse_run_config({"defence-profile": "label-skew", "model": "cnn"})
+    assert config.unlearning_dormant_inputs is False
+    assert config.unlearning_additive == 1.0
