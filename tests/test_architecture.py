@@ -42,7 +42,9 @@ SUBPACKAGE_DEPENDENCIES = {
 }
 MAX_MODULE_LINES = 1000
 MAX_TOP_MODULES = {"server": 12, "strategies": 14}
-MAX_BENCHMARK_LINES = 3000
+# 3,000 until issue 45 put its trigger families (benchmarks/triggers.py) and backdoor alarm counts
+# into the attack set.
+MAX_BENCHMARK_LINES = 3150
 
 
 @cache
