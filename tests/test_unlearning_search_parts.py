@@ -233,3 +233,14 @@ def test_the_backdoor_alarm_fires_only_on_a_round_whose_check_fired_and_names_th
     assert list(alarm) == ["backdoor-suspected"]
     assert "0.80 x its size elsewhere" in alarm["backdoor-suspected"]
     assert f"alarm at {DORMANT_ALARM_RATIO}" in alarm["backdoor-suspected"]
+
+
+def test_a_round_with_the_backdoor_alarm_ends_the_run_completed_with_alarms(tmp_path: Any) -> None:
+    from beyond_averaging.server.runs.recorder import RunRecorder
+
+    recorder = RunRecorder(str(tmp_path), "run", {"seed": 0})
+    alarm = backdoor_alarms({"unlearning-dormant-update": 0.7, "backdoor-suspected": 1})
+    recorder.log_round({"round": 1, "test-accuracy": 0.9, "test-loss": 0.3}, alarm)
+    summary = recorder.alarm_summary()
+    assert list(summary) == ["backdoor-suspected"]
+    assert summary["backdoor-suspected"]["rounds"] == 1
