@@ -24,6 +24,9 @@ from torch import nn
 
 from beyond_averaging.strategies.defences.trigger_unlearning import (
     TriggerUnlearning,
+    dormant_positions,
+    first_layer_key,
+    freeze_dormant_inputs,
     unlearn_triggers,
 )
 from beyond_averaging.tasks.evaluation import DeviceData
@@ -111,8 +114,9 @@ def choose_trigger(
     """The candidate trigger that survives the server's published defence best, and each one's
     surviving success (ties: the earlier). Per candidate: a copy of ``model`` trained
     :data:`REHEARSAL_EPOCHS` epochs on ``attacker_data`` half poisoned, :func:`unlearn_triggers`
-    with ``defence`` on ``root`` (the search's inputs), then the share of ``root``'s other-class
-    inputs the stamped trigger still sends to the target."""
+    with ``defence`` on ``root`` (the search's inputs) and its dormant inputs kept at ``model``'s,
+    then the share of ``root``'s other-class inputs the stamped trigger still sends to the
+    target."""
     survived: dict[str, float] = {}
     generator = torch.Generator().manual_seed(seed)
     others = root.features[root.labels != BACKDOOR_TARGET]
@@ -129,6 +133,10 @@ def choose_trigger(
         arrays, _ = unlearn_triggers(
             copy.deepcopy(model), arrays, root.features, root.labels, defence
         )
+        if defence.dormant_inputs and (key := first_layer_key(model, root.features[0].numel())):
+            start = {name: value.detach().numpy() for name, value in model.state_dict().items()}
+            dormant = dormant_positions(root.features).numpy()
+            arrays = freeze_dormant_inputs(start, arrays, key, dormant)
         rehearsal.load_state_dict({key: torch.from_numpy(value) for key, value in arrays.items()})
         rehearsal.eval()
         with torch.no_grad():
