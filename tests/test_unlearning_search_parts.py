@@ -226,6 +226,20 @@ def test_the_dormant_update_ratio_compares_root_mean_squares_of_the_two_column_s
     assert dormant_update_ratio(previous, previous, "w", np.array([True, False, False])) == 0.0
 
 
+def test_the_dormant_update_ratio_ignores_a_rescaling_of_the_whole_layer() -> None:
+    # previous p = [[1, 0, 1], [0, 1, 1]] (|p|^2 = 4); new = 1.5 p + e, e = 2 on (0, 0):
+    # u = 0.5 p + e, <u, p> = 2 + 2 = 4, u - (4 / 4) p = e - 0.5 p
+    #   = [[1.5, 0, -0.5], [0, -0.5, -0.5]]: dormant column 0 RMS sqrt(2.25 / 2),
+    #   the others sqrt((0 + 0.25 + 0.25 + 0.25) / 4)
+    previous = {"w": np.array([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])}
+    grown = {"w": 1.5 * previous["w"]}
+    dormant = np.array([True, False, False])
+    assert dormant_update_ratio(previous, grown, "w", dormant) == pytest.approx(0.0, abs=1e-12)
+    written = {"w": grown["w"] + np.array([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])}
+    expected = np.sqrt(2.25 / 2) / np.sqrt(0.75 / 4)
+    assert dormant_update_ratio(previous, written, "w", dormant) == pytest.approx(expected)
+
+
 def test_the_backdoor_alarm_fires_only_on_a_round_whose_check_fired_and_names_the_figure() -> None:
     assert backdoor_alarms({"unlearning-dormant-update": 0.1, "backdoor-suspected": 0}) == {}
     assert backdoor_alarms({}) == {}

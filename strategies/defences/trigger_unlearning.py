@@ -235,9 +235,16 @@ DORMANT_ALARM_RATIO = 0.25
 def dormant_update_ratio(
     previous: NDArrayDict, new: NDArrayDict, key: str, dormant: npt.NDArray[np.bool_]
 ) -> float:
-    """RMS of ``new - previous`` on the columns ``dormant`` of weight ``key`` over its RMS on
-    the other columns (0 when either set is empty or the others did not move)."""
-    update = as_numpy(new[key]).astype(np.float64) - as_numpy(previous[key])
+    """RMS of the update of weight ``key`` on the columns ``dormant`` over its RMS on the other
+    columns (0 when either set is empty or the others did not move). The update is
+    ``new - previous`` less its projection on ``previous``: a rescaling of the whole layer
+    (weight decay, FedLAW's shrink factor) moves dormant weights too, and says nothing of
+    them."""
+    before = as_numpy(previous[key]).astype(np.float64)
+    update = as_numpy(new[key]).astype(np.float64) - before
+    scale = float(np.vdot(before, before))
+    if scale > 0:
+        update = update - float(np.vdot(update, before)) / scale * before
     if not dormant.any() or dormant.all():
         return 0.0
     active = float(np.sqrt(np.mean(np.square(update[:, ~dormant]))))
