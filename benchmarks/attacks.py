@@ -496,7 +496,7 @@ def backdoor_success(fed: Federation, triggered: LabeledData) -> float:
 
 # ----------------------------------------------------------------------------- one run
 def adaptive_attack(
-    fed: Federation, config: RunConfig, attack: Attack, attackers: int
+    fed: Federation, config: RunConfig, attack: Attack, attackers: range
 ) -> tuple[Attack, dict[str, Any]]:
     """``attack`` with the trigger :func:`benchmarks.triggers.choose_trigger` picks against the
     run's own trigger unlearning (where it has none, the documented setting, 6 passes),
@@ -505,7 +505,7 @@ def adaptive_attack(
     (omniscient, as the table's other attackers); and the round-0 figures of the choice."""
     cpu, task = torch.device("cpu"), client_task(config)
     spec = DataSpec.from_task(task, config.num_clients)
-    parts = [client_module.device_partition(spec, pid, cpu) for pid in range(attackers)]
+    parts = [client_module.device_partition(spec, pid, cpu) for pid in attackers]
     pooled = [torch.cat([getattr(part, key) for part in parts]) for key in ("features", "labels")]
     root = DeviceData.from_labeled(load_server_splits(data_spec(config))[1], cpu)
     fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
@@ -545,7 +545,8 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
     ``settings`` is a run configuration (``run-name`` and ``output-dir`` name the run folder)
     plus ``attack`` (a name of :data:`ATTACKS`), ``attackers`` (how many of the first nodes
     attack; 0 or attack ``none``: an honest run) and optionally ``flower`` (a class of
-    :data:`FLOWER_STRATEGIES` in place of the configured rule).
+    :data:`FLOWER_STRATEGIES` in place of the configured rule) and ``attackers-at``
+    (``"last"``: the last nodes and partitions attack instead of the first).
 
     Raises
     ------
@@ -556,7 +557,9 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
     if attack_name not in ATTACKS:
         raise ValueError(f"attack = {attack_name!r}: use one of {sorted(ATTACKS)}")
     attack, flower = ATTACKS[attack_name], str(settings.get("flower", ""))
-    run_settings = {k: v for k, v in settings.items() if k not in ("attack", "attackers", "flower")}
+    ours = ("attack", "attackers", "flower", "attackers-at")
+    run_settings = {k: v for k, v in settings.items() if k not in ours}
+    last = settings.get("attackers-at", "first") == "last"
     config = parse_run_config(run_settings)
     told = int(settings.get("attackers", 0))  # what Krum and Bulyan assume, even in honest runs
     attackers = 0 if attack_name == "none" else told
@@ -566,16 +569,17 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
         {**config.to_run_config(), "attack": attack_name, "attackers": attackers, "flower": flower},
     )
     poisoning = attack.flip_labels or attack.backdoor
-    poisoned_ids = frozenset(range(attackers) if poisoning else ())
+    first = config.num_clients - attackers if last else 0
+    poisoned_ids = frozenset(range(first, first + attackers) if poisoning else ())
     try:
         rule = build_strategy if not flower else lambda c, _: flower_strategy(flower, told, c)
         fed = federation(run_settings, rule)
         chosen: dict[str, Any] = {}
         if attack.trigger == "adaptive" and attackers:
-            attack, chosen = adaptive_attack(fed, config, attack, attackers)
+            attack, chosen = adaptive_attack(fed, config, attack, range(first, first + attackers))
         triggered = backdoor_test_set(fed.test_set, attack.trigger)
         node_ids = sorted(fed.grid.get_node_ids())
-        fed.grid = AttackGrid(fed.grid, node_ids[:attackers], attack, config.seed)
+        fed.grid = AttackGrid(fed.grid, node_ids[first : first + attackers], attack, config.seed)
         chance = chance_accuracy(fed.test_set.labels)
         loss, accuracy = fed.evaluate()
         history = [(accuracy, loss)]  # the ServerApp's alarms, judged as it judges them
