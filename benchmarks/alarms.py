@@ -9,7 +9,9 @@ judged by the rule as it is now). Then, per spec:
   alarm;
 - a **miss** is a run whose last model is within ``CHANCE_MARGIN`` of chance, that learned less
   than its honest twin (the run of the same labels with ``attack = "none"``; a run with no twin
-  counts), and that raises no alarm: it would end plain ``completed``.
+  counts), and that raises no alarm: it would end plain ``completed``;
+- a **missed backdoor** is a run whose last ``backdoor-success`` is at least ``BACKDOOR_MISS``
+  and that raises no alarm (``backdoor-suspected``, recorded by the run, counts).
 
 Chance is the share of the test split's most frequent label, as the ServerApp computes it::
 
@@ -32,6 +34,9 @@ from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.tasks.federation import DataSpec, load_server_splits
 
 HONEST_ATTACK = "none"
+#: A backdoor that succeeds on this share of triggered images is one the user must hear of (issue
+#: 45's target holds each trigger family at or below it).
+BACKDOOR_MISS = 0.2
 
 
 def replayed_alarms(rounds: Sequence[Mapping[str, Any]], chance: float) -> dict[str, list[int]]:
@@ -44,6 +49,8 @@ def replayed_alarms(rounds: Sequence[Mapping[str, Any]], chance: float) -> dict[
         last = index == len(figures) - 1
         for kind in round_alarms(figures[:index], *figures[index], chance, last=last):
             raised.setdefault(kind, []).append(int(rounds[index]["round"]))
+        if rounds[index].get("backdoor-suspected"):  # the strategy's own, as recorded
+            raised.setdefault("backdoor-suspected", []).append(int(rounds[index]["round"]))
     return raised
 
 
@@ -69,6 +76,12 @@ class Judged:
     twin_final: float | None
     chance: float
     alarms: dict[str, list[int]]
+    backdoor: float = 0.0  # the last round's backdoor-success
+
+    @property
+    def missed_backdoor(self) -> bool:
+        """A backdoor at or above ``BACKDOOR_MISS`` and no alarm."""
+        return not self.honest and self.backdoor >= BACKDOOR_MISS and not self.alarms
 
     @property
     def ends_at_chance(self) -> bool:
@@ -103,6 +116,7 @@ def judge(runs: Sequence[RunData]) -> list[Judged]:
                 None if honest else finals.get(twin(data)),
                 chance,
                 replayed_alarms(data.rounds, chance),
+                float(data.rounds[-1].get("backdoor-success", 0.0)),
             )
         )
     return judged
@@ -119,16 +133,23 @@ def count_report(spec_paths: Sequence[Path]) -> str:
         at_chance = [j for j in judged if not j.honest and j.ends_at_chance]
         misses = [j for j in judged if not j.honest and j.missed]
         alarmed = [j for j in judged if not j.honest and j.alarms]
+        backdoors = [j for j in judged if not j.honest and j.backdoor >= BACKDOOR_MISS]
         lines.append(
             f"{path}: {len(judged)} finished runs; honest {len(honest)}, false alarms "
             f"{len(false_alarms)}; attacked {len(judged) - len(honest)}, with alarms "
             f"{len(alarmed)}, ending within {CHANCE_MARGIN:g} of chance {len(at_chance)}, "
-            f"misses {len(misses)}"
+            f"misses {len(misses)}; backdoors >= {BACKDOOR_MISS:g} {len(backdoors)}, missed "
+            f"{sum(j.missed_backdoor for j in backdoors)}"
         )
         for j in false_alarms:
             lines.append(f"  false alarm: {j.name} ({j.final:.3f}): {j.alarms}")
         for j in misses:
             lines.append(f"  miss: {j.name} ends at {j.final:.3f}, chance {j.chance:.3f}")
+        lines += [
+            f"  missed backdoor: {j.name} ({j.backdoor:.3f})"
+            for j in backdoors
+            if j.missed_backdoor
+        ]
     return "\n".join(lines)
 
 

@@ -34,14 +34,26 @@ from flwr.serverapp import strategy as flower_strategies
 from benchmarks.harness import Federation, federation
 from benchmarks.report import markdown_table, read_run
 from benchmarks.spec import load_spec
+from benchmarks.triggers import (
+    ADAPTIVE_CANDIDATES,
+    BACKDOOR_TARGET,
+    TRIGGERS,
+    choose_trigger,
+    poison_half,
+    with_trigger,
+)
 from beyond_averaging.client import app as client_module
-from beyond_averaging.server.app import chance_accuracy, round_alarms
+from beyond_averaging.server.app import chance_accuracy, client_task, data_spec, round_alarms
 from beyond_averaging.server.config import RunConfig, parse_run_config
 from beyond_averaging.server.pull import DelegatingGrid
 from beyond_averaging.server.runs.folder import COMPLETED_WITH_ALARMS
 from beyond_averaging.server.runs.recorder import RunRecorder
-from beyond_averaging.server.strategy_factory import build_strategy
+from beyond_averaging.server.strategy_factory import build_strategy, trigger_unlearning
 from beyond_averaging.strategies import ContractStrategy
+from beyond_averaging.strategies.defences.trigger_unlearning import (
+    TriggerUnlearning,
+    backdoor_alarms,
+)
 from beyond_averaging.strategies.replies.bounds import (
     DEFAULT_MAX_CLAIM_FACTOR,
     DEFAULT_UPDATE_CLIP_FACTOR,
@@ -49,6 +61,7 @@ from beyond_averaging.strategies.replies.bounds import (
 from beyond_averaging.strategies.replies.influence import DIRECTION_FLOOR
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate
+from beyond_averaging.tasks.federation import DataSpec, load_server_splits
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     GRADIENT_RECORD,
@@ -309,8 +322,11 @@ class Attack:
     num_examples: float | ClaimAttack | None = None
     flip_labels: bool = False
     backdoor: bool = False
-    #: The backdoor's trigger: ``"patch"`` or ``"blend"`` (:func:`with_trigger`).
+    #: The backdoor's trigger: a name of :data:`benchmarks.triggers.TRIGGERS`, or
+    #: ``"adaptive"``: the one :func:`benchmarks.triggers.choose_trigger` picks at the run's start.
     trigger: str = "patch"
+    #: A distributed backdoor (DBA): each attacker stamps one band of the patch's rows.
+    distributed: bool = False
 
 
 ATTACKS: dict[str, Attack] = {
@@ -339,6 +355,19 @@ ATTACKS: dict[str, Attack] = {
     # the best response to removal by fine-tuning (trigger unlearning): the backdoor written only
     # where the benign replies change least
     "backdoor-neurotoxin": Attack(model=_neurotoxin, backdoor=True),
+    # triggers a masked-patch search misses (issue 45): patches where clean digits are mostly
+    # blank, several sizes and corners; a +-1 whole-image pattern added at several amplitudes; a
+    # distributed 4 x 4 patch (each attacker one band of rows); and the attacker that rehearses
+    # the server's published defence on its poisoned model and keeps the trigger it misses
+    **{
+        f"backdoor-{name}": Attack(model=_to_clip_bound, backdoor=True, trigger=name)
+        for name in TRIGGERS
+        if name.startswith(("corner-", "additive-"))
+    },
+    "backdoor-dba-corner-4": Attack(
+        model=_to_clip_bound, backdoor=True, trigger="corner-4", distributed=True
+    ),
+    "backdoor-adaptive": Attack(model=_to_clip_bound, backdoor=True, trigger="adaptive"),
 }
 
 
@@ -413,42 +442,15 @@ class AttackGrid(DelegatingGrid):
 
 
 # ----------------------------------------------------------------------------- poisoned data
-#: The backdoor's target class and triggers: a bright 2 x 2 patch in the images' bottom-right
-#: corner (Bagdasaryan et al. 2020 and Sun et al. 2019 use such pixel patterns), or a fixed
-#: random image blended into the whole input at BLEND_ALPHA (Chen et al. 2017, "Targeted backdoor
-#: attacks on deep learning systems using data poisoning": the blended-injection strategy, which
-#: Wang et al. 2019 name as the trigger Neural Cleanse's small-patch search is weakest against).
-BACKDOOR_TARGET = 0
-TRIGGER_SIZE = 2
-BLEND_ALPHA = 0.2
-BLEND_SEED = 20_170_501
-
-
-def with_trigger(features: torch.Tensor, trigger: str = "patch") -> torch.Tensor:
-    """A copy of image ``features`` (N, C, H, W) with the ``trigger``: ``"patch"``, the
-    bottom-right TRIGGER_SIZE x TRIGGER_SIZE pixels of every channel at the images' largest
-    value; ``"blend"``, (1 - BLEND_ALPHA) x + BLEND_ALPHA r with r one fixed uniform random image
-    over the features' range."""
-    if trigger == "blend":
-        low, high = float(features.min()), float(features.max())
-        noise = np.random.default_rng(BLEND_SEED).random(tuple(features.shape[1:]))
-        pattern = torch.from_numpy(low + (high - low) * noise).to(features)
-        return (1.0 - BLEND_ALPHA) * features + BLEND_ALPHA * pattern
-    triggered = features.clone()
-    triggered[..., -TRIGGER_SIZE:, -TRIGGER_SIZE:] = float(features.max())
-    return triggered
-
-
-def poisoned(data: DeviceData, attack: Attack) -> DeviceData:
+def poisoned(data: DeviceData, attack: Attack, part: int = 0, parts: int = 1) -> DeviceData:
     """The attacker's training data: labels C - 1 - y (label flipping), or every second sample
-    with the trigger and relabelled to BACKDOOR_TARGET (the backdoor), the rest as they are."""
+    with the trigger and relabelled to BACKDOOR_TARGET (the backdoor), the rest as they are; a
+    distributed backdoor's attacker ``part`` of ``parts`` stamps its band of the patch only."""
     if attack.flip_labels:
         return replace(data, labels=data.num_classes - 1 - data.labels)
-    rows = torch.arange(0, len(data.labels), 2, device=data.labels.device)
-    features, labels = data.features.clone(), data.labels.clone()
-    features[rows] = with_trigger(data.features[rows], attack.trigger)
-    labels[rows] = BACKDOOR_TARGET
-    return replace(data, features=features, labels=labels)
+    if not attack.distributed:
+        part, parts = 0, 1
+    return poison_half(data, attack.trigger, part, parts)
 
 
 @contextlib.contextmanager
@@ -460,9 +462,13 @@ def poisoned_partitions(partitions: frozenset[int], attack: Attack) -> Iterator[
     """
     honest = client_module.device_partition
 
+    order = sorted(partitions)
+
     def partition(spec: Any, partition_id: int, device: torch.device) -> DeviceData:
         data = honest(spec, partition_id, device)
-        return poisoned(data, attack) if partition_id in partitions else data
+        if partition_id not in partitions:
+            return data
+        return poisoned(data, attack, order.index(partition_id), len(order))
 
     client_module.device_partition = partition  # type: ignore[assignment]
     try:
@@ -489,6 +495,32 @@ def backdoor_success(fed: Federation, triggered: LabeledData) -> float:
 
 
 # ----------------------------------------------------------------------------- one run
+def adaptive_attack(
+    fed: Federation, config: RunConfig, attack: Attack, attackers: range
+) -> tuple[Attack, dict[str, Any]]:
+    """``attack`` with the trigger :func:`benchmarks.triggers.choose_trigger` picks against the
+    run's own trigger unlearning (where it has none, the documented setting, 6 passes),
+    rehearsed on the attackers' pooled
+    partitions from the initial model with the server's root set as the search's inputs
+    (omniscient, as the table's other attackers); and the round-0 figures of the choice."""
+    cpu, task = torch.device("cpu"), client_task(config)
+    spec = DataSpec.from_task(task, config.num_clients)
+    parts = [client_module.device_partition(spec, pid, cpu) for pid in attackers]
+    pooled = [torch.cat([getattr(part, key) for part in parts]) for key in ("features", "labels")]
+    root = DeviceData.from_labeled(load_server_splits(data_spec(config))[1], cpu)
+    fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
+    defence = trigger_unlearning(config) or TriggerUnlearning(epochs=6)
+    best, survived = choose_trigger(
+        fed.model, DeviceData(*pooled, parts[0].num_classes), root, defence,
+        learning_rate=task.learning_rate, batch_size=task.batch_size, seed=config.seed,
+    )  # fmt: skip
+    figures = {
+        "adaptive-trigger": ADAPTIVE_CANDIDATES.index(best),
+        "adaptive-survival": [survived[name] for name in ADAPTIVE_CANDIDATES],
+    }
+    return replace(attack, trigger=best), figures
+
+
 #: Flower's strategies the table compares with, by class name.
 FLOWER_STRATEGIES = ("FedAvg", "FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan")
 
@@ -513,7 +545,8 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
     ``settings`` is a run configuration (``run-name`` and ``output-dir`` name the run folder)
     plus ``attack`` (a name of :data:`ATTACKS`), ``attackers`` (how many of the first nodes
     attack; 0 or attack ``none``: an honest run) and optionally ``flower`` (a class of
-    :data:`FLOWER_STRATEGIES` in place of the configured rule).
+    :data:`FLOWER_STRATEGIES` in place of the configured rule) and ``attackers-at``
+    (``"last"``: the last nodes and partitions attack instead of the first).
 
     Raises
     ------
@@ -524,7 +557,9 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
     if attack_name not in ATTACKS:
         raise ValueError(f"attack = {attack_name!r}: use one of {sorted(ATTACKS)}")
     attack, flower = ATTACKS[attack_name], str(settings.get("flower", ""))
-    run_settings = {k: v for k, v in settings.items() if k not in ("attack", "attackers", "flower")}
+    ours = ("attack", "attackers", "flower", "attackers-at")
+    run_settings = {k: v for k, v in settings.items() if k not in ours}
+    last = settings.get("attackers-at", "first") == "last"
     config = parse_run_config(run_settings)
     told = int(settings.get("attackers", 0))  # what Krum and Bulyan assume, even in honest runs
     attackers = 0 if attack_name == "none" else told
@@ -534,13 +569,17 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
         {**config.to_run_config(), "attack": attack_name, "attackers": attackers, "flower": flower},
     )
     poisoning = attack.flip_labels or attack.backdoor
-    poisoned_ids = frozenset(range(attackers) if poisoning else ())
+    first = config.num_clients - attackers if last else 0
+    poisoned_ids = frozenset(range(first, first + attackers) if poisoning else ())
     try:
         rule = build_strategy if not flower else lambda c, _: flower_strategy(flower, told, c)
         fed = federation(run_settings, rule)
+        chosen: dict[str, Any] = {}
+        if attack.trigger == "adaptive" and attackers:
+            attack, chosen = adaptive_attack(fed, config, attack, range(first, first + attackers))
         triggered = backdoor_test_set(fed.test_set, attack.trigger)
         node_ids = sorted(fed.grid.get_node_ids())
-        fed.grid = AttackGrid(fed.grid, node_ids[:attackers], attack, config.seed)
+        fed.grid = AttackGrid(fed.grid, node_ids[first : first + attackers], attack, config.seed)
         chance = chance_accuracy(fed.test_set.labels)
         loss, accuracy = fed.evaluate()
         history = [(accuracy, loss)]  # the ServerApp's alarms, judged as it judges them
@@ -550,6 +589,7 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
                 "test-accuracy": accuracy,
                 "test-loss": loss,
                 "backdoor-success": backdoor_success(fed, triggered),
+                **chosen,
             }
         )
         for server_round in range(1, config.num_server_rounds + 1):
@@ -562,6 +602,7 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
                 figures = dict(fed.strategy.last_round_metrics)
             last = server_round == config.num_server_rounds
             alarms = round_alarms(history, accuracy, loss, chance, last=last)
+            alarms |= backdoor_alarms(figures)
             history.append((accuracy, loss))
             recorder.log_round(
                 {

@@ -34,6 +34,7 @@ from beyond_averaging.server.runs.plots import write_run_plot
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.runs.tracking import open_run_tracker
 from beyond_averaging.server.runtime.inprocess import InProcessGrid
+from beyond_averaging.strategies.defences.trigger_unlearning import backdoor_alarms
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
 from beyond_averaging.strategies.secure import RunStrategy
 from beyond_averaging.tasks.datasets import LabeledData
@@ -269,6 +270,7 @@ class CentralEvaluation:
         )
         last = server_round == self.num_rounds
         alarms = round_alarms(self.history, accuracy, loss, self.chance, last=last)
+        alarms |= backdoor_alarms(train_metrics)
         for kind, message in alarms.items():
             log(WARNING, "round %d: ALARM %s: %s", server_round, kind, message)
         self.history.append((accuracy, loss))

@@ -45,6 +45,8 @@ DatasetChoice = Literal[
 ]
 PartitionChoice = Literal["iid", "dirichlet", "classes"]
 ModelChoice = Literal["logreg", "mlp", "lenet5", "cnn"]
+#: The models whose first layer is a convolution (no weight belongs to one input position).
+CONVOLUTIONAL = ("lenet5", "cnn")
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ClientBackendChoice = Literal["clientapp", "vectorized"]
 StrategyChoice = Literal["fedavg", "elastic", "fedlaw", "fedgma"]
@@ -53,6 +55,23 @@ ServerOptimizerChoice = Literal["sgd", "momentum", "adam"]
 #: FedAvgM's step in Hsu et al.; adam 0.1 is Flower's FedAdam ``eta`` (Adam's steps are normalised
 #: per coordinate, so 1.0 moves every weight by about 1.0 a round: a digits run stayed at chance).
 SERVER_LR_DEFAULTS: dict[str, float] = {"sgd": 1.0, "momentum": 1.0, "adam": 0.1}
+
+
+#: ``defence-profile``: the run options each name sets, the combinations the backdoor tables of
+#: docs/reliability.md ("Defence profiles") measured for that kind of federation. The library's
+#: :func:`strategies.defences.profiles.defence_profile` gives the same as strategy keywords (a
+#: test keeps the two identical).
+DEFENCE_PROFILES: dict[str, dict[str, Any]] = {
+    "none": {},
+    "iid": {"robust-aggregation": "fltrust", "backdoor-defence": "trigger-unlearning"},
+    "label-skew": {
+        "backdoor-defence": "trigger-unlearning",
+        "max-claim-factor": 1.0,
+        "unlearning-epochs": 6,
+        "unlearning-additive": 1.0,
+        "unlearning-dormant-inputs": True,
+    },
+}
 
 
 class RunConfig(BaseModel):
@@ -174,6 +193,9 @@ class RunConfig(BaseModel):
     )
     pre_aggregation: Literal["none", "nnm", "bucketing", "centered-clipping"] = "none"
     bucket_size: int = Field(2, ge=1, le=1_000_000, description="replies per bucket (bucketing)")
+    defence_profile: Literal["none", "iid", "label-skew"] = Field(
+        "none", description="one name for a measured defence combination (DEFENCE_PROFILES)"
+    )
     backdoor_defence: Literal["none", "trigger-unlearning"] = Field(
         "none", description="after each aggregation: invert and unlearn trigger patches"
     )
@@ -185,6 +207,12 @@ class RunConfig(BaseModel):
     unlearning_epochs: int = Field(3, ge=1, le=1_000, description="unlearning passes")
     unlearning_patched_share: float = Field(
         0.2, gt=0.0, le=1.0, description="the stamped inputs' share of each unlearning step's loss"
+    )
+    unlearning_additive: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="additive search's weight; 0: no search"
+    )
+    unlearning_dormant_inputs: bool = Field(
+        False, description="keep first-layer weights of inputs blank in the root set unchanged"
     )
     server_noise_std: float = Field(
         0.0, ge=0.0, allow_inf_nan=False, description="Gaussian noise on each new model (weak DP)"
@@ -224,6 +252,31 @@ class RunConfig(BaseModel):
         "beyond-averaging", min_length=1, description="MLflow experiment / W&B project"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_profile(cls, data: Any) -> Any:
+        """``defence-profile``'s options (:data:`DEFENCE_PROFILES`) in place of the keys still at
+        their defaults: a key the user set to another value keeps it. Flower's run config holds
+        every key (pyproject.toml's defaults), so "at its default" is what "not set" means."""
+        if not isinstance(data, Mapping):
+            return data
+        profile = data.get("defence-profile", data.get("defence_profile"))
+        if not isinstance(profile, str) or profile not in DEFENCE_PROFILES:
+            return data  # an unknown profile is refused, with the closest name, as any value
+        expanded = dict(data)
+        convolutional = expanded.get("model", cls.model_fields["model"].default) in CONVOLUTIONAL
+        for key, value in DEFENCE_PROFILES[profile].items():
+            name = key.replace("-", "_")
+            if name == "unlearning_dormant_inputs" and convolutional:
+                continue  # no weight belongs to one input position: refused if set by hand
+            given = expanded.get(key, expanded.get(name, cls.model_fields[name].default))
+            if given == cls.model_fields[name].default and type(given) is type(
+                cls.model_fields[name].default
+            ):
+                expanded.pop(name, None)
+                expanded[key] = value
+        return expanded
+
     @model_validator(mode="after")
     def _check_relations(self) -> RunConfig:
         if self.min_train_replies > self.num_clients:
@@ -250,6 +303,12 @@ class RunConfig(BaseModel):
                 )
         if self.secure_aggregation != "none":
             self._check_secure_aggregation()
+        if self.unlearning_dormant_inputs and self.model in CONVOLUTIONAL:
+            raise ValueError(
+                f"unlearning-dormant-inputs = true with model = {self.model!r}: a convolution "
+                "reads every input position through shared weights, so no weight belongs to "
+                "one position; use model = 'mlp' or 'logreg', or unlearning-dormant-inputs = false"
+            )
         if self.strategy == "fedlaw" and self.proxy_per_class == 0 and not self.proxy_dir:
             raise ValueError(
                 "strategy = 'fedlaw' with proxy-per-class = 0 and no proxy-dir leaves FedLAW "

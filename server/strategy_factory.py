@@ -100,6 +100,8 @@ def trigger_unlearning(config: RunConfig) -> TriggerUnlearning | None:
         lr=config.unlearning_lr,
         epochs=config.unlearning_epochs,
         patched_share=config.unlearning_patched_share,
+        additive_weight=config.unlearning_additive,
+        dormant_inputs=config.unlearning_dormant_inputs,
     )
 
 

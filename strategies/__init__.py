@@ -1,5 +1,6 @@
 """Aggregation rules: pure math functions plus thin Flower strategies on one contract base."""
 
+from beyond_averaging.strategies.defences.profiles import defence_profile
 from beyond_averaging.strategies.defences.proxy_data import ProxySetError
 from beyond_averaging.strategies.defences.trigger_unlearning import TriggerUnlearning
 from beyond_averaging.strategies.replies.metrics import aggregate_metrics
@@ -38,6 +39,7 @@ __all__ = [
     "aggregate_fedlaw",
     "aggregate_metrics",
     "and_mask",
+    "defence_profile",
     "learn_aggregation_weights",
     "track",
 ]

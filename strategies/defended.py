@@ -56,6 +56,7 @@ from logging import INFO, WARNING
 from typing import Any, ClassVar, Literal, Unpack, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common import log
@@ -82,7 +83,12 @@ from beyond_averaging.strategies.defences.root_set import (
     trusted_replies,
 )
 from beyond_averaging.strategies.defences.trigger_unlearning import (
+    DORMANT_ALARM_RATIO,
     TriggerUnlearning,
+    dormant_positions,
+    dormant_update_ratio,
+    first_layer_key,
+    freeze_dormant_inputs,
     unlearn_triggers,
 )
 from beyond_averaging.strategies.replies.bounds import BoundsOptions
@@ -189,6 +195,7 @@ class DefendedStrategy(ContractStrategy):
         self.bucket_size = bucket_size
         self.trigger_unlearning = trigger_unlearning
         self.root_set: RootSet | None = None
+        self._dormant: tuple[str, npt.NDArray[np.bool_]] | None = None
         self._task: ClientTask | None = None  # fltrust: the clients' training of the round
         self._defence_metrics: dict[str, float | int | list[float]] = {}
         #: What the defences made of the round being aggregated (FedGMA's mask reads it).
@@ -252,7 +259,7 @@ class DefendedStrategy(ContractStrategy):
         if self.pre_aggregation != "none":
             kept = self.pre_aggregated(server_round, global_arrays, kept)
         new_arrays = self.aggregate_rule(server_round, global_arrays, kept)
-        return self.defended_model(server_round, new_arrays)
+        return self.defended_model(server_round, new_arrays, global_arrays)
 
     @abstractmethod
     def aggregate_rule(
@@ -355,12 +362,16 @@ class DefendedStrategy(ContractStrategy):
         self._defence_metrics["pre-aggregation-rows"] = len(mixed)
         return mixed
 
-    def defended_model(self, server_round: int, arrays: NDArrayDict) -> NDArrayDict:
+    def defended_model(
+        self, server_round: int, arrays: NDArrayDict, previous: NDArrayDict | None = None
+    ) -> NDArrayDict:
         """The rule's new model plus Gaussian noise, drawn from the run's seed and the round:
         under ``flame`` FLAME's, of standard deviation ``flame_noise_lambda`` x the median update
         norm; and ``server_noise_std`` on top (weak differential privacy, Sun et al. 2019, with
         ``update_clip_factor`` as the norm bound), independent noises adding in variance; then,
-        with ``trigger_unlearning``, the patches that work on it unlearned on the root set."""
+        with ``trigger_unlearning``, the patches that work on it unlearned on the root set, and
+        with its ``dormant_inputs`` the first layer's weights of inputs blank in the whole root
+        set kept at ``previous`` (the round's global model) values."""
         std = self.server_noise_std
         if self.server_noise_std > 0.0:
             self._defence_metrics["server-noise-std"] = self.server_noise_std
@@ -373,6 +384,7 @@ class DefendedStrategy(ContractStrategy):
         if self.trigger_unlearning is None or self.root_set is None:
             return arrays
         started = time.perf_counter()
+        aggregate = arrays
         arrays, figures = unlearn_triggers(
             self.root_set.model,
             arrays,
@@ -381,8 +393,44 @@ class DefendedStrategy(ContractStrategy):
             self.trigger_unlearning,
         )
         self._defence_metrics |= figures
+        if self.trigger_unlearning.dormant_inputs and previous is not None:
+            key, dormant = self._dormant_inputs()
+            arrays = freeze_dormant_inputs(previous, arrays, key, dormant)
+            ratio = dormant_update_ratio(previous, aggregate, key, dormant)
+            self._defence_metrics["unlearning-dormant-inputs"] = int(dormant.sum())
+            self._defence_metrics["unlearning-dormant-update"] = ratio
+            self._defence_metrics["backdoor-suspected"] = int(ratio >= DORMANT_ALARM_RATIO)
+            if ratio >= DORMANT_ALARM_RATIO:
+                log(
+                    WARNING,
+                    "round %d: the aggregate update on the weights of the %d inputs blank in the "
+                    "whole root set is %.2f x its size elsewhere (alarm at %.2f): honest data "
+                    "leave them alone, a trigger there does not; the update was not applied",
+                    server_round,
+                    int(dormant.sum()),
+                    ratio,
+                    DORMANT_ALARM_RATIO,
+                )
         self._defence_metrics["unlearning-seconds"] = time.perf_counter() - started
         return arrays
+
+    def _dormant_inputs(self) -> tuple[str, npt.NDArray[np.bool_]]:
+        """The first layer's weight key and the root set's dormant inputs
+        (:func:`~strategies.defences.trigger_unlearning.dormant_positions`), found once."""
+        if self._dormant is None:
+            assert self.root_set is not None
+            features = self.root_set.features
+            key = first_layer_key(self.root_set.model, int(features[0].numel()))
+            if key is None:
+                raise ValueError(
+                    f"TriggerUnlearning(dormant_inputs=True) in {type(self).__name__}: the "
+                    f"model's first layer with weights is not a Linear layer on the flattened "
+                    f"input ({type(self.root_set.model).__name__}), so no weight belongs to one "
+                    "input position; use dormant_inputs=False (run option "
+                    "unlearning-dormant-inputs = false) or an mlp/logreg model"
+                )
+            self._dormant = (key, dormant_positions(features).cpu().numpy())
+        return self._dormant
 
     def round_metrics(self) -> dict[str, float | int | list[float]]:
         """The defences' figures of the last aggregation (``fltrust-*``, ``flame-*``)."""

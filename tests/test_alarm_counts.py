@@ -35,3 +35,21 @@ def test_a_miss_is_an_attacked_run_at_chance_below_its_twin_without_an_alarm() -
     assert not judged(0.12, 0.9, {"accuracy-at-chance": [8]}).missed
     assert not judged(0.16, 0.9, {}).missed  # above chance + 0.05
     assert not judged(0.12, 0.11, {}).missed  # learned no less than its honest twin
+
+
+def test_a_recorded_backdoor_alarm_counts_and_a_silent_backdoor_above_20_percent_is_missed() -> (
+    None
+):
+    from benchmarks.alarms import BACKDOOR_MISS
+
+    rounds = rounds_of([0.09, 0.5, 0.6, 0.7])
+    rounds[2]["backdoor-suspected"] = 1
+    assert replayed_alarms(rounds, CHANCE) == {"backdoor-suspected": [2]}
+    silent = Judged("run", False, 0.9, 0.9, CHANCE, {}, backdoor=BACKDOOR_MISS)
+    assert silent.missed_backdoor
+    assert not silent.missed  # it learned: not an accuracy miss
+    assert not Judged(
+        "run", False, 0.9, 0.9, CHANCE, {"backdoor-suspected": [3]}, 0.9
+    ).missed_backdoor
+    assert not Judged("run", False, 0.9, 0.9, CHANCE, {}, backdoor=0.19).missed_backdoor
+    assert not Judged("run", True, 0.9, None, CHANCE, {}, backdoor=0.9).missed_backdoor

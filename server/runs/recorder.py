@@ -83,8 +83,10 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 PRIVATE_DIR_MODE = 0o700
-#: What a round's figures may raise, with the rule (see :func:`server.app.round_alarms`).
-ALARMS = ("accuracy-at-chance", "loss-exploded", "never-above-chance")
+#: What a round's figures may raise, with the rule (see :func:`server.app.round_alarms`), and
+#: the strategy's own ``backdoor-suspected`` (trigger unlearning's dormant-inputs check,
+#: :func:`strategies.defences.trigger_unlearning.backdoor_alarms`).
+ALARMS = ("accuracy-at-chance", "loss-exploded", "never-above-chance", "backdoor-suspected")
 
 
 #: Bytes kept allocated in a run folder (``.reserve``) until its final status: room for the

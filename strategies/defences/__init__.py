@@ -10,7 +10,8 @@ Where each acts on a reply's path is stage 3-5 of the map in :mod:`strategies.re
 - :mod:`.proxy_data`: the forms a root or proxy set may take, read and validated;
 - :mod:`.preaggregation`: NNM, bucketing and centered clipping (``pre-aggregation``);
 - :mod:`.trigger_unlearning`: Neural Cleanse's trigger search and unlearning on the root set
-  (``backdoor-defence``).
+  (``backdoor-defence``), with an additive search and dormant inputs beside it;
+- :mod:`.profiles`: one name for a measured combination of them (``defence-profile``).
 
 :class:`strategies.defended.DefendedStrategy` applies them around each rule;
 ``server/strategy_factory.py`` builds their options from the run configuration. Modules here

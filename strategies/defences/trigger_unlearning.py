@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch import nn
 
@@ -81,6 +83,16 @@ class TriggerUnlearning:
     min_success : float
         A patch is unlearned when it sends at least this share of the other classes' root
         inputs to its class.
+    additive_weight : float
+        mu of a second search beside the patches' (0: none): for each class the additive
+        perturbation d, x' = clip(x + d) to the root set's range, minimising
+        CE(f(x'), c) + mu mean((d / range)^2) (:func:`invert_additive`); those that work are
+        unlearned with the patches. It finds whole-image patterns no small mask reproduces.
+    dormant_inputs : bool
+        Keep the first layer's weights of input positions that hold the root set's smallest
+        value in every root input at the last global model's values (:func:`dormant_positions`,
+        :func:`freeze_dormant_inputs`): no honest client the server can check writes them, and
+        the unlearning gives them no gradient, so an update there is unchecked.
     """
 
     l1_weight: float = 6.4
@@ -89,6 +101,8 @@ class TriggerUnlearning:
     epochs: int = 3
     patched_share: float = 0.2
     min_success: float = 0.5
+    additive_weight: float = 0.0
+    dormant_inputs: bool = False
 
     def __post_init__(self) -> None:
         problems = [
@@ -96,6 +110,11 @@ class TriggerUnlearning:
             for name, value in (("l1_weight", self.l1_weight), ("lr", self.lr))
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0)
         ]
+        weight = self.additive_weight
+        if not (isinstance(weight, int | float) and math.isfinite(weight) and weight >= 0):
+            problems.append(f"additive_weight = {weight!r} (use a value >= 0; 0: no search)")
+        if not isinstance(self.dormant_inputs, bool):
+            problems.append(f"dormant_inputs = {self.dormant_inputs!r} (use True or False)")
         problems += [
             f"{name} = {value!r} (use a whole number >= 1)"
             for name, value in (("steps", self.steps), ("epochs", self.epochs))
@@ -131,6 +150,130 @@ class InvertedTrigger:
     def stamp(self, features: torch.Tensor) -> torch.Tensor:
         """``features`` with the patch applied."""
         return (1.0 - self.mask) * features + self.mask * self.pattern
+
+
+@dataclasses.dataclass(frozen=True)
+class AdditiveTrigger:
+    """The smallest additive perturbation found for one class: ``x' = clip(x + delta)`` to the
+    root set's range ``[low, high]``."""
+
+    target: int
+    delta: torch.Tensor
+    low: float
+    high: float
+    #: The share of the other classes' root inputs that the perturbation sends to ``target``.
+    success: float
+
+    @property
+    def size(self) -> float:
+        """mean((delta / range)^2), the perturbation's price in the search."""
+        return float(torch.mean((self.delta / max(self.high - self.low, 1e-12)) ** 2))
+
+    def stamp(self, features: torch.Tensor) -> torch.Tensor:
+        """``features`` with the perturbation added, clipped to the range."""
+        return torch.clamp(features + self.delta, self.low, self.high)
+
+
+def invert_additive(
+    model: nn.Module,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    target: int,
+    options: TriggerUnlearning,
+) -> AdditiveTrigger:
+    """The smallest additive perturbation d (of one input's shape, |d| <= the range) that sends
+    ``features`` not of class ``target`` to ``target``: Adam on
+    CE(f(clip(x + d)), target) + ``options.additive_weight`` mean((d / range)^2), d = range
+    tanh(u) from u = 0, ``options.steps`` steps; ``model`` is not changed."""
+    others = features[labels != target]
+    low, high = float(features.min()), float(features.max())
+    scale = max(high - low, 1e-12)
+    logit = torch.zeros(features.shape[1:], device=features.device, requires_grad=True)
+    optimizer = torch.optim.Adam([logit], lr=INVERSION_LR)
+    wanted = torch.full((len(others),), target, dtype=torch.long, device=features.device)
+    for _ in range(options.steps):
+        delta = scale * torch.tanh(logit)
+        logits = model(torch.clamp(others + delta, low, high))
+        price = torch.mean(torch.tanh(logit) ** 2)
+        loss = CROSS_ENTROPY(logits, wanted) + options.additive_weight * price
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        delta = scale * torch.tanh(logit)
+        hits = model(torch.clamp(others + delta, low, high)).argmax(dim=1) == target
+        success = float(hits.float().mean()) if len(others) else 0.0
+    return AdditiveTrigger(target, delta.detach(), low, high, success)
+
+
+def dormant_positions(features: torch.Tensor) -> torch.Tensor:
+    """The input features (flattened, one per position and channel) that hold the root set's
+    smallest value in every root input: where the root set is blank."""
+    flat = features.reshape(len(features), -1)
+    return torch.all(flat == flat.min(), dim=0)
+
+
+def first_layer_key(model: nn.Module, num_inputs: int) -> str | None:
+    """The state key of ``model``'s first ``Linear`` weight, when that layer reads the
+    flattened input (``in_features == num_inputs``) before any other layer with weights;
+    None otherwise (e.g. a convolution first)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            return f"{name}.weight" if module.in_features == num_inputs else None
+        if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d | nn.Embedding):
+            return None
+    return None
+
+
+#: A round whose aggregate update on the dormant inputs' weights is at least this share of its
+#: update on the other inputs' (root mean squares, :func:`dormant_update_ratio`) raises the
+#: ``backdoor-suspected`` alarm: honest clients' data are as blank there as the root set's, so
+#: only weight decay writes them (docs/reliability.md, "Alarms").
+DORMANT_ALARM_RATIO = 0.25
+
+
+def dormant_update_ratio(
+    previous: NDArrayDict, new: NDArrayDict, key: str, dormant: npt.NDArray[np.bool_]
+) -> float:
+    """RMS of the update of weight ``key`` on the columns ``dormant`` over its RMS on the other
+    columns (0 when either set is empty or the others did not move). The update is
+    ``new - previous`` less its projection on ``previous``: a rescaling of the whole layer
+    (weight decay, FedLAW's shrink factor) moves dormant weights too, and says nothing of
+    them."""
+    before = as_numpy(previous[key]).astype(np.float64)
+    update = as_numpy(new[key]).astype(np.float64) - before
+    scale = float(np.vdot(before, before))
+    if scale > 0:
+        update = update - float(np.vdot(update, before)) / scale * before
+    if not dormant.any() or dormant.all():
+        return 0.0
+    active = float(np.sqrt(np.mean(np.square(update[:, ~dormant]))))
+    return float(np.sqrt(np.mean(np.square(update[:, dormant])))) / active if active > 0 else 0.0
+
+
+def backdoor_alarms(metrics: Mapping[str, Any]) -> dict[str, str]:
+    """The run alarm a round's metrics call for: ``backdoor-suspected`` when the dormant inputs'
+    check (``backdoor-suspected`` = 1, :data:`DORMANT_ALARM_RATIO`) fired, naming the figure."""
+    if not metrics.get("backdoor-suspected"):
+        return {}
+    ratio = float(metrics.get("unlearning-dormant-update", 0.0))
+    return {
+        "backdoor-suspected": (
+            f"the aggregate update on the weights of inputs blank in the whole root set was "
+            f"{ratio:.2f} x its size elsewhere (alarm at {DORMANT_ALARM_RATIO}): a trigger "
+            "there is likely; check the replies' clients and test the model with triggers"
+        )
+    }
+
+
+def freeze_dormant_inputs(
+    previous: NDArrayDict, new: NDArrayDict, key: str, dormant: npt.NDArray[np.bool_]
+) -> NDArrayDict:
+    """``new`` with the columns ``dormant`` of weight ``key`` (out, in) set back to
+    ``previous``'s: the aggregate update on weights only dormant inputs feed, zeroed."""
+    weight = np.array(as_numpy(new[key]), copy=True)
+    weight[:, dormant] = as_numpy(previous[key])[:, dormant]
+    return {**new, key: weight}
 
 
 def mask_shape(features: torch.Tensor) -> tuple[int, ...]:
@@ -188,7 +331,7 @@ def unlearn(
     model: nn.Module,
     features: torch.Tensor,
     labels: torch.Tensor,
-    triggers: Sequence[InvertedTrigger],
+    triggers: Sequence[InvertedTrigger | AdditiveTrigger],
     options: TriggerUnlearning,
 ) -> None:
     """Fine-tune ``model`` in place on ``features`` as they are and stamped with each of
@@ -236,7 +379,13 @@ def unlearn_triggers(
         parameter.requires_grad_(True)
     classes = sorted(int(c) for c in torch.unique(labels).tolist())
     triggers = [invert_trigger(model, features, labels, c, options) for c in classes]
-    used = [trigger for trigger in triggers if trigger.success >= options.min_success]
+    used: list[InvertedTrigger | AdditiveTrigger] = [
+        trigger for trigger in triggers if trigger.success >= options.min_success
+    ]
+    additive: list[AdditiveTrigger] = []
+    if options.additive_weight > 0:
+        additive = [invert_additive(model, features, labels, c, options) for c in classes]
+        used += [trigger for trigger in additive if trigger.success >= options.min_success]
     if used:
         unlearn(model, features, labels, used, options)
     state = model.state_dict()
@@ -254,4 +403,7 @@ def unlearn_triggers(
         "unlearning-mask-l1": [trigger.mask_l1 for trigger in triggers],
         "unlearning-success": [trigger.success for trigger in triggers],
     }
+    if additive:
+        figures["unlearning-additive-size"] = [trigger.size for trigger in additive]
+        figures["unlearning-additive-success"] = [trigger.success for trigger in additive]
     return new_arrays, figures

@@ -1,0 +1,59 @@
+"""Defence profiles: one name for the combination of defences the tables measured for a kind of
+federation, as keyword options of any rule (the run option ``defence-profile`` sets the same
+run options; docs/reliability.md, "Defence profiles").
+
+- ``"none"``: the defaults (the reply bounds only);
+- ``"iid"``: root-set trust and trigger unlearning (``robust_aggregation = "fltrust"``,
+  ``TriggerUnlearning()``), which held the backdoors of the IID table;
+- ``"label-skew"``: trigger unlearning with 6 passes, the additive search and dormant inputs,
+  and the claim bound at one median (``max_claim_factor = 1``).
+
+Every profile that unlearns needs ``model=`` and ``proxy_set=`` (the server's root set) beside
+it::
+
+    FedAvg(model=net, proxy_set=(x, y), **defence_profile("label-skew"))
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Literal, TypedDict
+
+from .trigger_unlearning import TriggerUnlearning
+
+ProfileName = Literal["none", "iid", "label-skew"]
+PROFILE_NAMES: tuple[ProfileName, ...] = ("none", "iid", "label-skew")
+
+
+class ProfileOptions(TypedDict, total=False):
+    """The keyword options a profile sets, those of every rule."""
+
+    robust_aggregation: str
+    trigger_unlearning: TriggerUnlearning
+    max_claim_factor: float
+
+
+def defence_profile(name: str) -> ProfileOptions:
+    """The keyword options of profile ``name`` for any rule (module docstring).
+
+    Raises
+    ------
+    ValueError
+        An unknown name, naming the closest one.
+    """
+    if name == "none":
+        return {}
+    if name == "iid":
+        return {"robust_aggregation": "fltrust", "trigger_unlearning": TriggerUnlearning()}
+    if name == "label-skew":
+        return {
+            "trigger_unlearning": TriggerUnlearning(
+                epochs=6, additive_weight=1.0, dormant_inputs=True
+            ),
+            "max_claim_factor": 1.0,
+        }
+    close = difflib.get_close_matches(str(name), PROFILE_NAMES, n=1, cutoff=0.0)
+    raise ValueError(
+        f"defence_profile({name!r}): use one of {', '.join(map(repr, PROFILE_NAMES))}; "
+        f"the closest is {close[0]!r}"
+    )

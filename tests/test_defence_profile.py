@@ -1,0 +1,81 @@
+"""``defence-profile``: one name for the measured defence combination of a kind of federation
+(server/config.py's DEFENCE_PROFILES, strategies/defences/profiles.py's defence_profile)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from beyond_averaging.server.app import data_spec
+from beyond_averaging.server.config import DEFENCE_PROFILES, ConfigError, parse_run_config
+from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.strategies import TriggerUnlearning, defence_profile
+from beyond_averaging.tasks.federation import load_server_splits
+from beyond_averaging.tasks.models import build_model
+
+
+def test_label_skew_sets_the_documented_combination() -> None:
+    config = parse_run_config({"defence-profile": "label-skew"})
+    assert config.backdoor_defence == "trigger-unlearning"
+    assert config.max_claim_factor == 1.0
+    assert config.unlearning_epochs == 6
+    assert config.unlearning_additive == 1.0
+    assert config.unlearning_dormant_inputs is True
+    assert config.robust_aggregation == "none"
+
+
+def test_iid_sets_root_set_trust_and_trigger_unlearning() -> None:
+    config = parse_run_config({"defence-profile": "iid"})
+    assert config.robust_aggregation == "fltrust"
+    assert config.backdoor_defence == "trigger-unlearning"
+    assert config.max_claim_factor == 10.0  # the default: not part of the profile
+    assert parse_run_config({"defence-profile": "none"}) == parse_run_config({})
+
+
+def test_a_key_set_away_from_its_default_keeps_the_users_value() -> None:
+    # Flower's run config holds every key at pyproject.toml's default: a key at its default is
+    # one the user did not set, and the profile sets it.
+    config = parse_run_config(
+        {"defence-profile": "label-skew", "unlearning-epochs": 9, "max-claim-factor": 10.0}
+    )
+    assert config.unlearning_epochs == 9
+    assert config.max_claim_factor == 1.0
+
+
+def test_a_wrong_profile_is_refused_naming_the_closest_value() -> None:
+    with pytest.raises(
+        ConfigError, match=r"defence-profile.*closest allowed value is 'label-skew'"
+    ):
+        parse_run_config({"defence-profile": "label_skew"})
+
+
+@pytest.mark.parametrize("name", list(DEFENCE_PROFILES))
+def test_the_run_option_and_the_library_helper_build_the_same_strategy_options(name: str) -> None:
+    config = parse_run_config({"defence-profile": name})
+    test_set, proxy_set = load_server_splits(data_spec(config))
+    model = build_model("mlp", test_set.input_shape, test_set.num_classes, seed=0)
+    strategy = build_strategy(
+        config, ServerResources(model, proxy_set, torch.device("cpu"), test_set)
+    )
+    options = defence_profile(name)
+    assert strategy.trigger_unlearning == options.get("trigger_unlearning")  # type: ignore[attr-defined]
+    assert strategy.robust_aggregation == options.get("robust_aggregation", "none")
+    assert strategy.max_claim_factor == options.get("max_claim_factor", 10.0)
+
+
+def test_the_library_helper_refuses_an_unknown_name_naming_the_closest() -> None:
+    with pytest.raises(ValueError, match="the closest is 'label-skew'"):
+        defence_profile("labelskew")
+    assert defence_profile("label-skew")["trigger_unlearning"] == TriggerUnlearning(
+        epochs=6, additive_weight=1.0, dormant_inputs=True
+    )
+
+
+def test_dormant_inputs_with_a_convolutional_model_is_refused_and_the_profile_leaves_it_off() -> (
+    None
+):
+    with pytest.raises(ConfigError, match="unlearning-dormant-inputs = false"):
+        parse_run_config({"unlearning-dormant-inputs": True, "model": "cnn"})
+    config = parse_run_config({"defence-profile": "label-skew", "model": "cnn"})
+    assert config.unlearning_dormant_inputs is False
+    assert config.unlearning_additive == 1.0
