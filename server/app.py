@@ -453,6 +453,7 @@ def main(grid: Grid, context: Context) -> None:
             for entry in recorder.rounds:  # a resumed run's tracker gets the rounds it kept
                 tracking.on_round(entry)
             recorder.observers.append(tracking)
+            recorder.tracker = {"name": tracking.tracker.name, "where": tracking.tracker.where}
         torch.manual_seed(config.seed)
         device = resolve_device(config.device)
         test_set, proxy_set = load_server_splits(data_spec(config))

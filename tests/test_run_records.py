@@ -38,6 +38,7 @@ from beyond_averaging.server.cli.main import main as ba_run
 from beyond_averaging.server.config import ConfigError, parse_run_config
 from beyond_averaging.server.overrides import parse_overrides, run_config_argument
 from beyond_averaging.server.runs import provenance
+from beyond_averaging.server.runs.folder import read_summary
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.runtime import launch as launcher
 from beyond_averaging.server.runtime.watch import (
@@ -155,6 +156,11 @@ def test_the_closing_line_lists_every_file_the_run_wrote_tracker_folders_include
         assert name in names
     on_disk = sorted(p.name for p in (tmp_path / "files").iterdir() if not p.name.startswith("."))
     assert [name.rstrip("/") for name in names] == on_disk
+    # A tracker's own place (an MLflow store lies outside the folder) is named with how to open it.
+    where = re.search(r"ba-run: tracker tensorboard: (.*)\n", done.stdout)
+    assert where is not None, done.stdout
+    assert "tensorboard --logdir" in where.group(1)
+    assert read_summary(tmp_path / "files")["tracker"]["name"] == "tensorboard"
 
 
 def test_status_prints_the_accuracy_to_four_digits(

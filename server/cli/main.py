@@ -309,6 +309,9 @@ def report(run_dir: Path, console: RunConsole) -> int:
     kept = run_files(run_dir)
     if kept:
         console.line(f"ba-run: in the run folder: {', '.join(kept)}")
+    tracker = summary.get("tracker")
+    if isinstance(tracker, dict) and tracker.get("where"):
+        console.line(f"ba-run: tracker {tracker.get('name')}: {tracker['where']}")
     print_alarms(summary, lambda text: console.line(text, error=True))
     if status == "completed-with-alarms":
         console.line(

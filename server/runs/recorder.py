@@ -250,6 +250,10 @@ class RunRecorder:
         _keep_rounds(self.clients_path, resume_round)
         #: Told of every round and of the final status (:class:`RunObserver`).
         self.observers: list[RunObserver] = []
+        #: Where the run's experiment tracker writes (its name and place, as the tracker says),
+        #: for ``summary.json`` and ba-run's closing lines: an MLflow store sits outside the
+        #: run folder, so listing the folder alone would not name it.
+        self.tracker: dict[str, str] | None = None
         self.write_summary("running")
 
     def log_round(self, entry: Mapping[str, Any], alarms: Mapping[str, str] | None = None) -> None:
@@ -341,6 +345,8 @@ class RunRecorder:
         alarms = self.alarm_summary()
         if alarms:
             summary["alarms"] = alarms
+        if self.tracker is not None:
+            summary["tracker"] = self.tracker
         if self.resumed_from is not None:
             summary["resumed-from-round"] = self.resumed_from
         if error is not None:
