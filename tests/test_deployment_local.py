@@ -108,6 +108,11 @@ class TappedDeployment:
         }
         self.report_path.write_text(json.dumps(self.report, indent=2), encoding="utf-8")
         print(f"\n[{mode}] {strategy}: {json.dumps(self.report[strategy])}")
+        # An honest run at the app's defaults warns of nothing (the direction check's note on
+        # label skew is INFO): the ServerApp's log, as flwr run streamed it, holds no WARNING.
+        log = (run_dir / "log.txt").read_text(encoding="utf-8")
+        assert "[ROUND 1]" in log or "round 1" in log, log[-2000:]
+        assert [line for line in log.splitlines() if "WARNING" in line] == [], log[-3000:]
         return read_metrics(run_dir), uploads
 
 

@@ -37,13 +37,15 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from beyond_averaging.server.overrides import LaunchError, run_config_argument
-from beyond_averaging.server.runs.folder import read_summary
+from beyond_averaging.server.runs.checkpoint import private_file
+from beyond_averaging.server.runs.folder import LOG_FILE, read_summary
 from beyond_averaging.server.runtime.processes import (
     ANSI_CODES,
     LAUNCH_MARKER,
@@ -543,6 +545,7 @@ def run_app(
         raise LaunchError(
             f"run {settings['run-name']!r} did not finish within {timeout} s"
         ) from None
+    keep_stream(run_dir, ANSI_CODES.sub("", completed.stdout + completed.stderr))
     summary = read_summary(run_dir)
     status = summary.get("status", "missing")
     if status != "completed":
@@ -556,6 +559,18 @@ def run_app(
             f"{ANSI_CODES.sub('', completed.stdout + completed.stderr)[-3000:]}{extra}"
         )
     return run_dir
+
+
+def keep_stream(run_dir: Path, text: str) -> None:
+    """Keep what ``flwr run --stream`` printed (the ServerApp's log) as the run's ``log.txt``, as
+    ``ba-run`` keeps its console's: a deployed run's log is otherwise only on the screen. Left
+    alone where the ServerApp wrote none of the folder (its output directory is not this
+    machine's) or a ``log.txt`` exists; a folder this process may not write into is skipped."""
+    path = run_dir / LOG_FILE
+    if not run_dir.is_dir() or path.exists():
+        return
+    with suppress(OSError), private_file(path, "w") as log:
+        log.write(text)
 
 
 # ------------------------------------------------------------------------------------ ba-deploy
