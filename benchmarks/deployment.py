@@ -659,14 +659,13 @@ def measure_load(
     row["superlink-state"] = "file" if file_state else "memory"
     # In-memory SuperLink state by default: with its SQLite file, 7 of 10 replies failed here
     # with "database is locked" on a loaded machine; see docs/deployment.md (Load).
-    deployment = LocalDeployment(REPO, workdir, file_state=file_state)
+    deployment = LocalDeployment(REPO, workdir, file_state=file_state, executor=args.executor)
     load: list[float] = []
     started = time.monotonic()
     try:
-        # Bare flower-supernode processes with Flower's subprocess isolation, as the published
-        # pages measured (no ba-supernode supervisor); the deployment figures measure the warm
-        # executor.
-        start_nodes(deployment, size, supervised=False, each=5.0)
+        # subprocess: bare flower-supernode processes with Flower's isolation, as the first
+        # pages measured; warm: under ba-supernode, as docs/deployment.md deploys them.
+        start_nodes(deployment, size, supervised=args.executor == "warm", each=5.0)
         row["seconds-to-online"] = round(time.monotonic() - started, 1)
         idle = sum(status_bytes("VmRSS", node.process.pid) for node in deployment.supernodes)
         row["supernode-idle-rss-mb"] = _mb(idle / size)
@@ -723,8 +722,8 @@ def load_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['cpus']} CPU cores and {meta['memory-gib']} GiB shared with other jobs (the "
         "load average column says how busy the cores were; times are upper bounds). Default "
         f"configuration, flwr {meta['flwr']} ({meta['transport']} Fleet API), plain-text on "
-        f"loopback, the SuperLink's state in {meta['superlink-state']}, a ClientApp process per "
-        f"message (Flower's isolation), the partition cache {cache}; what each figure means: "
+        f"loopback, the SuperLink's state in {meta['superlink-state']}, ClientApps: "
+        f"{meta.get('executor', 'Flower isolation')}, the partition cache {cache}; see "
         "[deployment](../deployment.md#load-supernodes-per-superlink).",
         "",
     ]
@@ -782,12 +781,17 @@ def load_main() -> None:
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="memory left to others")
     parser.add_argument("--state", choices=("memory", "file"), default="memory")
     parser.add_argument("--cold-cache", action="store_true", help="empty partition cache at start")
+    executor = "subprocess: bare flower-supernode; warm: under ba-supernode, its warm executor"
+    parser.add_argument(
+        "--executor", choices=CLIENTAPP_EXECUTORS, default="subprocess", help=executor
+    )
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     release = FlowerRelease.installed()
     name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
     name += "-cold" if args.cold_cache else ""
     name += "" if release.transport == "grpc" else f"-{release.transport}"
+    name += "-warm" if args.executor == "warm" else ""
     rows: list[dict[str, Any]] = []
     per_node = 0.0  # memory per node of the largest size measured
     with tempfile.TemporaryDirectory(prefix="ba-load-") as scratch:
@@ -814,6 +818,7 @@ def load_main() -> None:
         "memory-gib": round(status_bytes("MemTotal", path="/proc/meminfo") / 2**30, 1),
         "superlink-state": "an SQLite file" if args.state == "file" else "memory",
         "cold-cache": args.cold_cache,
+        "executor": {"warm": "forked by the warm executor"}.get(args.executor, "Flower isolation"),
     }
     save("load", name, load_markdown(rows, meta), {"meta": meta, "rows": rows}, args.publish)
 
