@@ -451,8 +451,11 @@ class LocalDeployment:
         """Block until ``count`` SuperNodes are online, or raise with their logs."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if len(self.online_node_ids()) >= count:
-                return
+            try:
+                if len(self.online_node_ids()) >= count:
+                    return
+            except subprocess.TimeoutExpired:  # a host busy starting many nodes: ask again
+                continue
             time.sleep(1.0)
         logs = "\n".join(f"--- {n.log_path.name}\n{n.log()[-1500:]}" for n in self.supernodes)
         raise LaunchError(f"fewer than {count} SuperNodes online after {timeout} s\n{logs}")
