@@ -218,6 +218,9 @@ class LocalDeployment:
     pull_every : float, optional
         Supervised SuperNodes' ``ba-supernode --pull-every`` (seconds between pulls right after
         a message, :mod:`server.deploy.pull_pace`); ``None``: its default.
+    warm : str, optional
+        ``--executor warm``: the app's warm-up, ``MODULE:FUNCTION`` (``ba-supernode --warm``),
+        importable on the inherited ``PYTHONPATH``; ``None``: none.
     """
 
     app_dir: Path | None
@@ -230,6 +233,7 @@ class LocalDeployment:
     executor: ClientAppExecutor | None = None
     task_timeout: float = 600.0
     pull_every: float | None = None
+    warm: str | None = None
     supernodes: list[SuperNodeProcess] = field(default_factory=list)
     superlink: subprocess.Popen[bytes] | None = None
 
@@ -386,6 +390,7 @@ class LocalDeployment:
             command += ["--executor", str(self.executor)]
             if self.executor == "warm":
                 command += ["--task-timeout", f"{self.task_timeout:g}"]
+                command += ["--warm", self.warm] if self.warm else []
             if self.pull_every is not None:
                 command += ["--pull-every", f"{self.pull_every:g}"]
             for module in preload:
