@@ -637,7 +637,7 @@ def user_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def message_cpu(row: Mapping[str, Any]) -> float:
     """ClientApp CPU seconds per train instruction (every node trains every round)."""
-    return float(row["cpu-seconds"]["clientapp"]) / (row["nodes"] * row["rounds"])
+    return float(row["cpu-seconds"]["clientapp"]) / int(row["nodes"] * row["rounds"])
 
 
 def user_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
