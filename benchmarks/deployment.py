@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import itertools
 import json
 import math
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import command, peak_rss_sampler, save, status_bytes
+from benchmarks.harness import Stopwatch, command, peak_rss_sampler, save, status_bytes
 from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
@@ -61,6 +62,7 @@ from beyond_averaging.tasks.partition_cache import CACHE_ENV
 RESULTS = REPO / "benchmarks" / "results" / "deployment"
 QUICKSTART = REPO / "tests" / "apps" / "quickstart"
 QUICKSTART_TASK = Path("pytorchexample") / "task.py"
+TASK_MODULE = "pytorchexample.task"
 
 #: The work both apps do: run-config settings of this project's app. ``weight-decay`` 0 and
 #: ``lr-decay`` 1 (defaults 5e-4 and 0.99) make its update the quickstart's ``torch.optim.SGD(lr,
@@ -288,18 +290,21 @@ def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) ->
     ``ba-supernode`` with ``--executor``; the quickstart as Flower runs it, bare
     ``flower-supernode`` processes with Flower's subprocess isolation."""
     project, nodes, rounds, executor = app == "project", args.nodes, args.rounds, args.executor
+    executor = "warm" if app.startswith("user-warm") else executor
     deployment = LocalDeployment(
         app_dir,
         workdir,
         file_state=False,
         executor="warm" if executor == "warm" else "subprocess",
         pull_every=args.pull_every,
+        warm=f"{TASK_MODULE}:warm" if app == "user-warmed" else None,
     )
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
-    row["executor"] = executor if project else "flower-subprocess"
+    supervised = project or app.startswith("user-warm")
+    row["executor"] = executor if supervised else "flower-subprocess"
     watch, load = ProcessWatch(os.getpid()), []
     try:
-        start_nodes(deployment, nodes, supervised=project, each=10.0)
+        start_nodes(deployment, nodes, supervised=supervised, each=10.0)
         watch.groups = {node.process.pid: str(node.process.pid) for node in deployment.supernodes}
         run_settings = {**WORK, "num-server-rounds": rounds, "num-clients": nodes}
         run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
@@ -425,9 +430,7 @@ def summarize(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 row["clientapp-processes"] / row["rounds"] for row in mine
             ),
             # Every node trains every round: nodes x rounds train instructions.
-            "cpu-per-message": statistics.median(
-                row["cpu-seconds"]["clientapp"] / (row["nodes"] * row["rounds"]) for row in mine
-            ),
+            "cpu-per-message": statistics.median(map(message_cpu, mine)),
             "cpu-per-clientapp-median": statistics.median(
                 statistics.median(row["clientapp-cpu-seconds-each"]) for row in mine
             ),
@@ -557,6 +560,124 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------ the user-app leg
+#: ``--user RULE``: the quickstart copy with the rule's recipes from docs/ (as tests/apps/ has
+#: them applied) and the docs' ``warm()``, under Flower's subprocess isolation and under
+#: ``ba-supernode``'s warm executor, without and with ``--warm`` (docs/deployment.md).
+USER_APPS = {
+    "user-flower": "Flower's subprocess isolation",
+    "user-warm": "`ba-supernode` (warm executor)",
+    "user-warmed": f"the same, `--warm {TASK_MODULE}:warm`",
+}
+_RECIPE = re.compile(r"^<!-- recipe: ([\w-]+) -->\n```diff\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def apply_recipe(source: str, name: str) -> str:
+    """``source`` with the docs' ``diff`` recipe ``name`` (none: unchanged): each hunk's context
+    and removed lines must occur once, and become its context and added lines."""
+    pages = [page.read_text(encoding="utf-8") for page in (REPO / "docs").glob("*.md")]
+    text = f"\n{source}"
+    for found, diff in (found for page in pages for found in _RECIPE.findall(page)):
+        for hunk in re.split(r"^@@.*\n", diff, flags=re.MULTILINE) if found == name else []:
+            lines = hunk.splitlines()
+            old, new = ("".join(f"\n{line[1:]}" for line in lines if line[:1] != x) for x in "+-")
+            if lines and text.count(f"{old}\n") != 1:
+                raise ValueError(f"recipe {name}: {old!r} is not in the app exactly once")
+            text = text.replace(f"{old}\n", f"{new}\n") if lines else text
+    return text[1:]
+
+
+def user_app(quickstart: Path, destination: Path, rule: str) -> Path:
+    """The quickstart copy with ``rule``'s server and client recipes and the docs' ``warm()``."""
+    shutil.copytree(quickstart, destination)
+    package = destination / "pytorchexample"
+    for module, part in (("server_app.py", "server"), ("client_app.py", "client")):
+        source = (package / module).read_text(encoding="utf-8")
+        (package / module).write_text(apply_recipe(source, f"{rule}-{part}"), encoding="utf-8")
+    page = (REPO / "docs" / "deployment.md").read_text(encoding="utf-8")
+    warm = re.search(r"^def warm\(node_config\):\n.*?(?=^```)", page, re.MULTILINE | re.DOTALL)
+    assert warm is not None, "docs/deployment.md has no def warm(node_config):"
+    with (destination / QUICKSTART_TASK).open("a", encoding="utf-8") as task:
+        task.write(f"\n\n{warm.group(0)}")
+    return destination
+
+
+def in_process_round(app_dir: Path, nodes: int) -> float:
+    """Wall seconds of one round's training in this Python: the app's ``train`` on every node's
+    partition (``WORK``'s epochs and rate), the second of two rounds (the first call paid)."""
+    sys.path.insert(0, str(app_dir))
+    task = importlib.import_module(TASK_MODULE)
+    for _ in range(2):
+        with Stopwatch() as clock:
+            for partition in range(nodes):
+                loader, _ = task.load_data(partition, nodes, WORK["batch-size"])
+                task.train(task.Net(), loader, WORK["local-epochs"], WORK["learning-rate"], "cpu")
+    return round(clock.wall, 2)
+
+
+def user_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per leg, the medians of its completed runs, and per repeat its ClientApp CPU per message
+    over Flower's isolation's."""
+    done = [row for row in rows if row["status"] == "completed"]
+    flower = {row["repeat"]: message_cpu(row) for row in done if row["app"] == "user-flower"}
+    medians = {"seconds-per-round": round_median, "cpu-per-round": per_round}
+    legs: dict[str, dict[str, Any]] = {}
+    for app in USER_APPS:
+        if mine := [row for row in done if row["app"] == app]:
+            legs[app] = {key: statistics.median(map(f, mine)) for key, f in medians.items()}
+            legs[app]["cpu-per-message"] = statistics.median(map(message_cpu, mine))
+            legs[app]["cpu-per-message-ratios"] = [
+                round(message_cpu(row) / flower[row["repeat"]], 3)
+                for row in mine
+                if row["repeat"] in flower
+            ]
+            legs[app]["final-accuracy"] = [row["final-accuracy"] for row in mine]
+    return legs
+
+
+def message_cpu(row: Mapping[str, Any]) -> float:
+    """ClientApp CPU seconds per train instruction (every node trains every round)."""
+    return float(row["cpu-seconds"]["clientapp"]) / int(row["nodes"] * row["rounds"])
+
+
+def user_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
+    """The user-app leg's page: one column per leg (each run's figures: the saved JSON)."""
+    legs, in_process = user_summary(rows), meta["in-process-round-seconds"]
+    failed = [f"{row['app']}: {row['error'][:300]}" for row in rows if row["status"] != "completed"]
+    lines = [
+        f"# A user's app deployed: Flower's quickstart with the {meta['rule']} recipes (flwr "
+        f"{meta['flwr']}, {meta['transport']} Fleet API)",
+        "",
+        f"Measured {meta['date']} with `{meta['command']}` on {meta['machine']}: {meta['cpus']} "
+        f"CPU cores shared with other jobs (load average: {meta['load']}). The quickstart copy "
+        f"of [the deployment page](deployment-{meta['transport'].lower()}.md) (Flower's code, "
+        f"this project's MLP and digits partitions) with the docs' `{meta['rule']}-server` and "
+        f"`{meta['rule']}-client` recipes and the docs' `warm()` in its `task.py`; "
+        f"{meta['nodes']} SuperNodes, {meta['rounds']} rounds, {meta['repeats']} repeats, legs "
+        f"in turn ({meta['order']}). The same round's training in one Python (every node's "
+        f"`train`, not the recipe's extra pass): {in_process} s. Failed runs: {failed or 'none'}.",
+        "",
+    ]
+    cells: list[list[object]] = []
+    for name, key, digits in (
+        ("seconds per round (median)", "seconds-per-round", 1),
+        ("CPU seconds per round, the deployment's processes", "cpu-per-round", 1),
+        ("ClientApp CPU seconds per train instruction", "cpu-per-message", 2),
+    ):
+        cells.append([name, *(_f(legs.get(app, {}).get(key), digits) for app in USER_APPS)])
+    for name, key in (
+        ("ClientApp CPU per message / Flower's isolation's, per repeat", "cpu-per-message-ratios"),
+        ("final test accuracy", "final-accuracy"),
+    ):
+        cells.append([name, *(legs.get(app, {}).get(key) for app in USER_APPS)])
+    rounds = [legs.get(app, {}).get("seconds-per-round") for app in USER_APPS]
+    cells.append(
+        ["seconds per round / the in-process round", *(_f(s and s / in_process) for s in rounds)]
+    )
+    lines += [markdown_table(["per run (median of the repeats)", *USER_APPS.values()], cells)]
+    return "\n".join(lines)
+
+
 def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Alternate the two apps for ``args.repeats`` repeats; the rows and the page's facts."""
     rows: list[dict[str, Any]] = []
@@ -568,12 +689,19 @@ def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
         features, classes = write_digits(data_file, settings, args.nodes)
         diff = quickstart_copy(scratch / "quickstart", data_file, features, HIDDEN)
         parameters = sum(p.numel() for p in build_model("mlp", (features,), classes).parameters())
-        order = []
+        order, apps = [], ["project", "quickstart"]
+        if args.user:  # the warm-up's module is imported where ba-supernode runs
+            user = user_app(scratch / "quickstart", scratch / "user", args.user)
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                [str(user), os.environ.get("PYTHONPATH", "")]
+            )
+            apps, in_process = list(USER_APPS), in_process_round(user, args.nodes)
         for repeat in range(1, args.repeats + 1):
-            apps = ["project", "quickstart"] if repeat % 2 else ["quickstart", "project"]
-            order.append(" ".join("A" if app == "project" else "B" for app in apps))
+            apps = apps[1:] + apps[:1] if repeat > 1 else apps
+            order.append(" ".join(app.removeprefix("user-") for app in apps))
             for app in apps:
                 app_dir = REPO if app == "project" else scratch / "quickstart"
+                app_dir = scratch / "user" if app in USER_APPS else app_dir
                 row = measure(app, app_dir, scratch / f"{app}-{repeat}", args)
                 rows.append({"repeat": repeat, **row})
                 print(json.dumps(rows[-1]), flush=True)
@@ -588,6 +716,8 @@ def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
         "parameters": parameters,
         "quickstart-diff": diff,
     }
+    if args.user:
+        meta |= {"rule": args.user, "in-process-round-seconds": in_process}
     return rows, meta
 
 
@@ -606,6 +736,8 @@ def main() -> None:
     parser.add_argument("--executor", choices=CLIENTAPP_EXECUTORS, default="warm", help=executor)
     pace = "ba-supernode --pull-every for this project's SuperNodes (3: Flower's fixed pace)"
     parser.add_argument("--pull-every", type=float, metavar="SECONDS", help=pace)
+    user = "measure the user-app leg instead: the quickstart with RULE's recipes (e.g. elastic)"
+    parser.add_argument("--user", metavar="RULE", help=user)
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
@@ -616,6 +748,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)  # this process too (it loads the data)
     name = f"deployment-{FlowerRelease.installed().transport}"
+    name = name.replace("-", f"-user-{args.user}-", 1) if args.user else name
     saved = RESULTS / f"{name}.json"
     if args.render:
         if not saved.is_file():
@@ -624,6 +757,10 @@ def main() -> None:
         rows, meta = record["rows"], record["meta"]
     else:
         rows, meta = measure_all(args)
+    if args.user:
+        record = {"meta": meta, "rows": rows, "summary": user_summary(rows)}
+        save("deployment", name, user_markdown(rows, meta), record, args.publish)
+        return
     record = {"meta": meta, "rows": rows, "summary": summarize(rows)}
     save("deployment", name, markdown(rows, meta), record, args.publish)
 
@@ -659,14 +796,13 @@ def measure_load(
     row["superlink-state"] = "file" if file_state else "memory"
     # In-memory SuperLink state by default: with its SQLite file, 7 of 10 replies failed here
     # with "database is locked" on a loaded machine; see docs/deployment.md (Load).
-    deployment = LocalDeployment(REPO, workdir, file_state=file_state)
+    deployment = LocalDeployment(REPO, workdir, file_state=file_state, executor=args.executor)
     load: list[float] = []
     started = time.monotonic()
     try:
-        # Bare flower-supernode processes with Flower's subprocess isolation, as the published
-        # pages measured (no ba-supernode supervisor); the deployment figures measure the warm
-        # executor.
-        start_nodes(deployment, size, supervised=False, each=5.0)
+        # subprocess: bare flower-supernode processes with Flower's isolation, as the first
+        # pages measured; warm: under ba-supernode, as docs/deployment.md deploys them.
+        start_nodes(deployment, size, supervised=args.executor == "warm", each=5.0)
         row["seconds-to-online"] = round(time.monotonic() - started, 1)
         idle = sum(status_bytes("VmRSS", node.process.pid) for node in deployment.supernodes)
         row["supernode-idle-rss-mb"] = _mb(idle / size)
@@ -723,8 +859,8 @@ def load_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['cpus']} CPU cores and {meta['memory-gib']} GiB shared with other jobs (the "
         "load average column says how busy the cores were; times are upper bounds). Default "
         f"configuration, flwr {meta['flwr']} ({meta['transport']} Fleet API), plain-text on "
-        f"loopback, the SuperLink's state in {meta['superlink-state']}, a ClientApp process per "
-        f"message (Flower's isolation), the partition cache {cache}; what each figure means: "
+        f"loopback, the SuperLink's state in {meta['superlink-state']}, ClientApps: "
+        f"{meta.get('executor', 'Flower isolation')}, the partition cache {cache}; see "
         "[deployment](../deployment.md#load-supernodes-per-superlink).",
         "",
     ]
@@ -782,12 +918,17 @@ def load_main() -> None:
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="memory left to others")
     parser.add_argument("--state", choices=("memory", "file"), default="memory")
     parser.add_argument("--cold-cache", action="store_true", help="empty partition cache at start")
+    executor = "subprocess: bare flower-supernode; warm: under ba-supernode, its warm executor"
+    parser.add_argument(
+        "--executor", choices=CLIENTAPP_EXECUTORS, default="subprocess", help=executor
+    )
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     release = FlowerRelease.installed()
     name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
     name += "-cold" if args.cold_cache else ""
     name += "" if release.transport == "grpc" else f"-{release.transport}"
+    name += "-warm" if args.executor == "warm" else ""
     rows: list[dict[str, Any]] = []
     per_node = 0.0  # memory per node of the largest size measured
     with tempfile.TemporaryDirectory(prefix="ba-load-") as scratch:
@@ -814,6 +955,7 @@ def load_main() -> None:
         "memory-gib": round(status_bytes("MemTotal", path="/proc/meminfo") / 2**30, 1),
         "superlink-state": "an SQLite file" if args.state == "file" else "memory",
         "cold-cache": args.cold_cache,
+        "executor": {"warm": "forked by the warm executor"}.get(args.executor, "Flower isolation"),
     }
     save("load", name, load_markdown(rows, meta), {"meta": meta, "rows": rows}, args.publish)
 

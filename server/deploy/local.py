@@ -220,6 +220,9 @@ class LocalDeployment:
     pull_every : float, optional
         Supervised SuperNodes' ``ba-supernode --pull-every`` (seconds between pulls right after
         a message, :mod:`server.deploy.pull_pace`); ``None``: its default.
+    warm : str, optional
+        ``--executor warm``: the app's warm-up, ``MODULE:FUNCTION`` (``ba-supernode --warm``),
+        importable on the inherited ``PYTHONPATH``; ``None``: none.
     """
 
     app_dir: Path | None
@@ -232,6 +235,7 @@ class LocalDeployment:
     executor: ClientAppExecutor | None = None
     task_timeout: float = 600.0
     pull_every: float | None = None
+    warm: str | None = None
     supernodes: list[SuperNodeProcess] = field(default_factory=list)
     superlink: subprocess.Popen[bytes] | None = None
 
@@ -388,6 +392,7 @@ class LocalDeployment:
             command += ["--executor", str(self.executor)]
             if self.executor == "warm":
                 command += ["--task-timeout", f"{self.task_timeout:g}"]
+                command += ["--warm", self.warm] if self.warm else []
             if self.pull_every is not None:
                 command += ["--pull-every", f"{self.pull_every:g}"]
             for module in preload:
@@ -453,8 +458,11 @@ class LocalDeployment:
         """Block until ``count`` SuperNodes are online, or raise with their logs."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if len(self.online_node_ids()) >= count:
-                return
+            try:
+                if len(self.online_node_ids()) >= count:
+                    return
+            except subprocess.TimeoutExpired:  # a host busy starting many nodes: ask again
+                continue
             time.sleep(1.0)
         logs = "\n".join(f"--- {n.log_path.name}\n{n.log()[-1500:]}" for n in self.supernodes)
         raise LaunchError(f"fewer than {count} SuperNodes online after {timeout} s\n{logs}")
