@@ -511,7 +511,7 @@ def adaptive_attack(
     fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
     defence = trigger_unlearning(config) or TriggerUnlearning(epochs=6)
     best, survived = choose_trigger(
-        fed.model, DeviceData(*pooled, parts[0].num_classes), root, defence,
+        fed.model, DeviceData(pooled[0], pooled[1], parts[0].num_classes), root, defence,
         learning_rate=task.learning_rate, batch_size=task.batch_size, seed=config.seed,
     )  # fmt: skip
     figures = {

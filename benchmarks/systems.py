@@ -44,7 +44,7 @@ from beyond_averaging.server.deploy.resources import MIB, PeakSampler
 from beyond_averaging.server.interactive import federation
 from beyond_averaging.server.runs.provenance import hardware_line
 from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID
-from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
+from beyond_averaging.server.strategy_factory import ServerResources, build_rule
 from beyond_averaging.server.sweep.report import markdown_table, shown
 from beyond_averaging.strategies import FedAvg
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
@@ -121,7 +121,7 @@ def synthetic_replies(model: nn.Module, clients: int, rule: str) -> list[Message
     clients do (median cosine with the others' mean about 0.7), so the direction check, which a
     run turns off where clients disagree from the first round, runs in every repeat."""
     config = rule_config(rule, 1)
-    records = list(build_strategy(config, resources(model)).required_records)
+    records = list(build_rule(config, resources(model)).required_records)
     rng = np.random.default_rng(1)
     global_arrays = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     shared = {k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in global_arrays.items()}
@@ -181,7 +181,7 @@ def make_rule(
             return metrics
 
         return observe
-    strategy = build_strategy(config, resources(model))
+    strategy = build_rule(config, resources(model))
     # As the ServerApp, the instructions first (fltrust reads the clients' task there), once:
     # every repeat aggregates against the same global model.
     task = ConfigRecord(client_task(config).to_config())

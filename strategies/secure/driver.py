@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from logging import INFO, WARNING
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -74,9 +74,20 @@ from beyond_averaging.tasks.secure_aggregation import (
 
 from .sums import aggregate_from_sums, check_rule, mean_metrics, secure_layout
 
+
 #: The rule arguments that turn the influence bounds off, as a rule under secure aggregation
 #: needs them: ``ElasticAggregation(tau=0.5, **BOUNDS_OFF)``.
-BOUNDS_OFF: dict[str, float] = {
+class BoundsOff(TypedDict):
+    """The per-reply bounds' keyword arguments, each 0 (off): typed per key, so that
+    ``Rule(**BOUNDS_OFF)`` type-checks against the rule's own signature."""
+
+    update_norm_factor: float
+    update_clip_factor: float
+    direction_outlier_factor: float
+    max_claim_factor: float
+
+
+BOUNDS_OFF: BoundsOff = {
     "update_norm_factor": 0.0,
     "update_clip_factor": 0.0,
     "direction_outlier_factor": 0.0,

@@ -15,7 +15,7 @@ what is measured is the protocol alone, on top of whatever training costs.
 
 Usage::
 
-    PYTHONPATH=. .venv/bin/python scripts/secure_aggregation_cost.py --clients 10 50 100 \\
+    .venv/bin/python -m benchmarks.secure_aggregation --clients 10 50 100 \\
         --neighbours 0 8 > docs/results/secure-aggregation-cost.md
 """
 

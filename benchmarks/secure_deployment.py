@@ -18,7 +18,7 @@ round (its evaluation included) to the end of the next:
 
 Usage::
 
-    PYTHONPATH=. .venv/bin/python scripts/secure_deployment_cost.py --nodes 3 --rounds 3 \\
+    .venv/bin/python -m benchmarks.secure_deployment --nodes 3 --rounds 3 \\
         --strategy elastic
 """
 
