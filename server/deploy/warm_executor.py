@@ -141,6 +141,9 @@ def warm_up(target: str, node_config: Mapping[str, Any]) -> None:
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else 1
     kernel_threads = _os_threads()
+    # Judged against the threads before the call: the warm-up answers for the threads it
+    # starts (the parent's own single thread at each fork is ForkExecutor's to keep).
+    earlier = set(threading.enumerate())
     if torch is not None:
         torch.set_num_threads(1)
     try:
@@ -148,8 +151,9 @@ def warm_up(target: str, node_config: Mapping[str, Any]) -> None:
     finally:
         if torch is not None:
             torch.set_num_threads(threads)
-    if threading.active_count() > 1 or _os_threads() > kernel_threads:
-        names = ", ".join(thread.name for thread in threading.enumerate()[1:]) or "not Python's"
+    started = [thread for thread in threading.enumerate() if thread not in earlier]
+    if started or _os_threads() > kernel_threads:
+        names = ", ".join(thread.name for thread in started) or "not Python's"
         raise UnfitToForkError(
             f"--warm {target} left threads running ({names}; {_os_threads()} in all, "
             f"{kernel_threads} before): a fork copies only the calling thread, so start none "
