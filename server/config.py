@@ -70,6 +70,10 @@ DEFENCE_PROFILES: dict[str, dict[str, Any]] = {
         "unlearning-epochs": 6,
         "unlearning-additive": 1.0,
         "unlearning-dormant-inputs": True,
+        # FedLAW's only (set for strategy = "fedlaw"): its learned shrink factor, above 1 in
+        # every round of these runs, scaled up what the unlearning left of a backdoor
+        # (docs/reliability.md, "A defence aimed at why they pass").
+        "fedlaw-learn": "clients",
     },
 }
 
@@ -265,10 +269,13 @@ class RunConfig(BaseModel):
             return data  # an unknown profile is refused, with the closest name, as any value
         expanded = dict(data)
         convolutional = expanded.get("model", cls.model_fields["model"].default) in CONVOLUTIONAL
+        strategy = expanded.get("strategy", cls.model_fields["strategy"].default)
         for key, value in DEFENCE_PROFILES[profile].items():
             name = key.replace("-", "_")
             if name == "unlearning_dormant_inputs" and convolutional:
                 continue  # no weight belongs to one input position: refused if set by hand
+            if name.startswith("fedlaw_") and strategy != "fedlaw":
+                continue  # FedLAW's own key: other rules' configs stay as they were
             given = expanded.get(key, expanded.get(name, cls.model_fields[name].default))
             if given == cls.model_fields[name].default and type(given) is type(
                 cls.model_fields[name].default

@@ -79,3 +79,24 @@ def test_dormant_inputs_with_a_convolutional_model_is_refused_and_the_profile_le
     config = parse_run_config({"defence-profile": "label-skew", "model": "cnn"})
     assert config.unlearning_dormant_inputs is False
     assert config.unlearning_additive == 1.0
+
+
+def test_label_skew_fixes_fedlaws_shrink_factor_for_fedlaw_only() -> None:
+    # FedLAW's learned gamma stayed above 1 in every round of the profile's runs and scaled up
+    # what the unlearning left of a backdoor: the profile keeps it at 1 (learn = "clients").
+    config = parse_run_config({"defence-profile": "label-skew", "strategy": "fedlaw"})
+    assert config.fedlaw_learn == "clients"
+    assert parse_run_config({"defence-profile": "iid", "strategy": "fedlaw"}).fedlaw_learn == "both"
+    assert parse_run_config({"defence-profile": "label-skew"}).fedlaw_learn == "both"  # fedavg
+    kept = parse_run_config(
+        {"defence-profile": "label-skew", "strategy": "fedlaw", "fedlaw-learn": "shrink"}
+    )
+    assert kept.fedlaw_learn == "shrink"
+    assert defence_profile("label-skew", fedlaw=True)["learn"] == "clients"
+    assert "learn" not in defence_profile("label-skew")
+    test_set, proxy_set = load_server_splits(data_spec(config))
+    model = build_model("mlp", test_set.input_shape, test_set.num_classes, seed=0)
+    strategy = build_strategy(
+        config, ServerResources(model, proxy_set, torch.device("cpu"), test_set)
+    )
+    assert strategy.learn == "clients"  # type: ignore[attr-defined]

@@ -6,12 +6,15 @@ run options; docs/reliability.md, "Defence profiles").
 - ``"iid"``: root-set trust and trigger unlearning (``robust_aggregation = "fltrust"``,
   ``TriggerUnlearning()``), which held the backdoors of the IID table;
 - ``"label-skew"``: trigger unlearning with 6 passes, the additive search and dormant inputs,
-  and the claim bound at one median (``max_claim_factor = 1``).
+  and the claim bound at one median (``max_claim_factor = 1``); for FedLAW (``fedlaw=True``)
+  also ``learn = "clients"``: the shrink factor gamma stays 1 (learned, it was above 1 in every
+  round of the tables and scaled up what the unlearning left of a backdoor).
 
 Every profile that unlearns needs ``model=`` and ``proxy_set=`` (the server's root set) beside
 it::
 
     FedAvg(model=net, proxy_set=(x, y), **defence_profile("label-skew"))
+    FedLAW(model=net, proxy_set=(x, y), **defence_profile("label-skew", fedlaw=True))
 """
 
 from __future__ import annotations
@@ -26,15 +29,17 @@ PROFILE_NAMES: tuple[ProfileName, ...] = ("none", "iid", "label-skew")
 
 
 class ProfileOptions(TypedDict, total=False):
-    """The keyword options a profile sets, those of every rule."""
+    """The keyword options a profile sets: those of every rule, and FedLAW's ``learn``."""
 
     robust_aggregation: str
     trigger_unlearning: TriggerUnlearning
     max_claim_factor: float
+    learn: Literal["both", "shrink", "clients"]
 
 
-def defence_profile(name: str) -> ProfileOptions:
-    """The keyword options of profile ``name`` for any rule (module docstring).
+def defence_profile(name: str, *, fedlaw: bool = False) -> ProfileOptions:
+    """The keyword options of profile ``name`` for any rule, with ``fedlaw`` FedLAW's own one
+    too (module docstring).
 
     Raises
     ------
@@ -46,12 +51,15 @@ def defence_profile(name: str) -> ProfileOptions:
     if name == "iid":
         return {"robust_aggregation": "fltrust", "trigger_unlearning": TriggerUnlearning()}
     if name == "label-skew":
-        return {
+        options: ProfileOptions = {
             "trigger_unlearning": TriggerUnlearning(
                 epochs=6, additive_weight=1.0, dormant_inputs=True
             ),
             "max_claim_factor": 1.0,
         }
+        if fedlaw:
+            options["learn"] = "clients"
+        return options
     close = difflib.get_close_matches(str(name), PROFILE_NAMES, n=1, cutoff=0.0)
     raise ValueError(
         f"defence_profile({name!r}): use one of {', '.join(map(repr, PROFILE_NAMES))}; "
