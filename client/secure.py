@@ -25,11 +25,11 @@ keeps them, and are deleted after ``unmask`` (and replaced by the next ``setup``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
-from flwr.clientapp.typing import ClientAppCallable
 
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
@@ -54,6 +54,10 @@ from beyond_averaging.tasks.secure_aggregation import (
     threshold,
     unseal,
 )
+
+#: The next handler of a ClientApp's mod chain: Flower's ``ClientAppCallable``, written out
+#: because its module (``flwr.clientapp.typing``) is not in flwr 1.21, the library's oldest Flower.
+ClientAppCallable = Callable[[Message, Context], Message]
 
 #: Where a node keeps its round's secrets between stages (``context.state``).
 STATE_RECORD = "secure-aggregation-state"
