@@ -201,32 +201,27 @@ def test_the_client_vector_folds_the_capped_weight_into_the_clipped_update_and_c
     w = np.zeros(2)
     theta = np.array([3.0, 4.0])  # update norm 5 -> clipped to (0.6, 0.8)
     gradient = np.array([-2.0, 0.0])
+
+    def sums_of_one_client(num_examples: int) -> dict[str, np.ndarray]:
+        vector = client_vector(
+            layout,
+            {"w": w},
+            {"w": theta},
+            {"gradient": {"w": gradient}},
+            {"train-loss": 0.5},
+            num_examples,
+            options,
+        )
+        return split_sum(vector, layout, {"w": (2,)}, 1, options)
+
     # n = 250 claims more than W = 100: r = min(250, 100) / 100 = 1 (the claim bound).
-    vector = client_vector(
-        layout,
-        {"w": w},
-        {"w": theta},
-        {"gradient": {"w": gradient}},
-        {"train-loss": 0.5},
-        250,
-        options,
-    )
-    sums = split_sum(vector, layout, {"w": (2,)}, 1, options)
+    sums = sums_of_one_client(250)
     assert float(sums["weight||"]) == pytest.approx(1.0, abs=options.quantum)
     assert float(sums["metric||train-loss"]) == pytest.approx(0.5, abs=options.quantum)
     assert sums["update||w"] == pytest.approx([0.6, 0.8], abs=options.quantum)
     assert sums["signs|gradient|w"].tolist() == [-1.0, 0.0]
     # n = 25: r = 0.25 scales every weighted value.
-    vector = client_vector(
-        layout,
-        {"w": w},
-        {"w": theta},
-        {"gradient": {"w": gradient}},
-        {"train-loss": 0.5},
-        25,
-        options,
-    )
-    sums = split_sum(vector, layout, {"w": (2,)}, 1, options)
+    sums = sums_of_one_client(25)
     assert float(sums["weight||"]) == pytest.approx(0.25, abs=options.quantum)
     assert sums["update||w"] == pytest.approx([0.15, 0.2], abs=options.quantum)
     assert sums["weighted|gradient|w"] == pytest.approx([-0.5, 0.0], abs=options.quantum)
