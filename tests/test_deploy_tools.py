@@ -23,6 +23,7 @@ from types import ModuleType
 
 import pytest
 
+from beyond_averaging.server.deploy.local import keep_stream
 from tests.deploy_helpers import (
     REPO,
     FleetTap,
@@ -238,6 +239,21 @@ def test_stage_app_copies_only_what_fab_include_lists_besides_pyproject(tmp_path
     copied = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
     # Git-ignored stays out even where fab-include names it, as in Flower's build.
     assert copied == ["LICENSE", "pyproject.toml", "server/app.py"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another account needs root")
+def test_the_kept_stream_log_is_private_to_the_run_folder_s_owner(tmp_path: Path) -> None:
+    # A container's ServerApp writes its run folder as the image's user (uid 1000 here, not
+    # this root process): a log.txt left to root 0600 is the one file it cannot read, and the
+    # docs' `docker compose exec -T superlink tar ... runs` copy then fails (exit 2).
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.chown(run_dir, 1000, 1000)
+    keep_stream(run_dir, "INFO : round 1\n")
+    log = (run_dir / "log.txt").stat()
+    assert (log.st_uid, log.st_gid) == (1000, 1000)
+    assert log.st_mode & 0o777 == 0o600
+    assert (run_dir / "log.txt").read_text() == "INFO : round 1\n"
 
 
 def test_online_nodes_are_read_from_the_cli_listing() -> None:

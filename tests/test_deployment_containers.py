@@ -344,8 +344,9 @@ def test_the_documented_results_copy_brings_the_run_folders_home(
         cwd=REPO,
         capture_output=True,
         timeout=300,
-        check=True,
+        check=False,
     )
+    assert exported.returncode == 0, exported.stderr.decode(errors="replace")[-2000:]
     subprocess.run(host, input=exported.stdout, cwd=tmp_path, check=True, timeout=120)
     summary = read_summary(tmp_path / "runs" / "to-copy")
     assert summary["status"] == "completed", summary

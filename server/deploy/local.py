@@ -27,6 +27,7 @@ import datetime
 import ipaddress
 import json
 import math
+import os
 import shutil
 import signal
 import ssl
@@ -573,12 +574,20 @@ def keep_stream(run_dir: Path, text: str) -> None:
     """Keep what ``flwr run --stream`` printed (the ServerApp's log) as the run's ``log.txt``, as
     ``ba-run`` keeps its console's: a deployed run's log is otherwise only on the screen. Left
     alone where the ServerApp wrote none of the folder (its output directory is not this
-    machine's) or a ``log.txt`` exists; a folder this process may not write into is skipped."""
+    machine's) or a ``log.txt`` exists; a folder this process may not write into is skipped.
+
+    The file is created ``0600`` like the run's other files, and given to the folder's owner:
+    a container's ServerApp writes the folder as the image's user, and a ``0600`` file left to
+    this machine's root would be the one file that user (and the docs' ``tar`` copy run in the
+    container) cannot read."""
     path = run_dir / LOG_FILE
     if not run_dir.is_dir() or path.exists():
         return
-    with suppress(OSError), private_file(path, "w") as log:
-        log.write(text)
+    with suppress(OSError):
+        with private_file(path, "w") as log:
+            log.write(text)
+        folder = run_dir.stat()
+        os.chown(path, folder.st_uid, folder.st_gid)  # PermissionError unless root: already ours
 
 
 # ------------------------------------------------------------------------------------ ba-deploy
