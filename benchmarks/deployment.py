@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import Stopwatch, command, peak_rss_sampler, save, status_bytes
+from benchmarks.harness import Stopwatch, command, save
 from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
@@ -49,6 +49,8 @@ from beyond_averaging.server.deploy.resources import (
     ProcessWatch,
     cpu_seconds_by,
     kinds_of,
+    peak_rss_sampler,
+    status_bytes,
 )
 from beyond_averaging.server.overrides import LaunchError, run_config_argument
 from beyond_averaging.server.runs.folder import read_metrics
@@ -93,15 +95,6 @@ RECEIVED_TRAIN = "Receiving: train message"
 #: The parts of a node's memory in the load benchmark: the SuperNode process, the ClientApp
 #: processes it starts (one per message) and the helpers between them (Flower's SuperExec).
 NODE_PARTS = ("supernode", "clientapp", "superexec")
-
-
-def start_nodes(deployment: LocalDeployment, nodes: int, supervised: bool, each: float) -> None:
-    """Start ``deployment`` with ``nodes`` SuperNodes (under ``ba-supernode`` if ``supervised``)
-    and wait until all are online, ``each`` seconds a node at most (two minutes at least)."""
-    deployment.start()
-    for partition in range(nodes):
-        deployment.start_supernode(partition, nodes, supervised=supervised)
-    deployment.wait_for_nodes(nodes, timeout=max(120.0, each * nodes))
 
 
 def spread(values: Sequence[float]) -> list[float]:
@@ -304,7 +297,8 @@ def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) ->
     row["executor"] = executor if supervised else "flower-subprocess"
     watch, load = ProcessWatch(os.getpid()), []
     try:
-        start_nodes(deployment, nodes, supervised=supervised, each=10.0)
+        deployment.start()  # at most 10 s a node to be online, 2 minutes at least
+        deployment.start_supernodes(nodes, supervised=supervised, timeout=max(120.0, 10.0 * nodes))
         watch.groups = {node.process.pid: str(node.process.pid) for node in deployment.supernodes}
         run_settings = {**WORK, "num-server-rounds": rounds, "num-clients": nodes}
         run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
@@ -802,7 +796,8 @@ def measure_load(
     try:
         # subprocess: bare flower-supernode processes with Flower's isolation, as the first
         # pages measured; warm: under ba-supernode, as docs/deployment.md deploys them.
-        start_nodes(deployment, size, supervised=args.executor == "warm", each=5.0)
+        supervised = args.executor == "warm"
+        deployment.start().start_supernodes(size, supervised=supervised, timeout=max(120, 5 * size))
         row["seconds-to-online"] = round(time.monotonic() - started, 1)
         idle = sum(status_bytes("VmRSS", node.process.pid) for node in deployment.supernodes)
         row["supernode-idle-rss-mb"] = _mb(idle / size)

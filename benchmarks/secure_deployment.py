@@ -2,7 +2,8 @@
 
 A SuperLink and ``--nodes`` SuperNodes on this machine (``ba-deploy local``'s processes: each
 SuperNode under ``ba-supernode`` with the warm executor), each SuperNode's Fleet API traffic relayed
-through a counting TCP relay, then ``--rounds`` rounds of ``--strategy`` with and without
+through a byte-counting relay (:class:`server.deploy.resources.FleetRelay`, as ``ba-deploy local
+--resources`` counts them), then ``--rounds`` rounds of ``--strategy`` with and without
 ``secure-aggregation = "secaggplus"`` (one deployment each, alternating for ``--repeats``). Every
 process below this one is sampled from ``/proc`` (server/deploy/resources.py) each time the run
 folder's metrics.jsonl gains a line, so each round's figures are the interval from the end of one
@@ -25,11 +26,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import socket
 import statistics
 import tempfile
 import threading
@@ -38,62 +37,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.spec import REPO
 from beyond_averaging.server.deploy.local import LocalDeployment
-from beyond_averaging.server.deploy.resources import ProcessWatch, cpu_seconds_by, kinds_of
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-class CountingRelay:
-    """A TCP relay to ``target`` that counts the bytes each way (a SuperNode's Fleet API link)."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.up = 0
-        self.down = 0
-        self.lock = threading.Lock()
-        self.closed = False
-        self.sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def counts(self) -> tuple[int, int]:
-        with self.lock:
-            return self.up, self.down
-
-    def close(self) -> None:
-        self.closed = True
-        for sock in [self.listener, *self.sockets]:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                client, _ = self.listener.accept()
-                upstream = socket.create_connection(self.target, timeout=10.0)
-            except OSError:
-                continue
-            upstream.settimeout(None)
-            self.sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, uploading: bool) -> None:
-        try:
-            while chunk := source.recv(1 << 16):
-                with self.lock:
-                    if uploading:
-                        self.up += len(chunk)
-                    else:
-                        self.down += len(chunk)
-                sink.sendall(chunk)
-        except OSError:
-            pass
+from beyond_averaging.server.deploy.resources import (
+    FleetRelay,
+    ProcessWatch,
+    cpu_seconds_by,
+    kinds_of,
+)
+from beyond_averaging.server.runs.folder import read_metrics
 
 
-def snapshot(watch: ProcessWatch, relays: list[CountingRelay], ticks: float) -> dict[str, Any]:
+def snapshot(watch: ProcessWatch, relays: list[FleetRelay], ticks: float) -> dict[str, Any]:
     """CPU seconds so far of the ServerApp and of each node's ClientApps, and each relay's bytes."""
     watch.sample()
     kinds = kinds_of(watch.processes, watch.root)
@@ -114,14 +69,11 @@ def snapshot(watch: ProcessWatch, relays: list[CountingRelay], ticks: float) -> 
 
 def measure(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """One deployment, one run of ``args.rounds`` rounds: the per-round figures."""
-    relays: list[CountingRelay] = []
     deployment = LocalDeployment(REPO, workdir, file_state=False, executor="warm")
     try:
         deployment.start()
-        for partition in range(args.nodes):
-            relays.append(CountingRelay(("127.0.0.1", deployment.fleet_port)))
-            deployment.start_supernode(partition, args.nodes, superlink_address=relays[-1].address)
-        deployment.wait_for_nodes(args.nodes)
+        nodes = deployment.start_supernodes(args.nodes, relayed=True)
+        relays = [node.relay for node in nodes if node.relay is not None]
         watch = ProcessWatch(os.getpid(), pss_every=math.inf)  # PSS: not needed, costly
         watch.groups = {
             node.process.pid: f"node {i}" for i, node in enumerate(deployment.supernodes)
@@ -161,13 +113,9 @@ def measure(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
         run_dir = deployment.run(settings, timeout=args.timeout)
         done.set()
         follower.join()
-        metrics = [
-            json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-        ]
+        metrics = read_metrics(run_dir)
     finally:
-        deployment.close()
-        for relay in relays:
-            relay.close()
+        deployment.close()  # its relays too
     if len(marks) != args.rounds + 1:
         raise RuntimeError(f"{mode}: {len(marks)} snapshots for {args.rounds} rounds + round 0")
     first, last = marks[0], marks[-1]

@@ -33,14 +33,14 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
-from benchmarks.harness import Stopwatch, command, reset_peak_rss, save, status_bytes
+from benchmarks.harness import Stopwatch, command, save
 from benchmarks.spec import REPO
 from benchmarks.speed import SETTINGS
 from beyond_averaging.client import vectorized
 from beyond_averaging.client.sensitivity import compute_sensitivity
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
-from beyond_averaging.server.deploy.resources import MIB, PeakSampler
+from beyond_averaging.server.deploy.resources import MIB, PeakSampler, reset_peak_rss, status_bytes
 from beyond_averaging.server.interactive import federation
 from beyond_averaging.server.runs.provenance import hardware_line
 from beyond_averaging.server.runtime.inprocess import FIRST_NODE_ID
