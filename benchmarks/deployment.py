@@ -6,6 +6,9 @@ method, the headlines and the commands.
   quickstart on the same work, one deployment per app and repeat, apps alternating. The
   quickstart is ``tests/apps/quickstart`` with a ``task.py`` that trains this project's MLP on
   its partitions (:func:`quickstart_copy`). ("Deployment figures")
+- ``python -m benchmarks.deployment --secure RULE``: what secure aggregation costs a deployed run
+  of this project's app, RULE without and with ``secure-aggregation = "secaggplus"``, per round
+  (:func:`secure_figures`; docs/results/secure-aggregation.md, "One deployed run").
 - ``python -m benchmarks.load`` (benchmarks/load.py) shares its launcher and page facts.
 """
 
@@ -16,6 +19,7 @@ import difflib
 import importlib
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -38,7 +42,7 @@ from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.deploy.flower_release import CLIENTAPP_EXECUTORS, FlowerRelease
-from beyond_averaging.server.deploy.local import CONNECTION, LocalDeployment
+from beyond_averaging.server.deploy.local import CONNECTION, LocalDeployment, SuperNodeProcess
 from beyond_averaging.server.deploy.resources import (
     KINDS,
     MIB,
@@ -273,8 +277,11 @@ def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) ->
 
     This project's app runs as docs/deployment.md deploys it, each SuperNode under
     ``ba-supernode`` with ``--executor``; the quickstart as Flower runs it, bare
-    ``flower-supernode`` processes with Flower's subprocess isolation."""
-    project, nodes, rounds, executor = app == "project", args.nodes, args.rounds, args.executor
+    ``flower-supernode`` processes with Flower's subprocess isolation. The secure-aggregation
+    legs (:data:`SECURE_APPS`) run this project's app with ``--secure``'s rule, each node through
+    a Fleet API byte counter, and mark the processes' CPU and the bytes at each round's end."""
+    nodes, rounds, executor, secure = args.nodes, args.rounds, args.executor, app in SECURE_APPS
+    project = app == "project" or secure
     executor = "warm" if app.startswith("user-warm") else executor
     deployment = LocalDeployment(
         app_dir,
@@ -287,37 +294,50 @@ def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) ->
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
     supervised = project or app.startswith("user-warm")
     row["executor"] = executor if supervised else "flower-subprocess"
-    watch, load = ProcessWatch(os.getpid()), []
+    # PSS (read for the page's memory rows) is costly, and the secure legs show no memory.
+    watch, load = ProcessWatch(os.getpid(), pss_every=math.inf if secure else 1.0), []
+    marks: list[dict[str, Any]] = []  # the secure legs' readings at each round's end
     try:
         deployment.start()  # at most 10 s a node to be online, 2 minutes at least
-        deployment.start_supernodes(nodes, supervised=supervised, timeout=max(120.0, 10.0 * nodes))
-        watch.groups = {node.process.pid: str(node.process.pid) for node in deployment.supernodes}
-        run_settings = {**WORK, "num-server-rounds": rounds, "num-clients": nodes}
-        run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
+        started_nodes = deployment.start_supernodes(
+            nodes, supervised=supervised, relayed=secure, timeout=max(120.0, 10.0 * nodes)
+        )
+        watch.groups = {node.process.pid: f"node {i}" for i, node in enumerate(started_nodes)}
+        run_settings = {**(secure_settings(app, args) if secure else WORK)}
+        run_settings |= {"num-server-rounds": rounds, "num-clients": nodes, "run-name": "bench"}
+        run_settings["output-dir"] = str(deployment.workdir / "runs")
         logs = {node.process.pid: node.log_path for node in deployment.supernodes}
         receipts = LogWatch(logs, RECEIVED_TRAIN)
+        metrics_file = deployment.workdir / "runs" / "bench" / "metrics.jsonl"
+        ticks, written = float(os.sysconf("SC_CLK_TCK")), [0]
 
         def sample() -> dict[str, float]:  # the processes, the logs and the load, each sample
             receipts.read()
             load.append(os.getloadavg()[0])
-            return watch.sample()
+            memory = watch.sample()
+            lines = metrics_file.read_bytes().count(b"\n") if metrics_file.is_file() else 0
+            if secure and lines > written[0]:  # a round's line: its end
+                marks.append(node_snapshot(watch, started_nodes, ticks))
+                written[0] = lines
+            return memory
 
         watch.open_window()
         with PeakSampler(sample, interval=args.interval) as sampler:
             started = time.monotonic()
-            if app == "project":
+            if project:
                 run_dir = deployment.run(run_settings, timeout=args.timeout)
             else:
                 accuracy = quickstart_run(deployment, rounds, args.timeout)
             seconds = time.monotonic() - started
         row["run-seconds"] = round(seconds, 2)
-        if app == "project":
+        if project:
             metrics = read_metrics(run_dir)
             row["app-round-seconds"] = [round(float(m["round-seconds"]), 2) for m in metrics[1:]]
             row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
         else:
             row["final-accuracy"] = accuracy
         row.update(figures(watch, sampler.peaks, rounds, receipts.seen, load))
+        row.update(secure_figures(marks, metrics) if secure else {})
         row["status"] = "completed"
     except (LaunchError, OSError, KeyError, ValueError) as error:
         row["status"] = "failed"
@@ -664,6 +684,88 @@ def user_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) ->
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------ the secure-aggregation leg
+#: ``--secure RULE``: this project's app with RULE, without and with SecAgg+, on its settings
+#: below and the app's defaults otherwise (not :data:`WORK`: the cost of the protocol, not a
+#: comparison with the quickstart).
+SECURE_APPS = {"plain": "no", "secure": "secaggplus"}
+SECURE_WORK = {"dataset": "digits", "model": "mlp", "fraction-train": 1.0, "seed": 0}
+#: The secure legs' figures per round, each the median over the repeats in :func:`secure_table`.
+SECURE_FIGURES = ("serverapp-cpu-s", "clientapp-cpu-s", "node-up-kB", "node-down-kB", "round-s")
+
+
+def secure_settings(app: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The run settings of a secure-aggregation leg (every node's reply needed when secure)."""
+    settings: dict[str, Any] = {"strategy": args.secure, **SECURE_WORK}
+    if app == "secure":
+        settings |= {"secure-aggregation": "secaggplus", "min-train-replies": args.nodes}
+    return settings
+
+
+def node_snapshot(
+    watch: ProcessWatch, nodes: Sequence[SuperNodeProcess], ticks: float
+) -> dict[str, Any]:
+    """CPU seconds so far of the ServerApp and of each node's ClientApps, and each node's Fleet
+    API bytes (sent, received), from the watch's last sample (its groups: ``node <i>``)."""
+    kinds = kinds_of(watch.processes, watch.root)
+    by_kind, _ = cpu_seconds_by(watch.processes, kinds, ticks)
+    # A node's ClientApps with the warm executor that forks them: a ClientApp that ended
+    # between two samples is in the executor's reaped-children time (subtrees), and the
+    # executor itself idles between messages.
+    apps = {pid: kind in ("clientapp", "warm-executor") for pid, kind in kinds.items()}
+    groups = {pid: watch.group_of(pid) or "other" for pid in watch.processes}
+    per_node = {pid: f"{groups[pid]}-clientapp" if apps[pid] else "rest" for pid in groups}
+    by_node, _ = cpu_seconds_by(watch.processes, per_node, ticks, subtrees=True)
+    return {
+        "serverapp": by_kind.get("serverapp", 0.0),
+        "clientapp": [by_node.get(f"node {i}-clientapp", 0.0) for i in range(len(nodes))],
+        "bytes": [node.relay.counts() if node.relay else (0, 0) for node in nodes],
+    }
+
+
+def secure_figures(
+    marks: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[str, Any]]
+) -> dict[str, float]:
+    """A secure leg's figures per round, from the end of round 0 (the initial evaluation) to the
+    end of the last: the ServerApp's CPU seconds, one node's ClientApps' (the mean over the
+    nodes), one node's kB sent to and received from the Fleet API, the app's round seconds."""
+    rounds = len(metrics) - 1
+    if len(marks) != rounds + 1:
+        raise ValueError(f"{len(marks)} round ends read for {rounds} rounds and round 0")
+    first, last = marks[0], marks[-1]
+    clientapps = zip(first["clientapp"], last["clientapp"], strict=True)
+    sent = list(zip(first["bytes"], last["bytes"], strict=True))
+    return {
+        "serverapp-cpu-s": (last["serverapp"] - first["serverapp"]) / rounds,
+        "clientapp-cpu-s": statistics.mean((b - a) / rounds for a, b in clientapps),
+        "node-up-kB": statistics.mean((b[0] - a[0]) / rounds / 1e3 for a, b in sent),
+        "node-down-kB": statistics.mean((b[1] - a[1]) / rounds / 1e3 for a, b in sent),
+        "round-s": statistics.mean(float(m["round-seconds"]) for m in metrics[1:]),
+        "test-accuracy": float(metrics[-1]["test-accuracy"]),
+    }
+
+
+def secure_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The markdown table: the median of each figure over the completed repeats, per leg."""
+    lines = [
+        "| secure aggregation | ServerApp CPU s | one node's ClientApps CPU s | node up kB "
+        "| node down kB | round s | final accuracy |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for app, shown_as in SECURE_APPS.items():
+        mine = [row for row in rows if row["app"] == app and row["status"] == "completed"]
+        if not mine:
+            errors = [row.get("error", "") for row in rows if row["app"] == app] or ["not run"]
+            lines.append(f"| {shown_as} | failed: {errors[-1][:300].replace(chr(10), ' ')} |")
+            continue
+        values = [statistics.median(row[name] for row in mine) for name in SECURE_FIGURES]
+        lines.append(
+            f"| {shown_as} | {values[0]:.2f} | {values[1]:.2f} | {values[2]:.0f} | "
+            f"{values[3]:.0f} | {values[4]:.1f} | {mine[-1]['test-accuracy']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Alternate the two apps for ``args.repeats`` repeats; the rows and the page's facts."""
     rows: list[dict[str, Any]] = []
@@ -682,11 +784,12 @@ def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
                 [str(user), os.environ.get("PYTHONPATH", "")]
             )
             apps, in_process = list(USER_APPS), in_process_round(user, args.nodes)
+        apps = list(SECURE_APPS) if args.secure else apps
         for repeat in range(1, args.repeats + 1):
             apps = apps[1:] + apps[:1] if repeat > 1 else apps
             order.append(" ".join(app.removeprefix("user-") for app in apps))
             for app in apps:
-                app_dir = REPO if app == "project" else scratch / "quickstart"
+                app_dir = REPO if app in ("project", *SECURE_APPS) else scratch / "quickstart"
                 app_dir = scratch / "user" if app in USER_APPS else app_dir
                 row = measure(app, app_dir, scratch / f"{app}-{repeat}", args)
                 rows.append({"repeat": repeat, **row})
@@ -714,7 +817,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between samples")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    threads = "torch threads per process (default 1; --secure: torch's default)"
+    parser.add_argument("--threads", type=int, help=threads)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     rerender = "measure nothing: write the page again from this release's saved rows"
     parser.add_argument("--render", action="store_true", help=rerender)
@@ -724,6 +828,8 @@ def main() -> None:
     parser.add_argument("--pull-every", type=float, metavar="SECONDS", help=pace)
     user = "measure the user-app leg instead: the quickstart with RULE's recipes (e.g. elastic)"
     parser.add_argument("--user", metavar="RULE", help=user)
+    secure = "measure secure aggregation's cost instead: RULE without and with secaggplus"
+    parser.add_argument("--secure", metavar="RULE", help=secure)
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
@@ -731,8 +837,15 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: a round's seconds are read between rounds")
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)  # this process too (it loads the data)
+    if args.secure and args.user:
+        parser.error("--secure and --user measure different legs: give one")
+    args.threads = args.threads or (None if args.secure else 1)
+    if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)  # this process too (it loads the data)
+    if args.secure:
+        print(secure_table(measure_all(args)[0]))
+        return
     name = f"deployment-{FlowerRelease.installed().transport}"
     name = name.replace("-", f"-user-{args.user}-", 1) if args.user else name
     saved = RESULTS / f"{name}.json"
