@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+
 @dataclass(frozen=True)
 class Allocation:
     """One event of torch's CPU allocator: ``size`` bytes taken (> 0) or given back (< 0).
