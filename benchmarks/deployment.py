@@ -6,9 +6,10 @@ method, the headlines and the commands.
   quickstart on the same work, one deployment per app and repeat, apps alternating. The
   quickstart is ``tests/apps/quickstart`` with a ``task.py`` that trains this project's MLP on
   its partitions (:func:`quickstart_copy`). ("Deployment figures")
-- ``python -m benchmarks.load``: how many SuperNodes one SuperLink holds on this machine, for the
-  default model: for each size N, a SuperLink and N SuperNodes run a few rounds. ("Load:
-  SuperNodes per SuperLink")
+- ``python -m benchmarks.deployment --secure RULE``: what secure aggregation costs a deployed run
+  of this project's app, RULE without and with ``secure-aggregation = "secaggplus"``, per round
+  (:func:`secure_figures`; docs/results/secure-aggregation.md, "One deployed run").
+- ``python -m benchmarks.load`` (benchmarks/load.py) shares its launcher and page facts.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import Stopwatch, command, peak_rss_sampler, save, status_bytes
+from benchmarks.harness import Stopwatch, command, save
 from benchmarks.spec import REPO
 from beyond_averaging.server.app import client_task, data_spec
 from beyond_averaging.server.config import parse_run_config
 from beyond_averaging.server.deploy.flower_release import CLIENTAPP_EXECUTORS, FlowerRelease
-from beyond_averaging.server.deploy.local import CONNECTION, LocalDeployment
+from beyond_averaging.server.deploy.local import CONNECTION, LocalDeployment, SuperNodeProcess
 from beyond_averaging.server.deploy.resources import (
     KINDS,
     MIB,
@@ -90,18 +91,6 @@ MEMORY_KINDS = ("clientapp", "serverapp", "superlink")
 
 #: What a SuperNode logs when a train instruction reaches it (flwr 1.39 to 1.42).
 RECEIVED_TRAIN = "Receiving: train message"
-#: The parts of a node's memory in the load benchmark: the SuperNode process, the ClientApp
-#: processes it starts (one per message) and the helpers between them (Flower's SuperExec).
-NODE_PARTS = ("supernode", "clientapp", "superexec")
-
-
-def start_nodes(deployment: LocalDeployment, nodes: int, supervised: bool, each: float) -> None:
-    """Start ``deployment`` with ``nodes`` SuperNodes (under ``ba-supernode`` if ``supervised``)
-    and wait until all are online, ``each`` seconds a node at most (two minutes at least)."""
-    deployment.start()
-    for partition in range(nodes):
-        deployment.start_supernode(partition, nodes, supervised=supervised)
-    deployment.wait_for_nodes(nodes, timeout=max(120.0, each * nodes))
 
 
 def spread(values: Sequence[float]) -> list[float]:
@@ -288,8 +277,11 @@ def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) ->
 
     This project's app runs as docs/deployment.md deploys it, each SuperNode under
     ``ba-supernode`` with ``--executor``; the quickstart as Flower runs it, bare
-    ``flower-supernode`` processes with Flower's subprocess isolation."""
-    project, nodes, rounds, executor = app == "project", args.nodes, args.rounds, args.executor
+    ``flower-supernode`` processes with Flower's subprocess isolation. The secure-aggregation
+    legs (:data:`SECURE_APPS`) run this project's app with ``--secure``'s rule, each node through
+    a Fleet API byte counter, and mark the processes' CPU and the bytes at each round's end."""
+    nodes, rounds, executor, secure = args.nodes, args.rounds, args.executor, app in SECURE_APPS
+    project = app == "project" or secure
     executor = "warm" if app.startswith("user-warm") else executor
     deployment = LocalDeployment(
         app_dir,
@@ -302,36 +294,50 @@ def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) ->
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
     supervised = project or app.startswith("user-warm")
     row["executor"] = executor if supervised else "flower-subprocess"
-    watch, load = ProcessWatch(os.getpid()), []
+    # PSS (read for the page's memory rows) is costly, and the secure legs show no memory.
+    watch, load = ProcessWatch(os.getpid(), pss_every=math.inf if secure else 1.0), []
+    marks: list[dict[str, Any]] = []  # the secure legs' readings at each round's end
     try:
-        start_nodes(deployment, nodes, supervised=supervised, each=10.0)
-        watch.groups = {node.process.pid: str(node.process.pid) for node in deployment.supernodes}
-        run_settings = {**WORK, "num-server-rounds": rounds, "num-clients": nodes}
-        run_settings |= {"run-name": "bench", "output-dir": str(deployment.workdir / "runs")}
+        deployment.start()  # at most 10 s a node to be online, 2 minutes at least
+        started_nodes = deployment.start_supernodes(
+            nodes, supervised=supervised, relayed=secure, timeout=max(120.0, 10.0 * nodes)
+        )
+        watch.groups = {node.process.pid: f"node {i}" for i, node in enumerate(started_nodes)}
+        run_settings = {**(secure_settings(app, args) if secure else WORK)}
+        run_settings |= {"num-server-rounds": rounds, "num-clients": nodes, "run-name": "bench"}
+        run_settings["output-dir"] = str(deployment.workdir / "runs")
         logs = {node.process.pid: node.log_path for node in deployment.supernodes}
         receipts = LogWatch(logs, RECEIVED_TRAIN)
+        metrics_file = deployment.workdir / "runs" / "bench" / "metrics.jsonl"
+        ticks, written = float(os.sysconf("SC_CLK_TCK")), [0]
 
         def sample() -> dict[str, float]:  # the processes, the logs and the load, each sample
             receipts.read()
             load.append(os.getloadavg()[0])
-            return watch.sample()
+            memory = watch.sample()
+            lines = metrics_file.read_bytes().count(b"\n") if metrics_file.is_file() else 0
+            if secure and lines > written[0]:  # a round's line: its end
+                marks.append(node_snapshot(watch, started_nodes, ticks))
+                written[0] = lines
+            return memory
 
         watch.open_window()
         with PeakSampler(sample, interval=args.interval) as sampler:
             started = time.monotonic()
-            if app == "project":
+            if project:
                 run_dir = deployment.run(run_settings, timeout=args.timeout)
             else:
                 accuracy = quickstart_run(deployment, rounds, args.timeout)
             seconds = time.monotonic() - started
         row["run-seconds"] = round(seconds, 2)
-        if app == "project":
+        if project:
             metrics = read_metrics(run_dir)
             row["app-round-seconds"] = [round(float(m["round-seconds"]), 2) for m in metrics[1:]]
             row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
         else:
             row["final-accuracy"] = accuracy
         row.update(figures(watch, sampler.peaks, rounds, receipts.seen, load))
+        row.update(secure_figures(marks, metrics) if secure else {})
         row["status"] = "completed"
     except (LaunchError, OSError, KeyError, ValueError) as error:
         row["status"] = "failed"
@@ -678,6 +684,88 @@ def user_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) ->
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------ the secure-aggregation leg
+#: ``--secure RULE``: this project's app with RULE, without and with SecAgg+, on its settings
+#: below and the app's defaults otherwise (not :data:`WORK`: the cost of the protocol, not a
+#: comparison with the quickstart).
+SECURE_APPS = {"plain": "no", "secure": "secaggplus"}
+SECURE_WORK = {"dataset": "digits", "model": "mlp", "fraction-train": 1.0, "seed": 0}
+#: The secure legs' figures per round, each the median over the repeats in :func:`secure_table`.
+SECURE_FIGURES = ("serverapp-cpu-s", "clientapp-cpu-s", "node-up-kB", "node-down-kB", "round-s")
+
+
+def secure_settings(app: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The run settings of a secure-aggregation leg (every node's reply needed when secure)."""
+    settings: dict[str, Any] = {"strategy": args.secure, **SECURE_WORK}
+    if app == "secure":
+        settings |= {"secure-aggregation": "secaggplus", "min-train-replies": args.nodes}
+    return settings
+
+
+def node_snapshot(
+    watch: ProcessWatch, nodes: Sequence[SuperNodeProcess], ticks: float
+) -> dict[str, Any]:
+    """CPU seconds so far of the ServerApp and of each node's ClientApps, and each node's Fleet
+    API bytes (sent, received), from the watch's last sample (its groups: ``node <i>``)."""
+    kinds = kinds_of(watch.processes, watch.root)
+    by_kind, _ = cpu_seconds_by(watch.processes, kinds, ticks)
+    # A node's ClientApps with the warm executor that forks them: a ClientApp that ended
+    # between two samples is in the executor's reaped-children time (subtrees), and the
+    # executor itself idles between messages.
+    apps = {pid: kind in ("clientapp", "warm-executor") for pid, kind in kinds.items()}
+    groups = {pid: watch.group_of(pid) or "other" for pid in watch.processes}
+    per_node = {pid: f"{groups[pid]}-clientapp" if apps[pid] else "rest" for pid in groups}
+    by_node, _ = cpu_seconds_by(watch.processes, per_node, ticks, subtrees=True)
+    return {
+        "serverapp": by_kind.get("serverapp", 0.0),
+        "clientapp": [by_node.get(f"node {i}-clientapp", 0.0) for i in range(len(nodes))],
+        "bytes": [node.relay.counts() if node.relay else (0, 0) for node in nodes],
+    }
+
+
+def secure_figures(
+    marks: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[str, Any]]
+) -> dict[str, float]:
+    """A secure leg's figures per round, from the end of round 0 (the initial evaluation) to the
+    end of the last: the ServerApp's CPU seconds, one node's ClientApps' (the mean over the
+    nodes), one node's kB sent to and received from the Fleet API, the app's round seconds."""
+    rounds = len(metrics) - 1
+    if len(marks) != rounds + 1:
+        raise ValueError(f"{len(marks)} round ends read for {rounds} rounds and round 0")
+    first, last = marks[0], marks[-1]
+    clientapps = zip(first["clientapp"], last["clientapp"], strict=True)
+    sent = list(zip(first["bytes"], last["bytes"], strict=True))
+    return {
+        "serverapp-cpu-s": (last["serverapp"] - first["serverapp"]) / rounds,
+        "clientapp-cpu-s": statistics.mean((b - a) / rounds for a, b in clientapps),
+        "node-up-kB": statistics.mean((b[0] - a[0]) / rounds / 1e3 for a, b in sent),
+        "node-down-kB": statistics.mean((b[1] - a[1]) / rounds / 1e3 for a, b in sent),
+        "round-s": statistics.mean(float(m["round-seconds"]) for m in metrics[1:]),
+        "test-accuracy": float(metrics[-1]["test-accuracy"]),
+    }
+
+
+def secure_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The markdown table: the median of each figure over the completed repeats, per leg."""
+    lines = [
+        "| secure aggregation | ServerApp CPU s | one node's ClientApps CPU s | node up kB "
+        "| node down kB | round s | final accuracy |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for app, shown_as in SECURE_APPS.items():
+        mine = [row for row in rows if row["app"] == app and row["status"] == "completed"]
+        if not mine:
+            errors = [row.get("error", "") for row in rows if row["app"] == app] or ["not run"]
+            lines.append(f"| {shown_as} | failed: {errors[-1][:300].replace(chr(10), ' ')} |")
+            continue
+        values = [statistics.median(row[name] for row in mine) for name in SECURE_FIGURES]
+        lines.append(
+            f"| {shown_as} | {values[0]:.2f} | {values[1]:.2f} | {values[2]:.0f} | "
+            f"{values[3]:.0f} | {values[4]:.1f} | {mine[-1]['test-accuracy']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Alternate the two apps for ``args.repeats`` repeats; the rows and the page's facts."""
     rows: list[dict[str, Any]] = []
@@ -696,11 +784,12 @@ def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
                 [str(user), os.environ.get("PYTHONPATH", "")]
             )
             apps, in_process = list(USER_APPS), in_process_round(user, args.nodes)
+        apps = list(SECURE_APPS) if args.secure else apps
         for repeat in range(1, args.repeats + 1):
             apps = apps[1:] + apps[:1] if repeat > 1 else apps
             order.append(" ".join(app.removeprefix("user-") for app in apps))
             for app in apps:
-                app_dir = REPO if app == "project" else scratch / "quickstart"
+                app_dir = REPO if app in ("project", *SECURE_APPS) else scratch / "quickstart"
                 app_dir = scratch / "user" if app in USER_APPS else app_dir
                 row = measure(app, app_dir, scratch / f"{app}-{repeat}", args)
                 rows.append({"repeat": repeat, **row})
@@ -728,7 +817,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between samples")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    threads = "torch threads per process (default 1; --secure: torch's default)"
+    parser.add_argument("--threads", type=int, help=threads)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     rerender = "measure nothing: write the page again from this release's saved rows"
     parser.add_argument("--render", action="store_true", help=rerender)
@@ -738,6 +828,8 @@ def main() -> None:
     parser.add_argument("--pull-every", type=float, metavar="SECONDS", help=pace)
     user = "measure the user-app leg instead: the quickstart with RULE's recipes (e.g. elastic)"
     parser.add_argument("--user", metavar="RULE", help=user)
+    secure = "measure secure aggregation's cost instead: RULE without and with secaggplus"
+    parser.add_argument("--secure", metavar="RULE", help=secure)
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     # SIGTERM unwinds the runs, so that every process they started is stopped by PID (a shell's
@@ -745,8 +837,15 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: a round's seconds are read between rounds")
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)  # this process too (it loads the data)
+    if args.secure and args.user:
+        parser.error("--secure and --user measure different legs: give one")
+    args.threads = args.threads or (None if args.secure else 1)
+    if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)  # this process too (it loads the data)
+    if args.secure:
+        print(secure_table(measure_all(args)[0]))
+        return
     name = f"deployment-{FlowerRelease.installed().transport}"
     name = name.replace("-", f"-user-{args.user}-", 1) if args.user else name
     saved = RESULTS / f"{name}.json"
@@ -763,201 +862,6 @@ def main() -> None:
         return
     record = {"meta": meta, "rows": rows, "summary": summarize(rows)}
     save("deployment", name, markdown(rows, meta), record, args.publish)
-
-
-# ------------------------------------------------------------------ SuperNodes per SuperLink
-def node_parts(watch: ProcessWatch, load: list[float]) -> dict[str, float]:
-    """The summed RSS of every node's processes (``watch.groups``: the SuperNodes), by part and
-    in all, and the ClientApp processes running; appends the 1-minute load average to ``load``
-    (the cores are shared with others)."""
-    watch.sample()
-    kinds = kinds_of(watch.processes)
-    part = dict.fromkeys(NODE_PARTS, 0.0)
-    clientapps = 0
-    for pid, process in list(watch.processes.items()):
-        if process.ended or watch.group_of(pid) is None:
-            continue
-        kind = kinds[pid] if kinds[pid] in ("supernode", "clientapp") else "superexec"
-        part[kind] += process.last.rss_pages * watch.page
-        clientapps += kind == "clientapp" and process.last.state != "Z"  # not yet reaped
-    load.append(os.getloadavg()[0])
-    return {**part, "total": sum(part.values()), "clientapps": clientapps}
-
-
-def _mb(size: float) -> float:
-    return round(size / MIB, 1)
-
-
-def measure_load(
-    size: int, args: argparse.Namespace, workdir: Path, file_state: bool
-) -> dict[str, Any]:
-    """One federation of ``size`` SuperNodes: start, run ``rounds`` rounds, stop."""
-    row: dict[str, Any] = {"supernodes": size, "rounds": args.rounds}
-    row["superlink-state"] = "file" if file_state else "memory"
-    # In-memory SuperLink state by default: with its SQLite file, 7 of 10 replies failed here
-    # with "database is locked" on a loaded machine; see docs/deployment.md (Load).
-    deployment = LocalDeployment(REPO, workdir, file_state=file_state, executor=args.executor)
-    load: list[float] = []
-    started = time.monotonic()
-    try:
-        # subprocess: bare flower-supernode processes with Flower's isolation, as the first
-        # pages measured; warm: under ba-supernode, as docs/deployment.md deploys them.
-        start_nodes(deployment, size, supervised=args.executor == "warm", each=5.0)
-        row["seconds-to-online"] = round(time.monotonic() - started, 1)
-        idle = sum(status_bytes("VmRSS", node.process.pid) for node in deployment.supernodes)
-        row["supernode-idle-rss-mb"] = _mb(idle / size)
-        settings = {"num-clients": size, "num-server-rounds": args.rounds}
-        settings |= {"round-timeout": args.round_timeout, "run-name": f"load-{size}"}
-        settings["output-dir"] = str(deployment.workdir / "runs")
-        assert deployment.superlink is not None
-        groups = {node.process.pid: "node" for node in deployment.supernodes}
-        watch = ProcessWatch(os.getpid(), groups, pss_every=math.inf)
-        sampler = PeakSampler(lambda: node_parts(watch, load), interval=1.0)
-        with sampler as nodes, peak_rss_sampler(deployment.serverapp_pids) as server:
-            run_started = time.monotonic()
-            try:
-                run_dir = deployment.run(settings, timeout=args.timeout)
-            finally:
-                row["run-seconds"] = round(time.monotonic() - run_started, 1)
-                row["superlink-peak-rss-mb"] = _mb(status_bytes("VmHWM", deployment.superlink.pid))
-        metrics = read_metrics(run_dir)
-        row["round-seconds"] = [round(float(m["round-seconds"]), 1) for m in metrics[1:]]
-        row["replies-valid"] = [m.get("replies-valid") for m in metrics[1:]]
-        row["final-accuracy"] = round(float(metrics[-1]["test-accuracy"]), 4)
-        row["serverapp-peak-rss-mb"] = _mb(server.peaks["rss"])
-        row["node-peak-rss-mb-per-node"] = _mb(nodes.peaks["total"] / size)
-        for part in NODE_PARTS:
-            row[f"{part}-peak-rss-mb-per-node"] = _mb(nodes.peaks[part] / size)
-        row["clientapp-processes-at-once"] = int(nodes.peaks["clientapps"])
-        row["status"] = "completed"
-    except (LaunchError, OSError, AssertionError) as error:
-        row["status"] = "failed"
-        row["error"] = f"{type(error).__name__}: {error}"[:2000]
-    finally:
-        if load:  # also for a failed run: how busy the cores were when it failed
-            row["load-average"] = spread(load)
-        deployment.close()
-        if deployment.superlink_log.is_file():
-            row.update(superlink_errors(deployment.superlink_log.read_text(errors="replace")))
-    return row
-
-
-def superlink_errors(log: str) -> dict[str, Any]:
-    """How often the SuperLink logged "database is locked", and on which calls."""
-    locked = [line for line in log.splitlines() if "database is locked" in line]
-    calls = sorted(set(re.findall(r"\[(/[\w./-]+)\]\[UnexpectedError", "\n".join(locked))))
-    return {"superlink-database-locked": len(locked), "superlink-locked-calls": calls}
-
-
-def load_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The load benchmark's page."""
-    cache = "empty at the start" if meta["cold-cache"] else "filled before the run"
-    lines = [
-        "# SuperNodes per SuperLink: load on this machine",
-        "",
-        f"Measured {meta['date']} with `{meta['command']}` on {meta['machine']}: "
-        f"{meta['cpus']} CPU cores and {meta['memory-gib']} GiB shared with other jobs (the "
-        "load average column says how busy the cores were; times are upper bounds). Default "
-        f"configuration, flwr {meta['flwr']} ({meta['transport']} Fleet API), plain-text on "
-        f"loopback, the SuperLink's state in {meta['superlink-state']}, ClientApps: "
-        f"{meta.get('executor', 'Flower isolation')}, the partition cache {cache}; see "
-        "[deployment](../deployment.md#load-supernodes-per-superlink).",
-        "",
-    ]
-    cells = []
-    for row in rows:
-        locked = ""
-        if row.get("superlink-database-locked"):
-            locked = (
-                f'; the SuperLink logged "database is locked" {row["superlink-database-locked"]}'
-                f" times, on {', '.join(row['superlink-locked-calls']) or 'internal writes'}"
-            )
-        if row["status"] == "skipped":
-            cells.append([row["supernodes"], *["-"] * 7, f"skipped: {row['why']}"])
-        elif row["status"] == "failed":
-            first_line = row["error"].splitlines()[0][:300].replace("|", "/")
-            online = row.get("seconds-to-online", "-")
-            load = " / ".join(map(str, row.get("load-average", ["-"])))
-            failure = f"failed: {first_line}{locked}"
-            cells.append([row["supernodes"], online, "-", load, *["-"] * 4, failure])
-        else:
-            parts = ("node", "supernode", "superexec", "clientapp")
-            per_node = [row[f"{part}-peak-rss-mb-per-node"] for part in parts]
-            cells.append(
-                [
-                    *(row["supernodes"], row["seconds-to-online"]),
-                    ", ".join(map(str, row["round-seconds"])),
-                    " / ".join(map(str, row["load-average"])),
-                    *(row["serverapp-peak-rss-mb"], row["superlink-peak-rss-mb"]),
-                    "{} = {} + {} + {}".format(*per_node),
-                    *(row["replies-valid"], f"completed{locked}"),
-                ]
-            )
-    header = "SuperNodes | online after (s) | round seconds | load average min / mean / max"
-    header += " | ServerApp peak RSS (MB) | SuperLink peak RSS (MB) | per node peak RSS (MB): all"
-    header += " = SuperNode + SuperExec + ClientApp | valid replies | status"
-    lines.append(markdown_table(header.split(" | "), cells))
-    lines += [
-        "Per node: the peak over the run of the summed RSS of every SuperNode with its "
-        "processes, divided by the number of nodes; the parts are the peaks of each part's sum "
-        "(they need not peak at the same moment, so they may add up to more than the whole).",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def load_main() -> None:
-    """``python -m benchmarks.load``: measure each size in turn; print and save the rows."""
-    parser = argparse.ArgumentParser(description="SuperNodes per SuperLink on this machine")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[5, 10, 20, 30, 50])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    # Long, to measure slow rounds rather than drop their replies; shorter where replies are
-    # lost for good (the SQLite state's lock).
-    parser.add_argument("--round-timeout", type=float, default=1800.0)
-    parser.add_argument("--reserve-gib", type=float, default=4.0, help="memory left to others")
-    parser.add_argument("--state", choices=("memory", "file"), default="memory")
-    parser.add_argument("--cold-cache", action="store_true", help="empty partition cache at start")
-    executor = "subprocess: bare flower-supernode; warm: under ba-supernode, its warm executor"
-    parser.add_argument(
-        "--executor", choices=CLIENTAPP_EXECUTORS, default="subprocess", help=executor
-    )
-    parser.add_argument("--publish", action="store_true")
-    args = parser.parse_args()
-    release = FlowerRelease.installed()
-    name = "load" if args.state == "memory" and not args.cold_cache else f"load-{args.state}"
-    name += "-cold" if args.cold_cache else ""
-    name += "" if release.transport == "grpc" else f"-{release.transport}"
-    name += "-warm" if args.executor == "warm" else ""
-    rows: list[dict[str, Any]] = []
-    per_node = 0.0  # memory per node of the largest size measured
-    with tempfile.TemporaryDirectory(prefix="ba-load-") as scratch:
-        # A cache of this benchmark's own, inherited by every process it starts.
-        os.environ[CACHE_ENV] = str(Path(scratch) / "partitions")
-        for size in sorted(args.sizes):
-            spare = status_bytes("MemAvailable", path="/proc/meminfo") - args.reserve_gib * 2**30
-            if per_node and size * per_node > spare:
-                why = f"needs about {size * per_node / 2**30:.1f} GiB at {per_node / MIB:.0f} MB"
-                why += f" per node, {max(spare, 0) / 2**30:.1f} GiB spare"
-                rows.append({"supernodes": size, "status": "skipped", "why": why})
-            else:
-                if not args.cold_cache:  # the steady state: partitioned by an earlier message
-                    task = client_task(parse_run_config({}))
-                    load_client_partition(DataSpec.from_task(task, size), 0)
-                file_state = args.state == "file"
-                workdir = Path(scratch) / f"n{size}"
-                rows.append(measure_load(size, args, workdir, file_state))
-            print(rows[-1], flush=True)
-            if rows[-1]["status"] == "completed":
-                per_node = rows[-1]["node-peak-rss-mb-per-node"] * MIB
-    meta = {
-        **page_facts("load"),
-        "memory-gib": round(status_bytes("MemTotal", path="/proc/meminfo") / 2**30, 1),
-        "superlink-state": "an SQLite file" if args.state == "file" else "memory",
-        "cold-cache": args.cold_cache,
-        "executor": {"warm": "forked by the warm executor"}.get(args.executor, "Flower isolation"),
-    }
-    save("load", name, load_markdown(rows, meta), {"meta": meta, "rows": rows}, args.publish)
 
 
 if __name__ == "__main__":

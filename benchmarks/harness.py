@@ -1,7 +1,7 @@
-"""What the systems benchmarks share: the command as typed, time, memory, and where a page is
-written (the in-process federation they drive is the product's,
-:mod:`server.interactive`, named here for the attack benchmarks). Targets and ratios are each
-benchmark's own; docs/benchmarks.md is the manual.
+"""What the systems benchmarks share: the command as typed, time, and where a page is written
+(memory is read by the product's :mod:`server.deploy.resources`; the in-process federation they
+drive is the product's, :mod:`server.interactive`, named here for the attack benchmarks). Targets
+and ratios are each benchmark's own; docs/benchmarks.md is the manual.
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks.spec import REPO
-from beyond_averaging.server.deploy.resources import PeakSampler
 from beyond_averaging.server.interactive import Federation as Federation
 from beyond_averaging.server.interactive import federation as federation
 
@@ -64,33 +63,3 @@ class Stopwatch:
     def __exit__(self, *exc_info: object) -> None:
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
         self.children_cpu = sum(os.times()[2:4]) - self.children_cpu
-
-
-def status_bytes(field: str, pid: int | str = "self", path: str = "") -> int:
-    """A memory line of ``/proc/<pid>/status`` (or ``path``, e.g. ``/proc/meminfo``) in bytes
-    (``VmRSS``: now, ``VmHWM``: the peak, ``MemAvailable``); 0 once the process has ended."""
-    try:
-        status = Path(path or f"/proc/{pid}/status").read_text(encoding="utf-8")
-    except OSError:
-        return 0
-    line = next((line for line in status.splitlines() if line.startswith(f"{field}:")), "")
-    return int(line.split()[1]) * 1024 if line else 0  # the kernel writes kB
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's peak-RSS mark (``VmHWM``) to its current RSS (``ru_maxrss`` cannot
-    be reset, and carries a parent's peak across fork and exec); False if not allowed."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def peak_rss_sampler(pids: Callable[[], list[int]], interval: float = 0.2) -> PeakSampler:
-    """A :class:`PeakSampler` of ``rss``: the largest peak RSS (``VmHWM``) of the processes
-    ``pids()`` returns, sampled every ``interval`` s (e.g. a deployment's ServerApps)."""
-    return PeakSampler(
-        lambda: {"rss": float(max((status_bytes("VmHWM", pid) for pid in pids()), default=0))},
-        interval,
-    )

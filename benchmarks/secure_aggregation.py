@@ -10,7 +10,8 @@ what is measured is the protocol alone, on top of whatever training costs.
 - ``client-cpu-s``: CPU seconds one client spends in the secure-aggregation mod over the round's
   four stages (the mean over the clients), training excluded;
 - ``client-bytes``: payload bytes to and from one client over the round (the mean): array bytes and
-  the config records' values (keys, public keys, sealed shares, the masked vector);
+  the config records' values (keys, public keys, sealed shares, the masked vector), counted as the
+  strategies count a reply's size (:func:`strategies.replies.validation.reply_bytes`);
 - ``server-bytes``: the same summed over the clients.
 
 Usage::
@@ -35,21 +36,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from beyond_averaging.client.secure import secure_aggregation_mod
 from beyond_averaging.server.runtime.inprocess import InProcessGrid
 from beyond_averaging.strategies import FedAvg
+from beyond_averaging.strategies.replies.validation import reply_bytes
 from beyond_averaging.strategies.secure import BOUNDS_OFF, SecAggOptions, SecureAggregation
 from beyond_averaging.tasks.models import build_model
-
-
-def payload_bytes(content: RecordDict) -> int:
-    """Array bytes plus config values' bytes (8 per number) of a message's records."""
-    total = 0
-    for record in content.values():
-        if isinstance(record, ArrayRecord):
-            total += sum(len(array.data) for array in record.values())
-        elif isinstance(record, ConfigRecord | MetricRecord):
-            for value in record.values():
-                items = value if isinstance(value, list) else [value]
-                total += sum(len(v) if isinstance(v, bytes | str) else 8 for v in items)
-    return total
 
 
 class Meter:
@@ -74,7 +63,7 @@ class Meter:
         reply = secure_aggregation_mod(message, context, timed_next)
         spent = time.process_time() - started - inner
         self.client_cpu[node] = self.client_cpu.get(node, 0.0) + spent
-        sent = payload_bytes(message.content) + payload_bytes(reply.content)
+        sent = reply_bytes(message.content) + reply_bytes(reply.content)
         self.bytes[node] = self.bytes.get(node, 0) + sent
         return reply
 
@@ -126,7 +115,7 @@ def one_round(clients: int, neighbours: int | None) -> dict[str, Any]:
         replies = list(replies)
         for message, reply in zip(instructions, replies, strict=True):
             node = message.metadata.dst_node_id
-            meter.bytes[node] = payload_bytes(message.content) + payload_bytes(reply.content)
+            meter.bytes[node] = reply_bytes(message.content) + reply_bytes(reply.content)
     new, _ = strategy.aggregate_train(1, replies)
     total = time.process_time() - started
     assert new is not None

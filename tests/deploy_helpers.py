@@ -9,8 +9,9 @@ flags of each):
   and SuperNodes as local processes, each SuperNode under ``ba-supernode`` with the warm
   ClientApp executor unless a test asks otherwise), plus what only tests need: registering
   SuperNode keys made by ``docker/make-certs.sh`` and swapping the staged app's ClientApp;
-- :class:`FleetTap` is a byte-counting TCP relay put between one SuperNode and the Fleet API: it
-  records what the SuperNode uploads, so a test can check that replies, extra records included,
+- :class:`FleetTap` is ``ba-deploy local --resources``' byte-counting relay
+  (:class:`server.deploy.resources.FleetRelay`) put between one SuperNode and the Fleet API, which
+  also keeps what the SuperNode uploads, so a test can check that replies, extra records included,
   really crossed the connection (and that under TLS nothing of them is readable on it);
 - :class:`ComposeStack` drives ``docker compose`` (Docker, or podman through podman-compose) for the
   container tests, with the same connection file and result checks.
@@ -26,9 +27,7 @@ import contextlib
 import json
 import re
 import shutil
-import socket
 import subprocess
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +51,7 @@ from beyond_averaging.server.deploy.local import (
     run_app,
 )
 from beyond_averaging.server.deploy.local import LocalDeployment as Deployment
+from beyond_averaging.server.deploy.resources import FleetRelay
 from beyond_averaging.server.overrides import LaunchError, run_config_argument
 from beyond_averaging.server.runtime.processes import write_connection
 from beyond_averaging.server.runtime.staging import stage_app
@@ -113,8 +113,9 @@ def make_certificates(
 
 
 # ------------------------------------------------------------------------------------ wire tap
-class FleetTap:
-    """A TCP relay that records the bytes a SuperNode sends towards the Fleet API.
+class FleetTap(FleetRelay):
+    """:class:`FleetRelay` (``ba-deploy local --resources``' byte counter) that also keeps the
+    bytes a SuperNode sends towards the Fleet API.
 
     Point a SuperNode's ``--superlink`` at :attr:`address`; every connection is relayed to
     ``target``. :meth:`take` returns (and clears) the bytes uploaded since the last call, so a
@@ -123,21 +124,19 @@ class FleetTap:
     """
 
     def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self._listener.getsockname()[1])
-        self._lock = threading.Lock()
         self._upload = bytearray()
         self._download_bytes = 0
-        self._closed = False
-        self._sockets: list[socket.socket] = []
         #: The first bytes (up to 64) of each relayed connection: a TLS or HTTP/2 opening.
         self.openings: list[bytes] = []
-        threading.Thread(target=self._accept, name=f"fleet-tap-{self.port}", daemon=True).start()
+        super().__init__(target)
 
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+    def relayed(self, chunk: bytes, uploading: bool, first: bool) -> None:
+        if uploading:
+            if first:
+                self.openings.append(chunk[:64])
+            self._upload += chunk
+        else:
+            self._download_bytes += len(chunk)
 
     def take(self) -> tuple[bytes, int]:
         """``(uploaded bytes, downloaded byte count)`` since the last call."""
@@ -146,46 +145,6 @@ class FleetTap:
             self._upload.clear()
             self._download_bytes = 0
         return upload, download
-
-    def close(self) -> None:
-        self._closed = True
-        for sock in [self._listener, *self._sockets]:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-                upstream = socket.create_connection(self.target, timeout=10.0)
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            upstream.settimeout(None)
-            self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, uploading: bool) -> None:
-        first = True
-        try:
-            while chunk := source.recv(1 << 16):
-                with self._lock:
-                    if uploading:
-                        if first:
-                            self.openings.append(chunk[:64])
-                        self._upload += chunk
-                    else:
-                        self._download_bytes += len(chunk)
-                sink.sendall(chunk)
-                first = False
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
 
 
 # ------------------------------------------------------------------------------ local processes

@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from benchmarks.harness import Stopwatch, status_bytes
+from benchmarks.harness import Stopwatch
 from benchmarks.spec import REPO, load_spec
 from benchmarks.systems import FLOWER, ServerFigure, client_table, server_table
 from beyond_averaging.server.deploy.resources import PeakSampler
@@ -102,13 +100,6 @@ def test_the_peak_sampler_keeps_each_figure_s_peak_overall_and_per_phase() -> No
     assert sampler.mark() == {"a": 3.0, "b": 5.0}  # the first phase saw both readings
     assert sampler.mark() == {"a": 2.0, "b": 2.0}  # the second starts from the mark's reading
     assert sampler.peaks == {"a": 3.0, "b": 5.0}
-
-
-def test_memory_of_a_process_that_ended_reads_zero_and_this_one_more() -> None:
-    command = [sys.executable, "-c", "import os; print(os.getpid())"]
-    ended = subprocess.run(command, check=True, capture_output=True, text=True)
-    assert status_bytes("VmRSS", int(ended.stdout)) == 0
-    assert status_bytes("VmHWM") >= status_bytes("VmRSS") > 0
 
 
 def test_the_stopwatch_gives_wall_and_cpu_seconds_of_its_block() -> None:

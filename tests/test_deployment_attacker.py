@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness import peak_rss_sampler
+from beyond_averaging.server.deploy.resources import peak_rss_sampler
 from beyond_averaging.server.runtime.inprocess import run_inprocess
 from tests.deploy_helpers import REPO, LocalDeployment, read_metrics
 

@@ -19,6 +19,8 @@ from benchmarks.deployment import (
     markdown,
     quickstart_task,
     round_intervals,
+    secure_figures,
+    secure_table,
     summarize,
 )
 from beyond_averaging.tasks.models import build_model
@@ -172,3 +174,43 @@ def test_the_quickstart_s_final_accuracy_is_its_last_server_side_evaluation() ->
 
     assert final_accuracy(RECORDED_LOG) == 0.101  # round 2 of 0..2: '1.0100e-01'
     assert final_accuracy(RECORDED_LOG.replace("ServerApp-side", "Server-side")) is None
+
+
+def test_a_secure_leg_s_figures_are_per_round_from_the_end_of_round_0_to_the_last() -> None:
+    marks = [  # round ends 0, 1 and 2 of two nodes: CPU seconds and (sent, received) bytes
+        {"serverapp": 5.0, "clientapp": [1.0, 2.0], "bytes": [(1000, 500), (2000, 900)]},
+        {"serverapp": 5.5, "clientapp": [2.0, 3.0], "bytes": [(60_000, 20_500), (61_000, 30_900)]},
+        {
+            "serverapp": 6.0,
+            "clientapp": [4.0, 4.0],
+            "bytes": [(121_000, 40_500), (123_000, 60_900)],
+        },
+    ]
+    metrics = [
+        {"round": 0, "test-accuracy": 0.1},
+        {"round": 1, "round-seconds": 4.0, "test-accuracy": 0.8},
+        {"round": 2, "round-seconds": 6.0, "test-accuracy": 0.9},
+    ]
+    figures = secure_figures(marks, metrics)
+    assert figures["serverapp-cpu-s"] == pytest.approx(0.5)  # (6 - 5) / 2 rounds
+    assert figures["clientapp-cpu-s"] == pytest.approx(1.25)  # node 0: 3 / 2, node 1: 2 / 2
+    assert figures["node-up-kB"] == pytest.approx(60.25)  # (120,000 + 121,000) / 2 / 2 / 1,000
+    assert figures["node-down-kB"] == pytest.approx(25.0)  # (40,000 + 60,000) / 2 / 2 / 1,000
+    assert figures["round-s"] == pytest.approx(5.0)
+    assert figures["test-accuracy"] == 0.9
+    with pytest.raises(ValueError, match="2 round ends read for 2 rounds"):
+        secure_figures(marks[1:], metrics)  # a round end missed: the rounds cannot be told apart
+
+
+def test_the_secure_table_shows_each_leg_s_medians_and_a_failed_leg_s_error() -> None:
+    def leg(app: str, server: float, accuracy: float) -> dict[str, object]:
+        figures = {"serverapp-cpu-s": server, "clientapp-cpu-s": 1.0, "node-up-kB": 487.4}
+        figures |= {"node-down-kB": 238.0, "round-s": 5.06, "test-accuracy": accuracy}
+        return {"app": app, "status": "completed", **figures}
+
+    rows = [leg("plain", 0.2, 0.92), leg("plain", 0.3, 0.93), leg("plain", 0.7, 0.94)]
+    rows.append({"app": "secure", "status": "failed", "error": "LaunchError: no\nmore"})
+    table = secure_table(rows).splitlines()
+    assert table[0].startswith("| secure aggregation | ServerApp CPU s |")
+    assert table[2] == "| no | 0.30 | 1.00 | 487 | 238 | 5.1 | 0.9400 |"
+    assert table[3] == "| secaggplus | failed: LaunchError: no more |"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.deployment import load_markdown as markdown
-from benchmarks.deployment import superlink_errors
+from benchmarks.load import load_markdown as markdown
+from benchmarks.load import superlink_errors
 
 RUN = {
     "date": "2026-11-23 15:00 UTC",

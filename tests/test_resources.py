@@ -1,12 +1,15 @@
 """Per-process CPU and memory from /proc (server/deploy/resources.py): stat lines, the kind of each
-Flower process, CPU per kind and per node (reaped children included), and what ``ba-deploy local
---resources`` reports for each node of a deployment."""
+Flower process, CPU per kind and per node (reaped children included), memory lines and peaks, the
+Fleet API byte counter, and what ``ba-deploy local --resources`` reports for each node of a
+deployment."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,12 +23,16 @@ from beyond_averaging.server.deploy.local import (
     watch_resources,
 )
 from beyond_averaging.server.deploy.resources import (
+    FleetRelay,
     ProcessWatch,
     ProcStat,
     Tracked,
     cpu_seconds_by,
     kinds_of,
     parse_stat,
+    peak_rss_sampler,
+    reset_peak_rss,
+    status_bytes,
 )
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="no /proc here")
@@ -273,3 +280,117 @@ def test_ba_deploy_resources_reports_each_node_s_cpu_seconds_and_peak_memory(
     node_line = next(line for line in out.splitlines() if line.startswith("  node 3"))
     assert f"CPU {usage['node 3']['cpu-seconds']:8.2f} s" in node_line
     assert f"RSS {usage['node 3']['peak-rss-mib']:7.1f}" in node_line
+
+
+# ----------------------------------------------------------------------------- memory lines
+def test_memory_of_a_process_that_ended_reads_zero_and_this_one_more() -> None:
+    command = [sys.executable, "-c", "import os; print(os.getpid())"]
+    ended = subprocess.run(command, check=True, capture_output=True, text=True)
+    assert status_bytes("VmRSS", int(ended.stdout)) == 0
+    assert status_bytes("VmHWM") >= status_bytes("VmRSS") > 0
+    assert status_bytes("NoSuchLine") == 0
+    assert status_bytes("MemTotal", path="/proc/meminfo") > status_bytes("VmRSS")
+
+
+def test_the_peak_rss_sampler_follows_the_peak_of_processes_started_after_it() -> None:
+    pids: list[int] = []
+    with peak_rss_sampler(lambda: pids, interval=0.05) as sampler:
+        assert sampler.peaks["rss"] == 0  # no process yet
+        held = subprocess.Popen(
+            [sys.executable, "-c", WORKER, "120"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        try:
+            pids.append(held.pid)
+            assert held.stdin is not None
+            assert held.stdout is not None
+            held.stdin.write(b"go\n")
+            held.stdin.flush()
+            held.stdout.readline()  # 120 MiB touched
+            time.sleep(0.3)
+        finally:
+            held.kill()
+            held.wait()
+    assert 120 * 2**20 <= sampler.peaks["rss"] <= 180 * 2**20
+
+
+def test_a_reset_peak_mark_drops_to_what_is_resident_now() -> None:
+    held = bytearray(64 << 20)
+    for offset in range(0, len(held), 4096):
+        held[offset] = 1
+    del held
+    if not reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    assert status_bytes("VmHWM") < status_bytes("VmRSS") + (32 << 20)
+
+
+# ----------------------------------------------------------------------------- Fleet bytes
+def echo_twice_server() -> tuple[socket.socket, list[int]]:
+    """A server that answers each connection with twice the bytes it read, until it closes."""
+    server = socket.create_server(("127.0.0.1", 0))
+    read: list[int] = []
+
+    def serve() -> None:
+        connection, _ = server.accept()
+        with connection:
+            while chunk := connection.recv(65536):
+                read.append(len(chunk))
+                connection.sendall(chunk * 2)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, read
+
+
+def test_the_fleet_relay_counts_each_way_and_passes_every_byte_on() -> None:
+    server, read = echo_twice_server()
+    relay = FleetRelay(server.getsockname())
+    try:
+        payload = bytes(range(256)) * 300  # 76,800 bytes
+        answer = bytearray()
+        with socket.create_connection(("127.0.0.1", relay.port)) as client:
+            client.sendall(payload)
+            while len(answer) < 2 * len(payload):
+                answer += client.recv(65536)
+        deadline = time.monotonic() + 5
+        while relay.counts()[1] < 2 * len(payload) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert relay.counts() == (76_800, 153_600)
+        assert sum(read) == 76_800
+        assert relay.address == f"127.0.0.1:{relay.port}"
+    finally:
+        relay.close()
+        server.close()
+
+
+def test_ba_deploy_resources_adds_the_fleet_bytes_of_a_relayed_node_from_the_window_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server, _ = echo_twice_server()
+    deployment = LocalDeployment(None, tmp_path)
+    deployment.superlink = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    relay = FleetRelay(server.getsockname())
+    deployment.supernodes = [SuperNodeProcess(0, idle, tmp_path / "node.log", relay)]
+    try:
+        with socket.create_connection(("127.0.0.1", relay.port)) as client:
+            client.sendall(b"x" * 1000)  # before the window: not counted
+            answer = 0
+            while answer < 2000:
+                answer += len(client.recv(65536))
+            resources = watch_resources(deployment)
+            client.sendall(b"y" * 5000)
+            answer = 0
+            while answer < 10_000:
+                answer += len(client.recv(65536))
+            report_resources(resources, tmp_path / "resources.json")
+    finally:
+        for process in (deployment.superlink, idle):
+            process.kill()
+            process.wait()
+        relay.close()
+        server.close()
+    usage = json.loads((tmp_path / "resources.json").read_text(encoding="utf-8"))["groups"]
+    assert usage["node 0"]["fleet-sent-kb"] == 5.0
+    assert usage["node 0"]["fleet-received-kb"] == 10.0
+    assert "fleet-sent-kb" not in usage["SuperLink"]
+    node_line = next(line for line in capsys.readouterr().out.splitlines() if "node 0" in line)
+    assert node_line.endswith("Fleet API: sent 5 kB, received 10 kB")

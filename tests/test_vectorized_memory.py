@@ -1,6 +1,6 @@
 """Vectorized cohort training's memory, counted in bytes of torch's CPU allocator (not timed).
 
-:func:`benchmarks.systems.torch_allocations` records every tensor allocation and free
+:func:`client.memory.torch_allocations` records every tensor allocation and free
 with the allocator's running total, so the peak is exact and the same on any machine. The
 models here are wide and the batches tiny, so the parameter-shaped tensors dominate and the
 bounds are the training state counted from the shapes: one step's gradients, plus SGD's momentum
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.systems import peak_above_start, torch_allocations
+from beyond_averaging.client.memory import peak_above_start, torch_allocations
 from beyond_averaging.client.vectorized import StepPlan, sensitivity_stacked, train_stacked
 
 CLIENTS, BATCH, STEPS, INPUTS, WIDTH, CLASSES = 3, 2, 4, 16, 256, 4

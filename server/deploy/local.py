@@ -13,7 +13,7 @@ ends) with its ClientApps forked from a warm process (:mod:`server.deploy.warm_e
 ``--executor subprocess``; SuperNode ``i`` holds partition ``i`` of ``N`` (``--node-config
 'partition-id=i num-partitions=N'``, the keys this app and Flower's quickstart read).
 ``--resources`` prints, when it stops, what each node cost: CPU seconds and peak memory of every
-process it started (:mod:`server.deploy.resources`).
+process it started, and the bytes it exchanged with the Fleet API (:mod:`server.deploy.resources`).
 
 :class:`LocalDeployment` is the same launcher as a Python object: the deployment tests and the
 deployment and load benchmarks start their federations with it (every process in its own
@@ -59,7 +59,7 @@ from beyond_averaging.server.runtime.processes import (
 from beyond_averaging.server.runtime.staging import stage_app
 
 from .flower_release import CLIENTAPP_EXECUTORS, ClientAppExecutor, FleetTransport, FlowerRelease
-from .resources import ResourceWatch, end_with_parent, resource_lines
+from .resources import FleetRelay, ResourceWatch, end_with_parent, resource_lines
 
 #: The connection ``ba-deploy`` writes into its ``FLWR_HOME/config.toml`` for ``flwr run``.
 CONNECTION = "ba-deploy"
@@ -181,6 +181,9 @@ class SuperNodeProcess:
     partition_id: int
     process: subprocess.Popen[bytes]
     log_path: Path
+    #: The byte-counting relay it reaches the Fleet API through (``start_supernodes(...,
+    #: relayed=True)``), or None: it connects directly.
+    relay: FleetRelay | None = None
 
     def log(self) -> str:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
@@ -419,6 +422,50 @@ class LocalDeployment:
         self.supernodes.append(node)
         return node
 
+    def start_supernodes(
+        self,
+        count: int,
+        *,
+        supervised: bool = True,
+        relayed: bool = False,
+        preload: Sequence[str] = (),
+        timeout: float = 120.0,
+    ) -> list[SuperNodeProcess]:
+        """Start ``count`` SuperNodes, partitions ``0..count-1`` of ``count``, and wait until
+        all are online.
+
+        Parameters
+        ----------
+        count : int
+            SuperNodes to start.
+        supervised : bool
+            Under ``ba-supernode`` (the default), or bare ``flower-supernode`` processes
+            (:meth:`start_supernode`).
+        relayed : bool
+            Connect each through a :class:`FleetRelay` of its own (:attr:`SuperNodeProcess.relay`),
+            which counts the bytes it exchanges with the Fleet API.
+        preload : sequence of str
+            Modules the warm executors import up front.
+        timeout : float
+            Seconds to wait for them to be online (:meth:`wait_for_nodes`).
+
+        Returns
+        -------
+        list of SuperNodeProcess
+            The nodes started, in partition order.
+        """
+        started = []
+        for partition in range(count):
+            relay = FleetRelay(("127.0.0.1", self.fleet_port)) if relayed else None
+            address = None if relay is None else relay.address
+            node = self.start_supernode(
+                partition, count, superlink_address=address, supervised=supervised, preload=preload
+            )
+            node.relay = relay
+            started.append(node)
+        self.wait_for_nodes(count, timeout=timeout)
+        return started
+
     def stop_supernode(self, node: SuperNodeProcess, timeout: float = 120.0) -> None:
         """Stop one SuperNode (by its process group) and wait until the SuperLink has
         forgotten it, so that the next run does not sample it."""
@@ -487,6 +534,8 @@ class LocalDeployment:
         """Stop every SuperNode, then the SuperLink (each by its process group)."""
         for node in self.supernodes:
             stop_process_tree(node.process)
+            if node.relay is not None:
+                node.relay.close()
         if self.superlink is not None:
             stop_process_tree(self.superlink, marker=self.env[LAUNCH_MARKER])
         shutil.rmtree(self.flwr_home / "apps", ignore_errors=True)
@@ -653,8 +702,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     local.add_argument(
         "--resources",
         action="store_true",
-        help="sample every process from /proc (Linux) and, on stopping, print each node's CPU "
-        "seconds and peak memory (RSS, PSS), also into WORKDIR/resources.json",
+        help="sample every process from /proc (Linux), relay each SuperNode's Fleet API link "
+        "through a byte counter and, on stopping, print each node's CPU seconds, peak memory "
+        "(RSS, PSS) and Fleet API bytes, also into WORKDIR/resources.json",
     )
     local.add_argument(
         "--workdir",
@@ -703,9 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     resources: ResourceWatch | None = None
     try:
         deployment.start()
-        for index in range(args.nodes):
-            deployment.start_supernode(index, args.nodes, preload=args.preload)
-        deployment.wait_for_nodes(args.nodes)
+        deployment.start_supernodes(args.nodes, relayed=args.resources, preload=args.preload)
         for line in connection_lines(deployment, args.nodes):
             print(line, flush=True)
         if args.resources:
@@ -735,11 +783,13 @@ RESOURCES_INTERVAL = 0.5
 
 def watch_resources(deployment: LocalDeployment) -> ResourceWatch:
     """Sample every process of ``deployment`` from now on: the SuperLink with what it starts,
-    and each SuperNode (``node <partition>``) with what it starts."""
+    and each SuperNode (``node <partition>``) with what it starts and, where it connects through
+    a relay, its Fleet API bytes."""
     assert deployment.superlink is not None
     groups = {deployment.superlink.pid: "SuperLink"}
     groups |= {node.process.pid: f"node {node.partition_id}" for node in deployment.supernodes}
-    return ResourceWatch(groups, RESOURCES_INTERVAL)
+    relays = {f"node {n.partition_id}": n.relay for n in deployment.supernodes if n.relay}
+    return ResourceWatch(groups, RESOURCES_INTERVAL, relays)
 
 
 def report_resources(resources: ResourceWatch, path: Path) -> None:

@@ -2,16 +2,19 @@
 sampled from ``/proc`` (Linux), grouped by node and by kind of process.
 
 ``ba-deploy local --resources`` samples the SuperLink, each SuperNode and everything they start
-(SuperExecs, ServerApps, ClientApps, the warm executor) and prints, when it stops, what each node
-cost (:func:`resource_lines`); the deployment benchmark reads the same watch by kind of process.
+(SuperExecs, ServerApps, ClientApps, the warm executor), counts the bytes each SuperNode exchanges
+with the Fleet API (:class:`FleetRelay`) and prints, when it stops, what each node cost
+(:func:`resource_lines`); the deployment benchmarks read the same watch by kind of process.
 docs/deployment.md ("What each node costs") says what is counted and what is not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -128,6 +131,42 @@ def read_stat(pid: int) -> ProcStat | None:
         return parse_stat((Path("/proc") / str(pid) / "stat").read_text(encoding="utf-8"))
     except (OSError, ValueError, IndexError):
         return None
+
+
+def status_bytes(field: str, pid: int | str = "self", path: str = "") -> int:
+    """A memory line of ``/proc/<pid>/status`` (or ``path``, e.g. ``/proc/meminfo``) in bytes.
+
+    Parameters
+    ----------
+    field : str
+        The line's name: ``VmRSS`` (resident now), ``VmHWM`` (the peak), ``MemAvailable``.
+    pid : int or str
+        The process; ``"self"``: this one.
+    path : str
+        Another file of the same layout instead (``/proc/meminfo``).
+
+    Returns
+    -------
+    int
+        The value in bytes (the kernel writes kB); 0 once the process has ended or when the line
+        is missing.
+    """
+    try:
+        status = Path(path or f"/proc/{pid}/status").read_text(encoding="utf-8")
+    except OSError:
+        return 0
+    line = next((line for line in status.splitlines() if line.startswith(f"{field}:")), "")
+    return int(line.split()[1]) * 1024 if line else 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS mark (``VmHWM``) to its current RSS (``ru_maxrss`` cannot
+    be reset, and carries a parent's peak across fork and exec); False if not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 def pss_bytes(pid: int) -> float:
@@ -359,24 +398,123 @@ class PeakSampler:
         self._sample()
 
 
+def peak_rss_sampler(pids: Callable[[], list[int]], interval: float = 0.2) -> PeakSampler:
+    """A :class:`PeakSampler` of ``rss``: the largest peak RSS (``VmHWM``) of the processes
+    ``pids()`` returns, sampled every ``interval`` s (e.g. ``LocalDeployment.serverapp_pids``:
+    the ServerApps of a deployment, which start and end with each run)."""
+    return PeakSampler(
+        lambda: {"rss": float(max((status_bytes("VmHWM", pid) for pid in pids()), default=0))},
+        interval,
+    )
+
+
+class FleetRelay:
+    """A TCP relay to ``target`` that counts the bytes each way: put between one SuperNode and
+    the Fleet API (the SuperNode's ``--superlink`` is :attr:`address`), it measures what that
+    node sends and receives, polling and TLS records included.
+
+    Every connection made to :attr:`address` is relayed to ``target`` on two threads; a
+    subclass may look at the bytes (:meth:`relayed`), as the deployment tests do.
+
+    Parameters
+    ----------
+    target : tuple of (str, int)
+        The Fleet API's host and port.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._lock = threading.Lock()
+        self._sent = self._received = 0
+        self._closed = False
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, name=f"fleet-relay-{self.port}", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        """Where the SuperNode connects instead of the Fleet API."""
+        return f"127.0.0.1:{self.port}"
+
+    def counts(self) -> tuple[int, int]:
+        """Bytes sent towards the Fleet API and received from it so far."""
+        with self._lock:
+            return self._sent, self._received
+
+    def relayed(self, chunk: bytes, uploading: bool, first: bool) -> None:
+        """Called (under the relay's lock) with each chunk: ``uploading`` towards the Fleet API,
+        ``first`` the connection's first chunk that way. Here: nothing beyond the counts."""
+
+    def close(self) -> None:
+        """Stop relaying: close the listener and every relayed connection."""
+        self._closed = True
+        for sock in [self._listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(self.target, timeout=10.0)
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            upstream.settimeout(None)
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, uploading: bool) -> None:
+        first = True
+        try:
+            while chunk := source.recv(1 << 16):
+                with self._lock:
+                    if uploading:
+                        self._sent += len(chunk)
+                    else:
+                        self._received += len(chunk)
+                    self.relayed(chunk, uploading, first)
+                sink.sendall(chunk)
+                first = False
+        except OSError:
+            pass
+        finally:  # one side closed: close the other, so that its peer sees the end too
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
 class ResourceWatch:
     """Every process below this one, grouped by ``groups`` (a started process: its label) and
-    sampled every ``interval`` s on a thread from now until :meth:`stop`."""
+    sampled every ``interval`` s on a thread from now until :meth:`stop`; with ``relays`` (a
+    group's label: the :class:`FleetRelay` its SuperNode connects through), also the Fleet API
+    bytes of those groups from now on."""
 
-    def __init__(self, groups: Mapping[int, str], interval: float) -> None:
+    def __init__(
+        self,
+        groups: Mapping[int, str],
+        interval: float,
+        relays: Mapping[str, FleetRelay] | None = None,
+    ) -> None:
         self.watch = ProcessWatch(os.getpid(), groups)
         self.watch.open_window()
+        self.relays = dict(relays or {})
+        self.relayed_before = {label: relay.counts() for label, relay in self.relays.items()}
         self.started = time.monotonic()
         self.sampler = PeakSampler(self.watch.sample, interval).__enter__()
 
     def stop(self) -> dict[str, dict[str, float | int]]:
-        """Stop sampling; each group's processes seen, CPU seconds and peak RSS and PSS (MiB)."""
+        """Stop sampling; each group's processes seen, CPU seconds, peak RSS and PSS (MiB) and,
+        for a group with a relay, the kB its node sent to and received from the Fleet API."""
         self.sampler.__exit__(None, None, None)
         watch, peaks = self.watch, self.sampler.peaks
         groups = {pid: watch.group_of(pid) or "other" for pid in watch.processes}
         ticks = float(os.sysconf("SC_CLK_TCK"))
         seconds, _ = cpu_seconds_by(watch.processes, groups, ticks, subtrees=True)
-        return {
+        usage: dict[str, dict[str, float | int]] = {
             label: {
                 "processes": sum(group == label for group in groups.values()),
                 "cpu-seconds": round(seconds.get(label, 0.0), 2),
@@ -385,16 +523,28 @@ class ResourceWatch:
             }
             for label in dict.fromkeys(watch.groups.values())
         }
+        for label, relay in self.relays.items():
+            (sent, received), before = relay.counts(), self.relayed_before[label]
+            usage[label]["fleet-sent-kb"] = round((sent - before[0]) / 1e3, 1)
+            usage[label]["fleet-received-kb"] = round((received - before[1]) / 1e3, 1)
+        return usage
 
 
 def resource_lines(usage: Mapping[str, Mapping[str, float | int]], seconds: float) -> list[str]:
-    """What ``ba-deploy local --resources`` prints when it stops: a line per group."""
+    """What ``ba-deploy local --resources`` prints when it stops: a line per group (a node's with
+    its Fleet API kB sent and received, where they were counted)."""
     lines = [f"ba-deploy: resources over {seconds:.0f} s (CPU seconds; peak memory, MiB):"]
     width = max(len(label) for label in usage)
     for label, figures in usage.items():
-        lines.append(
+        line = (
             f"  {label:<{width}}  CPU {figures['cpu-seconds']:8.2f} s  "
             f"RSS {figures['peak-rss-mib']:7.1f}  PSS {figures['peak-pss-mib']:7.1f}  "
             f"({figures['processes']} processes)"
         )
+        if "fleet-sent-kb" in figures:
+            line += (
+                f"  Fleet API: sent {figures['fleet-sent-kb']:,.0f} kB, "
+                f"received {figures['fleet-received-kb']:,.0f} kB"
+            )
+        lines.append(line)
     return lines
