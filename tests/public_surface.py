@@ -54,6 +54,7 @@ MODULES = (
     "beyond_averaging.tasks.protocol",
     "beyond_averaging.server.interactive",
     "beyond_averaging.server.pull",
+    "beyond_averaging.server.attacks",
 )
 #: The modules whose ``app`` object (the Flower component) is recorded, by its type only.
 APP_MODULES = ("beyond_averaging.server.app", "beyond_averaging.client.app")

@@ -26,7 +26,7 @@ FOLDER_DEPENDENCIES = {
     "server": {"strategies", "tasks"},
 }
 #: Sub-packages that are tools at the end of the line: nothing else in the package imports them.
-LEAVES = ("server.cli", "server.sweep", "server.deploy")
+LEAVES = ("server.cli", "server.sweep", "server.deploy", "server.attacks")
 #: What a sub-package may import besides its own modules (and tasks, and the libraries).
 SUBPACKAGE_DEPENDENCIES = {
     # The run folder's format and tools: the run configuration and nothing of the ServerApp.
@@ -42,11 +42,9 @@ SUBPACKAGE_DEPENDENCIES = {
 }
 MAX_MODULE_LINES = 1000
 MAX_TOP_MODULES = {"server": 12, "strategies": 14}
-# Issue 33 brought benchmarks/ to 3,000 lines (one runner, product code moved out); issues 44-46
-# added evidence that is measurement code, not product: the backdoor trigger families and the
-# adaptive attacker, the user-app deployment leg, secure aggregation's cost (moved in from
-# scripts/, where it had been put to stay under 3,000). The limit still catches a second harness.
-MAX_BENCHMARK_LINES = 3700
+# One runner and specs (issue 33): machinery a user also needs lives in the product (the attack
+# set in server/attacks/, byte counting in server/deploy/resources.py), so a second harness shows.
+MAX_BENCHMARK_LINES = 3000
 
 
 @cache

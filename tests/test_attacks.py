@@ -1,4 +1,4 @@
-"""Byzantine clients in a real federation (benchmarks/attacks.py's attacker, digits, in process).
+"""Byzantine clients in a real federation (the attack set of server/attacks/, digits, in process).
 
 One of four IID clients sends w - 5 (theta - w), its honest update sign-flipped and five times
 as long, with its true number of examples: under the default run options every rule ends within
@@ -26,10 +26,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
-from benchmarks.attacks import ATTACKS, AttackGrid, RoundView, alie_z, run_attacked
+from benchmarks.attacks import run_attacked
+from beyond_averaging.server.attacks import ATTACKS, AttackGrid, RoundView, alie_z
+from beyond_averaging.server.runtime.inprocess import InProcessGrid
 from tests.conftest import reply_message
 
 FEDERATION = {
@@ -194,6 +198,50 @@ def test_the_attacker_sends_its_honest_update_sign_flipped_five_times_and_claims
     np.testing.assert_allclose(out[1].content["arrays"]["w"].numpy(), models[1])  # honest
 
 
+#: Each node of the fixed app below moves the model by its own delta and claims its own count.
+DELTAS = [
+    np.array([1.0, -2.0], np.float32),
+    np.array([0.5, 0.5], np.float32),
+    np.array([-1.0, 3.0], np.float32),
+]
+CLAIMS = [10, 20, 30]
+fixed_app = ClientApp()
+
+
+@fixed_app.train()
+def fixed_train(msg: Message, context: Context) -> Message:
+    partition = int(context.node_config["partition-id"])
+    weights = msg.content["arrays"]["w"].numpy()
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({"w": Array(weights + DELTAS[partition])}),
+            "metrics": MetricRecord({"num-examples": CLAIMS[partition]}),
+        }
+    )
+    return Message(content=content, reply_to=msg)
+
+
+def test_the_attack_grid_drops_into_flowers_own_fedavg_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A user's ServerApp keeps its strategy and strategy.start; only the Grid is wrapped. The
+    # first node sign-flips its update five times, so Flower's FedAvg returns the claims-weighted
+    # mean of w + delta_i with delta_0 replaced by -5 delta_0 (computed here by hand).
+    for attribute in ("_run_id", "_node_id", "_task_id"):  # a ServerApp's identity, to send
+        monkeypatch.setattr(TaskIdentity, attribute, 1 if attribute == "_run_id" else 0)
+    grid = InProcessGrid(fixed_app, 3, {})
+    first = min(grid.get_node_ids())
+    start = np.array([1.0, 1.0], np.float32)
+    result = FedAvg(fraction_evaluate=0.0).start(
+        grid=AttackGrid(grid, [first], ATTACKS["sign-flip"], seed=0),
+        initial_arrays=ArrayRecord({"w": Array(start)}),
+        num_rounds=1,
+    )
+    sent = [-5.0 * DELTAS[0], DELTAS[1], DELTAS[2]]
+    expected = start + sum(n * d for n, d in zip(CLAIMS, sent, strict=True)) / sum(CLAIMS)
+    np.testing.assert_allclose(result.arrays["w"].numpy(), expected, rtol=1e-6)
+
+
 def test_alie_z_follows_the_papers_formula() -> None:
     # s = floor(n / 2 + 1) - m; z = Phi^-1((n - s) / n)
     assert alie_z(4, 1) == pytest.approx(0.0)  # s = 2: the benign mean itself
@@ -248,7 +296,7 @@ def test_the_blended_backdoor_keeps_cosine_0_4_with_the_benign_mean_and_the_rest
 
 
 def test_the_blended_trigger_mixes_one_fixed_image_into_every_input_at_0_2() -> None:
-    from benchmarks.attacks import with_trigger
+    from beyond_averaging.server.attacks.triggers import with_trigger
 
     features = torch.rand(5, 1, 8, 8)
     features[0, 0, 0, 0], features[1, 0, 0, 1] = 0.0, 1.0  # the range the pattern spans

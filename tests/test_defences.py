@@ -17,8 +17,8 @@ import pytest
 import torch
 from flwr.app import ConfigRecord
 
-from benchmarks.attacks import shejwalkar_gamma
 from beyond_averaging.server.app import data_spec
+from beyond_averaging.server.attacks import shejwalkar_gamma
 from beyond_averaging.server.config import ConfigError, parse_run_config
 from beyond_averaging.server.strategy_factory import ServerResources, build_strategy
 from beyond_averaging.strategies import ClientReply, ElasticAggregation, FedAvg, FedGMA, FedLAW

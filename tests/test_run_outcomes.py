@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
-from benchmarks.attacks import ATTACKS, AttackGrid
 from beyond_averaging.server.app import RunStalledError, chance_accuracy, round_alarms
+from beyond_averaging.server.attacks import ATTACKS, AttackGrid
 from beyond_averaging.server.cli.main import main as ba_run
 from beyond_averaging.server.cli.status import ALARMS_EXIT_CODE
 from beyond_averaging.server.overrides import run_config_argument
@@ -293,7 +293,7 @@ def test_a_sybil_majority_run_ends_with_the_alarm_status_and_exit_4(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Three of four clients send their honest update sign-flipped and five times as long (the
-    # attack table's attacker, benchmarks/attacks.py), from round 1.
+    # attack table's attacker, server/attacks/), from round 1.
     honest_send = InProcessGrid.send_and_receive
 
     def sybil_send(

@@ -1,4 +1,4 @@
-"""The backdoor triggers of the attack set (benchmarks/triggers.py) and the attacks that use them.
+"""The backdoor triggers of the attack set (server/attacks/triggers.py) and the attacks using them.
 
 Each trigger is checked pixel by pixel against a hand-built copy of the batch: the patch's
 pixels at the batch's largest value and every other pixel untouched, a distributed patch's bands
@@ -13,8 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.attacks import ATTACKS, RoundView, poisoned
-from benchmarks.triggers import ADAPTIVE_CANDIDATES, TRIGGERS, choose_trigger, with_trigger
+from beyond_averaging.server.attacks import ATTACKS, RoundView, poisoned
+from beyond_averaging.server.attacks.triggers import (
+    ADAPTIVE_CANDIDATES,
+    TRIGGERS,
+    choose_trigger,
+    with_trigger,
+)
 from beyond_averaging.tasks.evaluation import DeviceData
 
 
@@ -122,7 +127,7 @@ def test_the_adaptive_attacker_keeps_the_candidate_that_survives_the_rehearsed_d
 ) -> None:
     # A defence that removes nothing and a model that answers 0 exactly when the top-left pixel
     # is at the maximum: only the corner patches survive, the first of them is kept.
-    import benchmarks.triggers as triggers
+    import beyond_averaging.server.attacks.triggers as triggers
 
     monkeypatch.setattr(triggers, "unlearn_triggers", lambda _m, arrays, *_: (arrays, {}))
 
