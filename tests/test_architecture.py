@@ -45,8 +45,10 @@ MAX_TOP_MODULES = {"server": 12, "strategies": 14}
 # Issue 33 brought benchmarks/ to 3,000 lines (one runner, product code moved out); issues 44-46
 # added evidence that is measurement code, not product: the backdoor trigger families and the
 # adaptive attacker, the user-app deployment leg, secure aggregation's cost (moved in from
-# scripts/, where it had been put to stay under 3,000). The limit still catches a second harness.
-MAX_BENCHMARK_LINES = 3700
+# scripts/, where it had been put to stay under 3,000), and the plain run with secure
+# aggregation's client clip that its accuracy is compared with. The limit still catches a second
+# harness.
+MAX_BENCHMARK_LINES = 3800
 
 
 @cache
