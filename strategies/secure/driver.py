@@ -179,7 +179,9 @@ class SecureAggregation(Strategy):
     # ------------------------------------------------------------ what the ServerApp reads
     @property
     def reply_byte_limit(self) -> int:
-        """The rule's byte limit on a reply (a masked vector is no larger than the records)."""
+        """The rule's byte limit on a reply, 4 x the model's bytes per record sent back: for a
+        float32 model the masked vector (8 bytes a value modulo 2^64) stays within it, at most
+        6 x the model's bytes (FedGMA's hard mask: update, gradient and signs)."""
         return self.strategy.reply_byte_limit
 
     @property
