@@ -14,10 +14,12 @@ what is measured is the protocol alone, on top of whatever training costs.
   strategies count a reply's size (:func:`strategies.replies.validation.reply_bytes`);
 - ``server-bytes``: the same summed over the clients.
 
+Each secure row is run at every ``--modulus-bits`` (64, the default: 8 bytes a value; 32,
+Flower's: 4 bytes), on the finest levels the cohort fits.
+
 Usage::
 
-    .venv/bin/python -m benchmarks.secure_aggregation --clients 10 50 100 \\
-        --neighbours 0 8 > docs/results/secure-aggregation-cost.md
+    .venv/bin/python -m benchmarks.secure_aggregation --clients 10 50 100 --neighbours 0 8
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def make_app(meter: Meter, model: dict[str, np.ndarray]) -> ClientApp:
     return app
 
 
-def one_round(clients: int, neighbours: int | None) -> dict[str, Any]:
+def one_round(clients: int, neighbours: int | None, modulus: int = 64) -> dict[str, Any]:
     """One round's figures; ``neighbours`` None: plain FedAvg (no secure aggregation)."""
     model = {k: v.numpy() for k, v in build_model("mlp", (64,), 10).state_dict().items()}
     meter = Meter()
@@ -105,7 +107,7 @@ def one_round(clients: int, neighbours: int | None) -> dict[str, Any]:
     strategy = (
         rule
         if neighbours is None
-        else SecureAggregation(rule, SecAggOptions(neighbours=neighbours))
+        else SecureAggregation(rule, SecAggOptions(neighbours=neighbours, modulus_bits=modulus))
     )
     arrays = ArrayRecord({k: Array(v) for k, v in model.items()})
     started = time.process_time()
@@ -122,7 +124,7 @@ def one_round(clients: int, neighbours: int | None) -> dict[str, Any]:
     client_cpu = sum(meter.client_cpu.values())
     return {
         "clients": clients,
-        "secure": "no" if neighbours is None else f"neighbours {neighbours or 'all'}",
+        "secure": "no" if neighbours is None else f"neighbours {neighbours or 'all'}, 2^{modulus}",
         "server-cpu-s": total - client_cpu,
         "client-cpu-s": client_cpu / clients,
         "client-bytes": sum(meter.bytes.values()) / clients,
@@ -134,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
     parser.add_argument("--neighbours", type=int, nargs="+", default=[0, 8])
+    parser.add_argument("--modulus-bits", type=int, nargs="+", default=[64, 32])
     args = parser.parse_args()
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 0
     print(
@@ -142,10 +145,12 @@ def main() -> None:
     )
     print("|---:|---|---:|---:|---:|---:|")
     for clients in args.clients:
-        for neighbours in [None, *args.neighbours]:
+        rows = [(None, 64)]
+        rows += [(k, m) for k in args.neighbours for m in args.modulus_bits]
+        for neighbours, modulus in rows:
             if neighbours is not None and 0 < neighbours >= clients - 1:
                 continue
-            row = one_round(clients, neighbours)
+            row = one_round(clients, neighbours, modulus)
             print(
                 f"| {row['clients']} | {row['secure']} | {row['server-cpu-s']:.3f} | "
                 f"{row['client-cpu-s']:.3f} | {row['client-bytes'] / 1e3:,.0f} kB | "

@@ -108,6 +108,11 @@ def _state(context: Context, stage: str, config: ConfigRecord) -> ConfigRecord:
 
 def _setup(config: ConfigRecord, context: Context) -> ConfigRecord:
     options = SecAggOptions.from_config(config)  # checked here: a bad option fails at once
+    if not options.quantization_bits:
+        raise SecureStageError(
+            "the server sent quantization-bits = 0: the round's levels are resolved on the "
+            "server (SecAggOptions.for_cohort) before setup"
+        )
     channel_private, channel_public = new_key_pair()
     mask_private, mask_public = new_key_pair()
     context.state.config_records[STATE_RECORD] = ConfigRecord(

@@ -244,7 +244,9 @@ class RunConfig(BaseModel):
     secure_quantization_bits: int = Field(
         0, ge=0, le=62, description="levels 2^bits in [-8, 8]; 0: the finest the cohort fits"
     )
-    secure_modulus_bits: Literal[32, 64] = Field(32, description="sums wrap modulo 2^this")
+    secure_modulus_bits: Literal[32, 64] = Field(
+        64, description="sums wrap modulo 2^this; 32 halves the upload, coarser levels"
+    )
     # --- experiment tracker (strategies/tracking.py; each an optional extra) -----------------
     tracker: Literal["none", "tensorboard", "mlflow", "wandb"] = Field(
         "none", description="sends every round's metrics there; needs its extra installed"
@@ -377,8 +379,9 @@ class RunConfig(BaseModel):
     @property
     def resolved_quantization_bits(self) -> int:
         """Secure aggregation's quantisation bits: ``secure-quantization-bits``, or for 0 the
-        finest levels whose sum over ``num-clients`` cannot wrap, modulus - bit_length(clients)
-        (28 for 10 clients modulo 2^32, 22 for 1,000)."""
+        finest levels whose sum over ``num-clients`` (the most a round samples) cannot wrap,
+        modulus - bit_length(clients): 60 for 10 clients modulo 2^64, 57 for 100, 54 for 1,000
+        (28, 25 and 22 modulo 2^32)."""
         if self.secure_quantization_bits:
             return self.secure_quantization_bits
         return min(self.secure_modulus_bits - self.num_clients.bit_length(), 62)

@@ -38,18 +38,24 @@ from beyond_averaging.tasks.secure_aggregation import (
     unseal,
 )
 
-DEFAULT = SecAggOptions()
+#: Flower's SecAgg+ quantisation: 2^22 levels modulo 2^32.
+FLOWER = SecAggOptions(quantization_bits=22, modulus_bits=32)
 
 
-def test_quantise_clips_to_the_range_and_rounds_to_the_nearest_of_two_to_the_bits_levels() -> None:
+@pytest.mark.parametrize(("modulus", "dtype"), [(32, np.uint32), (64, np.uint64)])
+def test_quantise_clips_to_the_range_and_rounds_to_the_nearest_of_two_to_the_bits_levels(
+    modulus: int, dtype: Any
+) -> None:
     # R = 1, b = 2: the levels 0..4 stand for -1, -0.5, 0, 0.5, 1 (step 0.5).
-    options = SecAggOptions(clipping_range=1.0, quantization_bits=2)
-    q = quantise([-1.0, 0.0, 0.5, 0.3, 0.2, 2.0, -7.0], options)
-    # 0.3 -> (1.3) * 2 = 2.6 -> 3; 0.2 -> 2.4 -> 2; 2.0 and -7.0 clipped to 1 and -1.
-    assert q.tolist() == [0, 2, 3, 3, 2, 4, 0]
-    assert q.dtype == np.uint32
+    options = SecAggOptions(clipping_range=1.0, quantization_bits=2, modulus_bits=modulus)
+    q = quantise([-1.0, 0.0, 0.5, 0.3, 0.2, 2.0, -7.0, 0.25, -0.25], options)
+    # 0.3 -> 0.6 + 2 -> 3; 0.2 -> 0.4 + 2 -> 2; 2.0 and -7.0 clipped to 1 and -1; halves up.
+    assert q.tolist() == [0, 2, 3, 3, 2, 4, 0, 3, 2]
+    assert q.dtype == dtype
     # The sum of three values back: (3 + 3 + 2) * 0.5 - 3 * 1 = 1.0 for 0.5 + 0.3 + 0.2.
-    assert float(dequantise_sum(np.array([8], np.uint32), 3, options)[0]) == 1.0
+    assert float(dequantise_sum(np.array([8], dtype), 3, options)[0]) == 1.0
+    # A sum below the offsets (-2.5 for five values at -0.5) is read back through the wrap.
+    assert float(dequantise_sum(np.array([5], dtype), 5, options)[0]) == -2.5
 
 
 def test_quantisation_error_of_a_sum_stays_within_half_a_step_per_client_and_is_measured() -> None:
@@ -57,9 +63,9 @@ def test_quantisation_error_of_a_sum_stays_within_half_a_step_per_client_and_is_
     values = rng.uniform(-1, 1, size=(10, 20_000))
     total = np.zeros(values.shape[1], np.uint32)
     for row in values:
-        total += quantise(row, DEFAULT)
-    error = np.abs(dequantise_sum(total, 10, DEFAULT) - values.sum(axis=0))
-    step = DEFAULT.quantum  # 16 / 2^22 = 3.8e-6
+        total += quantise(row, FLOWER)
+    error = np.abs(dequantise_sum(total, 10, FLOWER) - values.sum(axis=0))
+    step = FLOWER.quantum  # 16 / 2^22 = 3.8e-6
     assert step == pytest.approx(16 / 2**22)
     assert error.max() <= 10 * step / 2 + 1e-12
     # Rounding errors are spread evenly: their sum over 10 clients has a standard deviation of
@@ -67,17 +73,69 @@ def test_quantisation_error_of_a_sum_stays_within_half_a_step_per_client_and_is_
     assert error.mean() == pytest.approx(step * np.sqrt(10 / 12) * np.sqrt(2 / np.pi), rel=0.05)
 
 
+def test_a_small_value_keeps_its_own_precision_on_the_default_64_bit_levels() -> None:
+    # 10 clients modulo 2^64: 60-bit levels of 16 / 2^60 = 1.4e-17. Values of a weighted
+    # update's size (1e-7 to 1e-3) come back within n / 2 levels, far finer than float64's
+    # spacing at R = 8 (1.8e-15), which a quantiser adding R in floating point would cost.
+    options = SecAggOptions().for_cohort(10)
+    assert options.quantization_bits == 60
+    rng = np.random.default_rng(3)
+    values = rng.uniform(-1e-3, 1e-3, size=(10, 5_000)) * rng.choice([1.0, 1e-4], (10, 5_000))
+    total = np.zeros(values.shape[1], np.uint64)
+    for row in values:
+        total += quantise(row, options)
+    error = np.abs(dequantise_sum(total, 10, options) - values.sum(axis=0))
+    assert options.quantum == 16 / 2**60
+    assert error.max() <= 10 * options.quantum / 2 * (1 + 1e-9) + 1e-18
+
+
 def test_a_cohort_that_could_wrap_the_modulus_is_refused_with_the_bits_that_fit() -> None:
-    options = SecAggOptions(quantization_bits=22)  # 2^(32 - 22) - 1 = 1023 clients fit
+    options = SecAggOptions(quantization_bits=22, modulus_bits=32)  # 2^10 - 1 = 1023 clients
     assert options.max_clients == 1023
     dequantise_sum(np.zeros(1, np.uint32), 1023, options)
     with pytest.raises(ValueError, match="lower quantization-bits to 21"):
         dequantise_sum(np.zeros(1, np.uint32), 1024, options)
+    with pytest.raises(ValueError, match="lower quantization-bits to 57"):
+        SecAggOptions(quantization_bits=58).for_cohort(100)  # 2^6 - 1 = 63 fit at 58 bits
+
+
+def test_the_default_levels_are_the_finest_the_rounds_cohort_fits_with_headroom() -> None:
+    # b = m - bit_length(n): 10 clients (4 bits) -> 60, 100 and 127 (7) -> 57, 128 (8) -> 56,
+    # 1,000 (10) -> 54; one or two clients -> m - 2 = 62 (bit_length 1 and 2).
+    default = SecAggOptions()
+    bits = {n: default.for_cohort(n).quantization_bits for n in (1, 2, 10, 100, 127, 128, 1000)}
+    assert bits == {1: 62, 2: 62, 10: 60, 100: 57, 127: 57, 128: 56, 1000: 54}
+    assert SecAggOptions(modulus_bits=32).for_cohort(10).quantization_bits == 28
+    assert SecAggOptions(quantization_bits=40).for_cohort(100).quantization_bits == 40
+    for n in (10, 100, 127, 128, 1000):
+        options = default.for_cohort(n)
+        # n values at the top level 2^b (every value at +R, the weight folded in: r <= 1)
+        # sum below 2^64, and so would 2^(m - b) - 1 of them; one more could wrap.
+        assert n * 2**options.quantization_bits < 2**64
+        assert options.max_clients == 2 ** (64 - options.quantization_bits) - 1 >= n
+        assert (options.max_clients + 1) * 2**options.quantization_bits == 2**64
+        top = np.zeros(1, np.uint64)
+        for _ in range(n):
+            top += quantise([8.0], options)
+        assert float(dequantise_sum(top, n, options)[0]) == 8.0 * n
+    with pytest.raises(ValueError, match="resolved per round"):
+        _ = default.quantum  # the levels are the round's: unresolved options cannot quantise
+
+
+def test_the_mean_is_off_by_at_most_its_bound_below_float32_spacing_modulo_2_to_the_64() -> None:
+    # (W q / 2)(1 + |mean|), W = 10,000 (the run's secure-max-weight), q = 16 / 2^b.
+    wide = SecAggOptions(max_weight=10_000.0).for_cohort(100)  # b = 57
+    assert wide.mean_error_bound() == pytest.approx(10_000 * 16 / 2**57 / 2)  # 5.6e-13
+    # Below half of float32's spacing for any model value of size 1e-4 or more (2^-14: 2^-38).
+    assert wide.mean_error_bound(1.0) < np.spacing(np.float32(1e-4)) / 2
+    narrow = SecAggOptions(max_weight=10_000.0, modulus_bits=32).for_cohort(10)  # b = 28
+    assert narrow.mean_error_bound() == pytest.approx(10_000 * 16 / 2**28 / 2)  # 3.0e-4
+    assert narrow.mean_error_bound() > np.spacing(np.float32(1000.0))
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("modulus_bits", 16), ("quantization_bits", 31), ("threshold", 0.4), ("max_weight", 0.0)],
+    [("modulus_bits", 16), ("quantization_bits", 63), ("threshold", 0.4), ("max_weight", 0.0)],
 )
 def test_options_refuse_values_outside_their_range_naming_them(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):

@@ -175,16 +175,24 @@ RULES = {
 ALL = list(range(FIRST_NODE_ID, FIRST_NODE_ID + NUM_NODES))
 
 
+def quanta(options: SecAggOptions, count: int = NUM_NODES) -> float:
+    """``count`` steps of the round's levels (:meth:`SecAggOptions.for_cohort`), and at least
+    1e-12: float64's rounding of the rules' own arithmetic on values of about 1, which the
+    64-bit levels (16 / 2^61 here) are finer than."""
+    return max(count * options.for_cohort(count).quantum, 1e-12)
+
+
+@pytest.mark.parametrize("modulus", [64, 32])
 @pytest.mark.parametrize("rule", list(RULES))
 def test_the_secure_round_gives_the_rules_model_over_the_replies_within_quantisation(
-    rule: str,
+    rule: str, modulus: int
 ) -> None:
-    options = SecAggOptions(max_weight=100.0)
+    options = SecAggOptions(max_weight=100.0, modulus_bits=modulus)
     _, _, new, _ = run_round(RULES[rule](), options)
     expected = plain(rule, ALL)
     for key in GLOBAL:
         # Each weighted value is within half a step; the mean divides by R = sum r >= 1.2.
-        np.testing.assert_allclose(new[key], expected[key], atol=NUM_NODES * options.quantum)
+        np.testing.assert_allclose(new[key], expected[key], atol=quanta(options))
 
 
 # ------------------------------------------------- the server optimizers: FedAvgM and FedAdam
@@ -267,7 +275,7 @@ def test_fedavgm_under_secaggplus_steps_as_the_clipped_plain_rounds_within_quant
         for key in GLOBAL:
             # A round's mean update is within N quanta; momentum and the next rounds' clip
             # carry it on, a few times over by round 3.
-            np.testing.assert_allclose(got[key], want[key], atol=8 * NUM_NODES * options.quantum)
+            np.testing.assert_allclose(got[key], want[key], atol=8 * quanta(options))
     assert np.abs(expected[-1]["w"] - without_momentum["w"]).max() > 0.05  # momentum matters
 
 
@@ -278,7 +286,7 @@ def test_fedadam_under_secaggplus_steps_as_the_clipped_plain_rounds_within_quant
     expected = fedadam_by_hand(3, **adam)
     # Adam's step m / (sqrt(v) + tau) changes by at most (1 - beta_1) / tau = 10 times the
     # change of the mean update, so the quantisation error is 10x FedAvg's in each round.
-    tolerance = 3 * 10 * NUM_NODES * options.quantum
+    tolerance = 3 * 10 * quanta(options)
     for got, want in zip(secure, expected, strict=True):
         for key in GLOBAL:
             np.testing.assert_allclose(got[key], want[key], atol=tolerance)
@@ -297,7 +305,7 @@ def test_the_aggregation_receives_masked_vectors_and_the_unmasked_sum_only() -> 
     inputs = secure.last_sum_inputs
     assert set(inputs) == {"masked", "sum"}
     # Each masked vector is unlike the node's own quantised vector: it differs from it in
-    # almost every value (the masks are uniform modulo 2^32), while their sum is exact.
+    # almost every value (the masks are uniform modulo 2^64), while their sum is exact.
     from beyond_averaging.strategies.secure import secure_layout
     from beyond_averaging.tasks.secure_aggregation import client_vector
 
@@ -305,7 +313,15 @@ def test_the_aggregation_receives_masked_vectors_and_the_unmasked_sum_only() -> 
     total = np.zeros_like(inputs["sum"])
     for node, masked in inputs["masked"].items():
         model, examples, records = client_reply(node)
-        own = client_vector(layout, GLOBAL, model, records, {"train-loss": 0.25}, examples, options)
+        own = client_vector(
+            layout,
+            GLOBAL,
+            model,
+            records,
+            {"train-loss": 0.25},
+            examples,
+            options.for_cohort(NUM_NODES),
+        )
         assert np.mean(masked == own) < 0.01
         total += own
     assert inputs["sum"].tolist() == total.tolist()
@@ -318,7 +334,7 @@ def test_a_node_dropping_after_sharing_keys_leaves_the_round_to_the_others() -> 
     survivors = [n for n in ALL if n != dropped]
     expected = plain("fedavg", survivors)
     for key in GLOBAL:
-        np.testing.assert_allclose(new[key], expected[key], atol=NUM_NODES * options.quantum)
+        np.testing.assert_allclose(new[key], expected[key], atol=quanta(options))
     figures = secure.aggregation_metrics[1]
     assert figures["secure-dropped-after-keys"] == 1
     assert sorted(secure.last_sum_inputs["masked"]) == survivors
@@ -336,7 +352,7 @@ def test_a_ring_of_neighbours_with_a_dropout_and_a_node_lost_before_sharing_stil
     )
     expected = plain("elastic", [n for n in ALL if n not in (lost, dropped)])
     for key in GLOBAL:
-        np.testing.assert_allclose(new[key], expected[key], atol=NUM_NODES * options.quantum)
+        np.testing.assert_allclose(new[key], expected[key], atol=quanta(options))
 
 
 def test_below_the_threshold_the_round_fails_with_an_error_that_says_how_to_resume() -> None:
@@ -366,7 +382,11 @@ def test_rules_and_options_that_need_each_reply_are_refused_naming_secure_aggreg
         ({"max-claim-factor": 4.0}, "max-claim-factor = 4.0"),
         ({"diagnostics": True}, "diagnostics = True"),
         ({"client-backend": "vectorized"}, "client-backend = 'vectorized'"),
-        ({"secure-quantization-bits": 30}, "secure-quantization-bits = 30"),
+        ({"secure-quantization-bits": 61}, "secure-quantization-bits = 61"),
+        (
+            {"secure-modulus-bits": 32, "secure-quantization-bits": 30},
+            "secure-quantization-bits = 30",
+        ),
     ],
 )
 def test_the_run_configuration_refuses_in_one_line_what_secure_aggregation_cannot_run(
@@ -489,7 +509,8 @@ def test_a_run_failed_below_the_threshold_resumes_to_the_uninterrupted_model(
 
 def test_a_node_given_no_neighbour_refuses_to_share_its_keys() -> None:
     context = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
-    setup = ConfigRecord({**SecAggOptions().to_config(), "stage": "setup", "server-round": 1})
+    options = SecAggOptions().for_cohort(2)
+    setup = ConfigRecord({**options.to_config(), "stage": "setup", "server-round": 1})
     message = instruction_message(RecordDict({SECURE_RECORD: setup}), node_id=5)
     secure_aggregation_mod(message, context, lambda m, c: m)
     lonely = ConfigRecord(
@@ -513,8 +534,96 @@ def test_the_default_quantisation_is_the_finest_the_federation_fits() -> None:
     from beyond_averaging.server.config import parse_run_config
 
     on = {"secure-aggregation": "secaggplus"}
-    assert parse_run_config(on).resolved_quantization_bits == 28  # 10 clients, 2^32
-    assert parse_run_config({**on, "num-clients": 1000}).resolved_quantization_bits == 22
-    wide = {**on, "secure-modulus-bits": 64, "num-clients": 100}
-    assert parse_run_config(wide).resolved_quantization_bits == 57
+    assert parse_run_config(on).secure_modulus_bits == 64
+    assert parse_run_config(on).resolved_quantization_bits == 60  # 10 clients, 2^64
+    assert parse_run_config({**on, "num-clients": 100}).resolved_quantization_bits == 57
+    assert parse_run_config({**on, "num-clients": 1000}).resolved_quantization_bits == 54
+    narrow = {**on, "secure-modulus-bits": 32}
+    assert parse_run_config(narrow).resolved_quantization_bits == 28
+    assert parse_run_config({**narrow, "num-clients": 1000}).resolved_quantization_bits == 22
     assert parse_run_config({**on, "secure-quantization-bits": 20}).resolved_quantization_bits == 20
+
+
+# ------------------------------------------- the default levels: the plain mean to float32
+#: A float32 model of a digits MLP's layer sizes, and updates of a trained round's size.
+FLOAT32_GLOBAL = {
+    "w": np.random.default_rng(10).normal(scale=0.1, size=(64, 32)).astype(np.float32),
+    "b": np.random.default_rng(11).normal(scale=0.01, size=32).astype(np.float32),
+}
+
+
+def float32_reply(node: int) -> tuple[dict[str, np.ndarray], float]:
+    """Node ``node``'s float32 model (updates of about 1e-3) and its example count (40 to 199:
+    each client weighs r = n / 10,000, far below 1, as a digits client under the defaults)."""
+    rng = np.random.default_rng(1000 + node)
+    model = {
+        k: (v + rng.normal(scale=1e-3, size=v.shape)).astype(np.float32)
+        for k, v in FLOAT32_GLOBAL.items()
+    }
+    return model, float(rng.integers(40, 200))
+
+
+def float32_app() -> ClientApp:
+    app = ClientApp()
+
+    @app.train(mods=[secure_aggregation_mod])
+    def train(message: Message, context: Context) -> Message:
+        model, examples = float32_reply(message.metadata.dst_node_id)
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({k: Array(v) for k, v in model.items()}),
+                "metrics": MetricRecord({"num-examples": examples, "train-loss": 0.5}),
+            }
+        )
+        return Message(content=content, reply_to=message)
+
+    return app
+
+
+def secure_float32_mean(clients: int, modulus: int) -> dict[str, np.ndarray]:
+    """One secure FedAvg round of ``clients`` float32 replies at the run's defaults (W = 10,000,
+    the levels the cohort fits modulo 2^``modulus``); SecAgg+'s ring of 8 above 10 clients."""
+    rule = FedAvg(**{**BOUNDS_OFF, "min_train_nodes": clients, "min_available_nodes": clients})
+    options = SecAggOptions(
+        max_weight=10_000.0, modulus_bits=modulus, neighbours=8 if clients > 10 else 0
+    )
+    secure = SecureAggregation(rule, options, stage_timeout=30.0)
+    grid = InProcessGrid(float32_app(), clients, {})
+    arrays = ArrayRecord({k: Array(v) for k, v in FLOAT32_GLOBAL.items()})
+    instructions = secure.configure_train(1, arrays, ConfigRecord({"seed": 0}), grid)
+    new, _ = secure.aggregate_train(1, grid.send_and_receive(instructions))
+    assert new is not None
+    return {k: v.numpy() for k, v in new.items()}
+
+
+def float32_plain_mean(clients: int) -> dict[str, np.ndarray]:
+    """w + sum n_k (theta_k - w) / sum n_k in float64, rounded once to float32: the plain
+    weighted mean, written out here."""
+    replies = [float32_reply(node) for node in range(FIRST_NODE_ID, FIRST_NODE_ID + clients)]
+    total = sum(n for _, n in replies)
+    return {
+        key: (
+            value.astype(np.float64)
+            + sum(n * (m[key].astype(np.float64) - value) for m, n in replies) / total
+        ).astype(np.float32)
+        for key, value in FLOAT32_GLOBAL.items()
+    }
+
+
+@pytest.mark.parametrize("clients", [10, 100])
+def test_the_default_secure_mean_is_the_plain_float32_mean_to_its_rounding(clients: int) -> None:
+    secure = secure_float32_mean(clients, 64)
+    plain_mean = float32_plain_mean(clients)
+    for key, want in plain_mean.items():
+        assert secure[key].dtype == np.float32
+        # The mean is off by at most 5.6e-13 (SecAggOptions.mean_error_bound at 100 clients),
+        # below half a float32 spacing of these values: the same float32, or the neighbour
+        # where the exact mean lies that close to a rounding midpoint.
+        np.testing.assert_array_max_ulp(secure[key], want, maxulp=1)
+        assert np.mean(secure[key] == want) > 0.999
+    if clients == 10:
+        # Modulo 2^32 (28-bit levels, 6e-8 on weighted values of about 1e-5) the same round
+        # is many float32 spacings away: what the wider modulus buys.
+        narrow = secure_float32_mean(clients, 32)
+        spacing = np.spacing(np.abs(plain_mean["w"]))
+        assert np.max(np.abs(narrow["w"] - plain_mean["w"]) / spacing) > 100

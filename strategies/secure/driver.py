@@ -62,7 +62,6 @@ from beyond_averaging.tasks.secure_aggregation import (
     SECURE_RECORD,
     STAGE_KEY,
     SecAggOptions,
-    check_cohort,
     join_secret,
     layout_sizes,
     neighbours,
@@ -180,7 +179,9 @@ class SecureAggregation(Strategy):
     # ------------------------------------------------------------ what the ServerApp reads
     @property
     def reply_byte_limit(self) -> int:
-        """The rule's byte limit on a reply (a masked vector is no larger than the records)."""
+        """The rule's byte limit on a reply, 4 x the model's bytes per record sent back: for a
+        float32 model the masked vector (8 bytes a value modulo 2^64) stays within it, at most
+        6 x the model's bytes (FedGMA's hard mask: update, gradient and signs)."""
         return self.strategy.reply_byte_limit
 
     @property
@@ -214,13 +215,13 @@ class SecureAggregation(Strategy):
         options = self.options
         log(
             INFO,
-            "\t└──> SecAgg+: clip norm %s, max weight %s, values in [-%s, %s] on 2^%d levels "
+            "\t└──> SecAgg+: clip norm %s, max weight %s, values in [-%s, %s] on 2^%s levels "
             "mod 2^%d, neighbours %s, threshold %s",
             options.clip_norm or "off",
             options.max_weight,
             options.clipping_range,
             options.clipping_range,
-            options.quantization_bits,
+            options.quantization_bits or "(modulus - bit_length(cohort))",
             options.modulus_bits,
             options.neighbours or "all",
             options.threshold,
@@ -272,12 +273,13 @@ class SecureAggregation(Strategy):
         global_arrays = record_arrays(arrays)
         layout = secure_layout(self.strategy, global_arrays, self.metrics)
         nodes = sorted(int(m.metadata.dst_node_id) for m in instructions)
-        check_cohort(len(nodes), self.options)
+        # The round's levels: the finest its sampled cohort fits when quantization_bits is 0.
+        options = self.options.for_cohort(len(nodes))
         setup = self._stage(
             grid,
             server_round,
             "setup",
-            {node: ConfigRecord(dict(self.options.to_config())) for node in nodes},
+            {node: ConfigRecord(dict(options.to_config())) for node in nodes},
         )
         full_graph = neighbours(sorted(setup), self.options.neighbours)
         shared = self._stage(
@@ -322,6 +324,7 @@ class SecureAggregation(Strategy):
             {node: 1 + len(full_graph[node]) for node in shared},
             {node: cast(bytes, setup[node]["mask-public"]) for node in setup},
             sorted(shared),
+            options,
         )
         left_out = sorted(set(nodes) - set(shared))
         if left_out:
@@ -375,7 +378,7 @@ class SecureAggregation(Strategy):
             if record is None or MASKED_KEY not in record:
                 continue
             vector = record[MASKED_KEY].numpy()
-            if vector.dtype != self.options.dtype or vector.shape != (size,):
+            if vector.dtype != keys.options.dtype or vector.shape != (size,):
                 log(
                     WARNING,
                     "round %d: node %s sent a masked vector of the wrong form: dropped",
@@ -428,11 +431,11 @@ class SecureAggregation(Strategy):
                     pair_seeds[(survivor, gone)] = shared_seed(
                         mask_private, keys.mask_publics[survivor]
                     )
-        total = np.zeros(size, dtype=self.options.dtype)
+        total = np.zeros(size, dtype=keys.options.dtype)
         for vector in masked.values():
             total += vector
         unmasked = unmask_sum(total, self_seeds, pair_seeds)
-        sums = split_sum(unmasked, keys.layout, keys.shapes, len(alive), self.options)
+        sums = split_sum(unmasked, keys.layout, keys.shapes, len(alive), keys.options)
         self.last_sum_inputs = {"masked": dict(masked), "sum": unmasked}
         self.strategy.global_arrays = keys.global_arrays
         new_arrays = aggregate_from_sums(
@@ -541,6 +544,7 @@ class _RoundKeys:
         holders: dict[int, int],
         mask_publics: dict[int, bytes],
         shared: list[int],
+        options: SecAggOptions,
     ) -> None:
         self.server_round = server_round
         self.layout = layout
@@ -550,6 +554,7 @@ class _RoundKeys:
         self.holders = holders
         self.mask_publics = mask_publics
         self.shared = shared
+        self.options = options  # with the round's quantisation levels resolved
 
 
 #: What a run drives: a rule, or a rule under secure aggregation.
