@@ -44,6 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from beyond_averaging.server.pull import retry_objects_sooner
+
 from .resources import set_process_name
 
 #: Flower's SuperNode: seconds it sleeps after a pull that found no message.
@@ -226,7 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_process_name(SUPERNODE_NAME)
     if args.notify_fd is not None:
         os.set_blocking(args.notify_fd, False)
-    if pace_supernode(pace, args.reply_poll, args.notify_fd) is None:
+    if pace_supernode(pace, args.reply_poll, args.notify_fd) is not None:
+        retry_objects_sooner()  # a message pulled while the ServerApp still pushes its objects
+    else:
         print(
             "ba-supernode: this Flower's SuperNode loop is not the one pull pacing knows "
             f"(time.sleep({FLOWER_IDLE_WAIT:g}) after an empty pull): running it unchanged",
