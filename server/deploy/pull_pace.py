@@ -20,7 +20,9 @@ becomes :attr:`PullPace.reply_poll`. Nothing of Flower's source is copied or cha
 whose loop no longer has these names or sleeps runs unchanged (:func:`pace_supernode` says so),
 and ``ba-supernode --pull-every 3`` runs plain ``flower-supernode``. The warm executor paces its
 SuperExec loop the same way (:func:`pace_superexec`), from ``fastest_task`` after each task
-back to Flower's interval.
+back to Flower's interval. The paced SuperNode also asks again for an object of a message that
+the ServerApp is still pushing after 0.05 s, not Flower's 1 s
+(:func:`server.pull.retry_objects_sooner`).
 
 **What it costs the SuperLink.** Each pull is one Fleet API request. After a message, a node
 pulls at most :meth:`PullPace.extra_pulls` more times than Flower's node would before it is back
