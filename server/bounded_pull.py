@@ -38,7 +38,7 @@ from flwr.supercore import log
 
 from beyond_averaging.strategies.replies.validation import REPLY_OVERSIZED_ERROR_CODE
 
-from .pull import PollingGrid, PullSchedule
+from .pull import PollingGrid, PullSchedule, retry_objects_sooner
 
 #: Flower versions whose ``HttpGrid.pull_messages`` this module re-implements with a bound.
 SUPPORTED_FLOWER = ("1.39.",)
@@ -213,7 +213,9 @@ def round_grid(
 
     - Flower's ``HttpGrid`` (behind a SuperLink): pulled by ``schedule``
       (:class:`server.pull.PullSchedule`'s defaults when not given), each reply's pull stopped
-      at its byte bound where the Flower version allows (:func:`bound_reply_bytes`);
+      at its byte bound where the Flower version allows (:func:`bound_reply_bytes`), an object
+      of a reply still being uploaded asked for again after 0.05 s
+      (:func:`server.pull.retry_objects_sooner`);
     - Flower's ``InMemoryGrid`` (a simulation): pulled every ``pull_interval`` seconds, its own
       interval (0.1 s), by a :class:`server.pull.PollingGrid`, which tells the round's waiting
       line which nodes' replies are still due;
@@ -224,6 +226,8 @@ def round_grid(
         from flwr.superlink.grid.inmemory_grid import InMemoryGrid
     except ImportError:  # a Flower without them: nothing to wrap
         return grid
+    if type(grid) is HttpGrid:  # a reply pulled mid-upload: its objects are asked for again soon
+        retry_objects_sooner()
     bounded = bound_reply_bytes(grid, byte_limit, schedule)
     if isinstance(bounded, PollingGrid):
         return bounded

@@ -27,17 +27,34 @@ from flwr.supercore.run import Run
 from beyond_averaging.server import rounds
 from beyond_averaging.server.bounded_pull import SUPPORTED_FLOWER, ByteBoundedGrid, round_grid
 from beyond_averaging.server.pull import (
+    FLOWER_OBJECT_RETRY,
     FLOWER_TIMER,
+    OBJECT_RETRY_FIRST,
     PollingGrid,
     PullSchedule,
     ReplyWait,
     polling,
+    retry_objects_sooner,
 )
 from beyond_averaging.server.rounds import awaited_nodes, missing_nodes, waiting_notice
 from beyond_averaging.server.runtime.inprocess import InProcessGrid
 from beyond_averaging.strategies import FedAvg
 from tests.conftest import reply_message, train_reply
 from tests.test_reporting import client, from_partition, started
+
+
+@pytest.fixture(autouse=True)
+def flowers_object_retry() -> Iterable[None]:
+    """Flower's object pulls as installed, before and after each test (``polling`` and
+    ``round_grid`` set their first retry for the whole process)."""
+    from flwr.supercore.inflatable import inflatable_utils
+
+    functions = [inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree]
+    saved = [dict(function.__kwdefaults__) for function in functions]
+    yield
+    for function, defaults in zip(functions, saved, strict=True):
+        function.__kwdefaults__ = defaults
+
 
 #: What a node does after the push: answer at these seconds, or the SuperLink answers in its
 #: place with an error at these seconds (a node gone), or nothing (None).
@@ -308,6 +325,69 @@ def test_the_serverapp_pulls_flowers_grids_by_a_schedule_and_leaves_the_in_proce
     assert simulation.schedule == PullSchedule(first=0.1, growth=1.0, cap=0.1)  # Flower's own
     in_process = object.__new__(InProcessGrid)
     assert round_grid(in_process, lambda: 1 << 20) is in_process
+
+
+def first_retry(pull_objects: Any) -> float:
+    """Seconds between the first and the second ask of Flower's ``pull_objects`` for an object
+    that is missing at the first ask and there at the second."""
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+
+    asked: list[float] = []
+
+    def pull_one(object_id: str) -> bytes:
+        asked.append(time.monotonic())
+        if len(asked) == 1:  # still being uploaded
+            raise ObjectUnavailableError(object_id)
+        return b"content"
+
+    assert pull_objects(["reply-object"], pull_one) == {"reply-object": b"content"}
+    return asked[1] - asked[0]
+
+
+def test_an_object_still_being_uploaded_is_asked_for_again_after_a_twentieth_of_flowers_wait() -> (
+    None
+):
+    from flwr.supercore.inflatable import inflatable_utils
+
+    # Flower's own first wait: 1 s, +-20 %.
+    assert first_retry(inflatable_utils.pull_objects) >= 0.8 * FLOWER_OBJECT_RETRY
+    from flwr.superlink.grid.http_grid import HttpGrid
+
+    grid = object.__new__(HttpGrid)
+    round_grid(grid, lambda: 1 << 20)  # the project's ServerApp behind a SuperLink
+    waited = first_retry(inflatable_utils.pull_objects)
+    assert 0.8 * OBJECT_RETRY_FIRST <= waited < 0.5
+    # The ClientApp's pull of its message (Flower's run_clientapp) takes the same first wait.
+    tree_pull = inflatable_utils.pull_and_inflate_object_from_tree
+    assert tree_pull.__kwdefaults__["initial_backoff"] == OBJECT_RETRY_FIRST
+    # What follows is Flower's: the cap and the limits are untouched.
+    assert inflatable_utils.pull_objects.__kwdefaults__["backoff_cap"] == 10
+
+
+def test_polling_a_users_grid_retries_objects_sooner_too() -> None:
+    from flwr.supercore.inflatable import inflatable_utils
+
+    polling(ScriptedGrid(FakeTime(), {}))
+    assert inflatable_utils.pull_objects.__kwdefaults__["initial_backoff"] == OBJECT_RETRY_FIRST
+
+
+def test_a_flower_whose_object_pulls_lack_the_setting_is_left_unchanged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flwr.supercore.inflatable import inflatable_utils
+
+    def pull_tree(tree: object, pull: object, confirm: object) -> None:  # no initial_backoff
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(inflatable_utils, "pull_and_inflate_object_from_tree", pull_tree)
+    assert retry_objects_sooner() is False
+    assert inflatable_utils.pull_objects.__kwdefaults__["initial_backoff"] == FLOWER_OBJECT_RETRY
+
+
+@pytest.mark.parametrize("first", [0.0, -0.05, math.nan, 2.0])
+def test_a_first_retry_out_of_range_is_refused_naming_it(first: float) -> None:
+    with pytest.raises(ValueError, match=f"got {first!r}"):
+        retry_objects_sooner(first)
 
 
 # ------------------------------------------------------------------------ what the round says

@@ -5,6 +5,7 @@ Flower's loops taking the paced clock (tests/test_deployment_warm.py runs them f
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -155,3 +156,23 @@ def test_ba_supernode_refuses_a_non_positive_pull_interval(
         supervise.main(["--pull-every", "0", "--insecure"])
     assert leaving.value.code == 2
     assert "--pull-every must be positive seconds, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loop_known", [True, False])
+def test_the_paced_supernode_asks_again_for_a_missing_object_soon_only_when_paced(
+    monkeypatch: pytest.MonkeyPatch, loop_known: bool
+) -> None:
+    import flwr.supernode.cli
+
+    ran: list[list[str]] = []
+    retried: list[bool] = []
+    clock = PacedClock(PullPace(), FLOWER_IDLE_WAIT) if loop_known else None
+    monkeypatch.setattr(pull_pace, "pace_supernode", lambda *_args: clock)
+    monkeypatch.setattr(pull_pace, "retry_objects_sooner", lambda: retried.append(True) or True)
+    monkeypatch.setattr(pull_pace, "set_process_name", lambda _name: None)
+    monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", lambda: ran.append(sys.argv[:]))
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    assert pull_pace.main(["--", "flower-supernode", "--insecure"]) == 0
+    assert ran == [["flower-supernode", "--insecure"]]  # Flower's own entry point, either way
+    # A loop this module does not know runs unchanged: Flower's 1 s object wait too.
+    assert retried == ([True] if loop_known else [])

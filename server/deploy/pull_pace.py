@@ -20,7 +20,9 @@ becomes :attr:`PullPace.reply_poll`. Nothing of Flower's source is copied or cha
 whose loop no longer has these names or sleeps runs unchanged (:func:`pace_supernode` says so),
 and ``ba-supernode --pull-every 3`` runs plain ``flower-supernode``. The warm executor paces its
 SuperExec loop the same way (:func:`pace_superexec`), from ``fastest_task`` after each task
-back to Flower's interval.
+back to Flower's interval. The paced SuperNode also asks again for an object of a message that
+the ServerApp is still pushing after 0.05 s, not Flower's 1 s
+(:func:`server.pull.retry_objects_sooner`).
 
 **What it costs the SuperLink.** Each pull is one Fleet API request. After a message, a node
 pulls at most :meth:`PullPace.extra_pulls` more times than Flower's node would before it is back
@@ -43,6 +45,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from beyond_averaging.server.pull import retry_objects_sooner
 
 from .resources import set_process_name
 
@@ -226,7 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_process_name(SUPERNODE_NAME)
     if args.notify_fd is not None:
         os.set_blocking(args.notify_fd, False)
-    if pace_supernode(pace, args.reply_poll, args.notify_fd) is None:
+    if pace_supernode(pace, args.reply_poll, args.notify_fd) is not None:
+        retry_objects_sooner()  # a message pulled while the ServerApp still pushes its objects
+    else:
         print(
             "ba-supernode: this Flower's SuperNode loop is not the one pull pacing knows "
             f"(time.sleep({FLOWER_IDLE_WAIT:g}) after an empty pull): running it unchanged",

@@ -55,6 +55,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from beyond_averaging.server.pull import retry_objects_sooner
+
 from .flower_release import FlowerRelease
 from .pull_pace import FLOWER_TASK_POLL, PullPace, pace_superexec
 from .resources import end_with_parent, set_process_name
@@ -452,7 +454,9 @@ def serve(
     The loop's wait between asks for a task is paced (:mod:`server.deploy.pull_pace`): with
     ``wake_fd`` (``ba-supernode``'s pipe from its paced SuperNode) it is Flower's interval, ended
     at once by each message the SuperNode stores; without, it starts at
-    :data:`TASK_POLL_FASTEST` after each fork and backs off to Flower's interval.
+    :data:`TASK_POLL_FASTEST` after each fork and backs off to Flower's interval. A ClientApp
+    asks again for an object of its message that its SuperNode has not stored yet after 0.05 s,
+    not Flower's 1 s (:func:`server.pull.retry_objects_sooner`).
     """
     from flwr.supercore.superexec import run_superexec as superexec
 
@@ -461,6 +465,9 @@ def serve(
     interval = float(getattr(superexec, "_get_task_poll_interval", lambda: FLOWER_TASK_POLL)())
     fastest = interval if wake_fd is not None else min(TASK_POLL_FASTEST, interval)
     clock = pace_superexec(PullPace(fastest=fastest, slowest=interval), wake_fd)
+    # A ClientApp forked while its SuperNode still stores the message's objects asks again for
+    # a missing one after 0.05 s, not Flower's 1 s (every child inherits the setting).
+    retry_objects_sooner()
     executor = ForkExecutor(
         task_timeout=task_timeout,
         parent_pid=parent_pid,
