@@ -271,6 +271,51 @@ def test_the_norm_aware_forms_sit_at_their_cosine_and_just_under_the_clip_bound(
     assert np.mean(np.sign(sent) == -np.sign(mean)) > 0.5
 
 
+def test_the_colluding_norm_aware_update_sits_where_the_server_measures_its_bounds() -> None:
+    # Eight benign updates of spread norms, two colluders sending the same update: the server's
+    # own functions (strategies.replies.influence) over the ten replies give each colluder the
+    # cosine -0.09 with the others' mean (the direction check's floor -0.1 plus 0.01) and a norm
+    # of 0.99 x the clip bound 2 x the round's median norm, so it is neither dropped nor clipped.
+    from beyond_averaging.strategies.replies.influence import (
+        clip_scales,
+        direction_cosines,
+        update_norms,
+    )
+
+    rng = np.random.default_rng(11)
+    benign = [{"w": (rng.normal(size=60) + 0.3) * rng.uniform(0.5, 2.0)} for _ in range(8)]
+    view = RoundView([*benign, dict(benign[0]), dict(benign[1])], [8, 9], rng)
+    model = ATTACKS["norm-aware-colluding"].model
+    assert model is not None
+    sent = [model(view, 8), model(view, 9)]
+    np.testing.assert_array_equal(sent[0]["w"], sent[1]["w"])
+    origin = {"w": np.zeros(60)}
+    replies = [*benign, *sent]
+    norms = update_norms(origin, replies)
+    cosines = direction_cosines(origin, replies, norms)
+    np.testing.assert_allclose(cosines[8:], -0.09, atol=1e-6)  # the server sums in float32
+    assert norms[8] == pytest.approx(0.99 * 2.0 * float(np.median(norms)))
+    assert clip_scales(norms, 2.0)[8] == 1.0
+    # Against the benign replies alone it points far more against them than the plain
+    # norm-aware update (-0.09): the other colluder's reply lifts the server's reference.
+    median = float(np.median(norms))
+    scaled = [u["w"] * min(1.0, median / n) for u, n in zip(benign, norms[:8], strict=True)]
+    mean = np.mean(scaled, axis=0)
+    cosine = float(sent[0]["w"] @ mean / (np.linalg.norm(sent[0]["w"]) * np.linalg.norm(mean)))
+    assert cosine < -0.3, cosine
+
+
+def test_colluding_along_solves_the_reference_cosine_by_hand() -> None:
+    from beyond_averaging.server.attacks.updates import colluding_along
+
+    # p = 0 (one attacker): the cosine itself; p = 0.5, cosine -0.6 (t = -0.75, t^2 = 0.5625):
+    # c = (-0.5 - sqrt(0.5625 x (1.5625 - 0.25))) / 1.5625 = (-0.5 - 0.85924) / 1.5625 = -0.86991,
+    # and (c + p) / sqrt(1 + 2 c p + p^2) = -0.36991 / 0.61652 = -0.6; p >= 1: -1.
+    assert colluding_along(-0.09, 0.0) == pytest.approx(-0.09)
+    assert colluding_along(-0.6, 0.5) == pytest.approx(-0.86991, abs=1e-5)
+    assert colluding_along(-0.09, 1.2) == -1.0
+
+
 def test_the_blended_backdoor_keeps_cosine_0_4_with_the_benign_mean_and_the_rest_its_own() -> None:
     # Three benign unit updates, mean m; the attacker's own update o is orthogonal to m
     # apart from a small part along it, so the blend is 0.4 m/|m| + sqrt(0.84) o_perp/|o_perp|.

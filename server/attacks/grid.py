@@ -82,6 +82,10 @@ ATTACKS: dict[str, Attack] = {
     "ipm-3": Attack(model=ipm(3.0)),
     "norm-aware": Attack(model=norm_aware(NORM_AWARE_COSINE), num_examples=claim_bound),
     "norm-aware-mix": Attack(model=norm_aware(MIX_COSINE), num_examples=claim_bound),
+    # the red team's (issue 45): the server's cosine and clip bound with the colluders' replies in
+    "norm-aware-colluding": Attack(
+        model=norm_aware(NORM_AWARE_COSINE, colluding=True), num_examples=claim_bound
+    ),
     "backdoor": Attack(model=to_clip_bound, backdoor=True),
     "backdoor-claim": Attack(model=to_clip_bound, num_examples=claim_bound, backdoor=True),
     # the best response to trigger unlearning, whose patch search favours small patches: a

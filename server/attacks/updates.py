@@ -172,7 +172,7 @@ NORM_AWARE_COSINE = -(DIRECTION_FLOOR - 0.01)
 MIX_COSINE = 0.05
 
 
-def norm_aware(cosine: float) -> ModelAttack:
+def norm_aware(cosine: float, colluding: bool = False) -> ModelAttack:
     """Just inside every published bound: cosine ``cosine`` with the benign replies' mean as the
     direction check forms it, the norm 0.99 x the clip bound, the claim 0.99 x the claim bound
     (:func:`claim_bound`); the rest of the update is the component of -sign(mean) orthogonal to
@@ -180,21 +180,33 @@ def norm_aware(cosine: float) -> ModelAttack:
     With :data:`NORM_AWARE_COSINE` it passes the direction check; with :data:`MIX_COSINE` it
     keeps a positive root-set trust while its signs (and its gradient record's, built the same
     way) vote against the benign ones on most coordinates: a sign-flipped mix aimed at FedGMA's
-    mask."""
+    mask. ``colluding``: both bounds as the server computes them (:func:`colluding_along`)."""
 
     def attack(view: RoundView, position: int) -> Update:
-        return _norm_aware_update(view, cosine)
+        return _norm_aware_update(view, cosine, colluding)
 
     return attack
 
 
-def _norm_aware_update(view: RoundView, cosine: float) -> Update:
+def colluding_along(cosine: float, others: float) -> float:
+    """c, the share along the benign reference B of a unit update x = c B/|B| + sqrt(1 - c^2) e
+    (e orthogonal to B) whose cosine with B + others x/|B| (the server's reference: the other
+    colluders' identical replies inside it) is ``cosine`` < 0: the root of
+    (c + p) = t sqrt(1 - c^2), t = cosine / sqrt(1 - cosine^2), p = ``others``, with c + p <= 0;
+    -1 from p >= 1 on, where even the negated reference keeps a cosine >= 0."""
+    t2 = cosine**2 / (1.0 - cosine**2)
+    return -1.0 if others >= 1.0 else (-others - math.sqrt(t2 * (1 + t2 - others**2))) / (1 + t2)
+
+
+def _norm_aware_update(view: RoundView, cosine: float, colluding: bool = False) -> Update:
     length = clip_bound(view)
     # The reference the server compares with: the other replies, each scaled down to the
     # round's median norm (strategies.replies.influence.direction_cosines), the attackers' at
     # `length`.
     norms = [_norm(update) for update in view.benign]
     median = float(np.median(norms + [length] * len(view.attacker_positions)))
+    if colluding:  # the clip bound of the round's own median, the attackers' norms in it
+        length = BOUND_MARGIN * DEFAULT_UPDATE_CLIP_FACTOR * median
     mean = _mean(
         [
             {key: min(1.0, median / max(norm, 1e-30)) * value for key, value in update.items()}
@@ -206,6 +218,9 @@ def _norm_aware_update(view: RoundView, cosine: float) -> Update:
     along = _dot(against, unit)
     side = {key: against[key] - along * unit[key] for key in unit}
     side = {key: value / max(_norm(side), 1e-30) for key, value in side.items()}
+    if colluding:  # the other colluders' replies, scaled to the median, enter the reference
+        others = (len(view.attacker_positions) - 1) * median / _norm(mean) / len(view.benign)
+        cosine = colluding_along(cosine, others)
     return {
         key: length * (cosine * unit[key] + math.sqrt(1.0 - cosine**2) * side[key]) for key in unit
     }
