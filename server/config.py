@@ -70,6 +70,8 @@ DEFENCE_PROFILES: dict[str, dict[str, Any]] = {
         "unlearning-epochs": 6,
         "unlearning-additive": 1.0,
         "unlearning-dormant-inputs": True,
+        # a trigger in a corner not blank in every root input (top-right) passed the rest
+        "unlearning-input-bound": 1.0,
         # FedLAW's only (set for strategy = "fedlaw"): its learned shrink factor, above 1 in
         # every round of these runs, scaled up what the unlearning left of a backdoor
         # (docs/reliability.md, "A defence aimed at why they pass").
@@ -218,6 +220,12 @@ class RunConfig(BaseModel):
     unlearning_dormant_inputs: bool = Field(
         False, description="keep first-layer weights of inputs blank in the root set unchanged"
     )
+    unlearning_input_bound: float = Field(
+        0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="bound first-layer column changes by the root set's exercise; 0: off",
+    )
     server_noise_std: float = Field(
         0.0, ge=0.0, allow_inf_nan=False, description="Gaussian noise on each new model (weak DP)"
     )
@@ -272,7 +280,7 @@ class RunConfig(BaseModel):
         strategy = expanded.get("strategy", cls.model_fields["strategy"].default)
         for key, value in DEFENCE_PROFILES[profile].items():
             name = key.replace("-", "_")
-            if name == "unlearning_dormant_inputs" and convolutional:
+            if name in ("unlearning_dormant_inputs", "unlearning_input_bound") and convolutional:
                 continue  # no weight belongs to one input position: refused if set by hand
             if name.startswith("fedlaw_") and strategy != "fedlaw":
                 continue  # FedLAW's own key: other rules' configs stay as they were
@@ -315,6 +323,13 @@ class RunConfig(BaseModel):
                 f"unlearning-dormant-inputs = true with model = {self.model!r}: a convolution "
                 "reads every input position through shared weights, so no weight belongs to "
                 "one position; use model = 'mlp' or 'logreg', or unlearning-dormant-inputs = false"
+            )
+        if self.unlearning_input_bound > 0 and self.model in CONVOLUTIONAL:
+            raise ValueError(
+                f"unlearning-input-bound = {self.unlearning_input_bound} with model = "
+                f"{self.model!r}: a convolution reads every input position through shared "
+                "weights, so no weight column belongs to one position; use model = 'mlp' or "
+                "'logreg', or unlearning-input-bound = 0"
             )
         if self.strategy == "fedlaw" and self.proxy_per_class == 0 and not self.proxy_dir:
             raise ValueError(
