@@ -70,8 +70,6 @@ DEFENCE_PROFILES: dict[str, dict[str, Any]] = {
         "unlearning-epochs": 6,
         "unlearning-additive": 1.0,
         "unlearning-dormant-inputs": True,
-        # a trigger in a corner not blank in every root input (top-right) passed the rest
-        "unlearning-input-bound": 1.0,
         # FedLAW's only (set for strategy = "fedlaw"): its learned shrink factor, above 1 in
         # every round of these runs, scaled up what the unlearning left of a backdoor
         # (docs/reliability.md, "A defence aimed at why they pass").
@@ -280,7 +278,7 @@ class RunConfig(BaseModel):
         strategy = expanded.get("strategy", cls.model_fields["strategy"].default)
         for key, value in DEFENCE_PROFILES[profile].items():
             name = key.replace("-", "_")
-            if name in ("unlearning_dormant_inputs", "unlearning_input_bound") and convolutional:
+            if name == "unlearning_dormant_inputs" and convolutional:
                 continue  # no weight belongs to one input position: refused if set by hand
             if name.startswith("fedlaw_") and strategy != "fedlaw":
                 continue  # FedLAW's own key: other rules' configs stay as they were

@@ -67,7 +67,7 @@ def test_the_library_helper_refuses_an_unknown_name_naming_the_closest() -> None
     with pytest.raises(ValueError, match="the closest is 'label-skew'"):
         defence_profile("labelskew")
     assert defence_profile("label-skew")["trigger_unlearning"] == TriggerUnlearning(
-        epochs=6, additive_weight=1.0, dormant_inputs=True, input_bound=1.0
+        epochs=6, additive_weight=1.0, dormant_inputs=True
     )
 
 

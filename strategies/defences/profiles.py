@@ -5,11 +5,10 @@ run options; docs/reliability.md, "Defence profiles").
 - ``"none"``: the defaults (the reply bounds only);
 - ``"iid"``: root-set trust and trigger unlearning (``robust_aggregation = "fltrust"``,
   ``TriggerUnlearning()``), which held the backdoors of the IID table;
-- ``"label-skew"``: trigger unlearning with 6 passes, the additive search, dormant inputs and
-  the first-layer bound on seldom-exercised inputs (``input_bound = 1``), and the claim bound at
-  one median (``max_claim_factor = 1``); for FedLAW (``fedlaw=True``) also ``learn = "clients"``:
-  the shrink factor gamma stays 1 (learned, it was above 1 in every round of the tables and
-  scaled up what the unlearning left of a backdoor).
+- ``"label-skew"``: trigger unlearning with 6 passes, the additive search and dormant inputs,
+  and the claim bound at one median (``max_claim_factor = 1``); for FedLAW (``fedlaw=True``) also
+  ``learn = "clients"``: the shrink factor gamma stays 1 (learned, it was above 1 in every round
+  of the tables and scaled up what the unlearning left of a backdoor).
 
 Every profile that unlearns needs ``model=`` and ``proxy_set=`` (the server's root set) beside
 it::
@@ -54,7 +53,7 @@ def defence_profile(name: str, *, fedlaw: bool = False) -> ProfileOptions:
     if name == "label-skew":
         options: ProfileOptions = {
             "trigger_unlearning": TriggerUnlearning(
-                epochs=6, additive_weight=1.0, dormant_inputs=True, input_bound=1.0
+                epochs=6, additive_weight=1.0, dormant_inputs=True
             ),
             "max_claim_factor": 1.0,
         }
