@@ -373,7 +373,9 @@ class DefendedStrategy(ContractStrategy):
         ``update_clip_factor`` as the norm bound), independent noises adding in variance; then,
         with ``trigger_unlearning``, the patches that work on it unlearned on the root set, and
         with its ``dormant_inputs`` the first layer's weights of inputs blank in the whole root
-        set kept at ``previous`` (the round's global model) values."""
+        set kept at ``previous`` (the round's global model) values, and with its ``input_bound``
+        each first-layer column's change from ``previous`` bounded by its input's exercise in
+        the root set (:func:`~strategies.defences.trigger_unlearning.bound_rare_inputs`)."""
         std = self.server_noise_std
         if self.server_noise_std > 0.0:
             self._defence_metrics["server-noise-std"] = self.server_noise_std
