@@ -218,6 +218,12 @@ class RunConfig(BaseModel):
     unlearning_dormant_inputs: bool = Field(
         False, description="keep first-layer weights of inputs blank in the root set unchanged"
     )
+    unlearning_input_bound: float = Field(
+        0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="bound first-layer column changes by the root set's exercise; 0: off",
+    )
     server_noise_std: float = Field(
         0.0, ge=0.0, allow_inf_nan=False, description="Gaussian noise on each new model (weak DP)"
     )
@@ -317,6 +323,13 @@ class RunConfig(BaseModel):
                 f"unlearning-dormant-inputs = true with model = {self.model!r}: a convolution "
                 "reads every input position through shared weights, so no weight belongs to "
                 "one position; use model = 'mlp' or 'logreg', or unlearning-dormant-inputs = false"
+            )
+        if self.unlearning_input_bound > 0 and self.model in CONVOLUTIONAL:
+            raise ValueError(
+                f"unlearning-input-bound = {self.unlearning_input_bound} with model = "
+                f"{self.model!r}: a convolution reads every input position through shared "
+                "weights, so no weight column belongs to one position; use model = 'mlp' or "
+                "'logreg', or unlearning-input-bound = 0"
             )
         if self.strategy == "fedlaw" and self.proxy_per_class == 0 and not self.proxy_dir:
             raise ValueError(

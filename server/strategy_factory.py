@@ -102,6 +102,7 @@ def trigger_unlearning(config: RunConfig) -> TriggerUnlearning | None:
         patched_share=config.unlearning_patched_share,
         additive_weight=config.unlearning_additive,
         dormant_inputs=config.unlearning_dormant_inputs,
+        input_bound=config.unlearning_input_bound,
     )
 
 

@@ -85,10 +85,12 @@ from beyond_averaging.strategies.defences.root_set import (
 from beyond_averaging.strategies.defences.trigger_unlearning import (
     DORMANT_ALARM_RATIO,
     TriggerUnlearning,
+    bound_rare_inputs,
     dormant_positions,
     dormant_update_ratio,
     first_layer_key,
     freeze_dormant_inputs,
+    input_exercise,
     unlearn_triggers,
 )
 from beyond_averaging.strategies.replies.bounds import BoundsOptions
@@ -371,7 +373,9 @@ class DefendedStrategy(ContractStrategy):
         ``update_clip_factor`` as the norm bound), independent noises adding in variance; then,
         with ``trigger_unlearning``, the patches that work on it unlearned on the root set, and
         with its ``dormant_inputs`` the first layer's weights of inputs blank in the whole root
-        set kept at ``previous`` (the round's global model) values."""
+        set kept at ``previous`` (the round's global model) values, and with its ``input_bound``
+        each first-layer column's change from ``previous`` bounded by its input's exercise in
+        the root set (:func:`~strategies.defences.trigger_unlearning.bound_rare_inputs`)."""
         std = self.server_noise_std
         if self.server_noise_std > 0.0:
             self._defence_metrics["server-noise-std"] = self.server_noise_std
@@ -411,6 +415,13 @@ class DefendedStrategy(ContractStrategy):
                     ratio,
                     DORMANT_ALARM_RATIO,
                 )
+        if self.trigger_unlearning.input_bound > 0 and previous is not None:
+            key, _ = self._dormant_inputs()
+            exercise = input_exercise(self.root_set.features).cpu().numpy()
+            arrays, bounded = bound_rare_inputs(
+                previous, arrays, key, exercise, self.trigger_unlearning.input_bound
+            )
+            self._defence_metrics["unlearning-inputs-bounded"] = bounded
         self._defence_metrics["unlearning-seconds"] = time.perf_counter() - started
         return arrays
 
@@ -423,11 +434,12 @@ class DefendedStrategy(ContractStrategy):
             key = first_layer_key(self.root_set.model, int(features[0].numel()))
             if key is None:
                 raise ValueError(
-                    f"TriggerUnlearning(dormant_inputs=True) in {type(self).__name__}: the "
-                    f"model's first layer with weights is not a Linear layer on the flattened "
-                    f"input ({type(self.root_set.model).__name__}), so no weight belongs to one "
-                    "input position; use dormant_inputs=False (run option "
-                    "unlearning-dormant-inputs = false) or an mlp/logreg model"
+                    f"TriggerUnlearning(dormant_inputs=True or input_bound > 0) in "
+                    f"{type(self).__name__}: the model's first layer with weights is not a "
+                    f"Linear layer on the flattened input ({type(self.root_set.model).__name__}),"
+                    " so no weight belongs to one input position; use dormant_inputs=False and "
+                    "input_bound=0 (run options unlearning-dormant-inputs = false, "
+                    "unlearning-input-bound = 0) or an mlp/logreg model"
                 )
             self._dormant = (key, dormant_positions(features).cpu().numpy())
         return self._dormant

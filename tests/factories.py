@@ -1,14 +1,18 @@
-"""What many tests build, built in one place: a client's task (:func:`make_task`) and a sweep's
-spec file (:func:`make_spec`), each a small default that a test changes by name, so that a test
+"""What many tests build, built in one place: a client's task (:func:`make_task`), a sweep's
+spec file (:func:`make_spec`) and a small model with a planted backdoor
+(:func:`planted_backdoor`), each a small default that a test changes by name, so that a test
 shows only what it is about and a new field is added here once."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import tomli_w  # Flower's own dependency: it writes the run configuration's TOML too
+import torch
+from torch import nn
 
 from beyond_averaging.tasks.protocol import ClientTask
 
@@ -62,3 +66,26 @@ def make_spec(folder: Path, file: str = "exp.toml", **changes: Any) -> Path:
         encoding="utf-8",
     )
     return path
+
+
+def planted_backdoor(
+    images: torch.Tensor, labels: torch.Tensor, trigger: Callable[[torch.Tensor], torch.Tensor]
+) -> nn.Module:
+    """A small MLP (flatten, 32 ReLU units) trained by 300 full-batch Adam steps (lr 0.01, torch
+    seed 0) on ``images`` and ``labels`` where every image not of class 0 also appears stamped by
+    ``trigger`` with label 0: a planted backdoor aimed at class 0."""
+    torch.manual_seed(0)
+    poison = labels != 0
+    features = torch.cat([images, trigger(images[poison])])
+    targets = torch.cat([labels, torch.zeros(int(poison.sum()), dtype=torch.long)])
+    classes = int(labels.max()) + 1
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(images[0].numel(), 32), nn.ReLU(), nn.Linear(32, classes)
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(300):
+        loss = nn.functional.cross_entropy(model(features), targets)
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    return model

@@ -78,6 +78,7 @@ def test_dormant_inputs_with_a_convolutional_model_is_refused_and_the_profile_le
         parse_run_config({"unlearning-dormant-inputs": True, "model": "cnn"})
     config = parse_run_config({"defence-profile": "label-skew", "model": "cnn"})
     assert config.unlearning_dormant_inputs is False
+    assert config.unlearning_input_bound == 0.0
     assert config.unlearning_additive == 1.0
 
 

@@ -31,6 +31,7 @@ from beyond_averaging.strategies.defences.trigger_unlearning import (
 from beyond_averaging.tasks.federation import load_server_splits
 from beyond_averaging.tasks.models import build_model
 from beyond_averaging.tasks.protocol import GRADIENT_RECORD, SENSITIVITY_RECORD
+from tests.factories import planted_backdoor
 from tests.test_byzantine_bounds import BOUNDS_OFF
 from tests.test_byzantine_bounds import fedlaw_setup as root_setup
 from tests.test_defences import aggregated, with_task
@@ -67,21 +68,7 @@ def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> fl
 def backdoored() -> nn.Module:
     """A small MLP trained on bars where every image of classes 1 and 2 also appears with the
     trigger and label 0: a planted backdoor."""
-    torch.manual_seed(0)
-    images, labels = bars(600, seed=1)
-    poison = labels != 0
-    features = torch.cat([images, stamped(images[poison])])
-    targets = torch.cat([labels, torch.zeros(int(poison.sum()), dtype=torch.long)])
-    model = nn.Sequential(
-        nn.Flatten(), nn.Linear(SIDE * SIDE, 32), nn.ReLU(), nn.Linear(32, CLASSES)
-    )
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    for _ in range(300):
-        loss = nn.functional.cross_entropy(model(features), targets)
-        optimizer.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-    return model
+    return planted_backdoor(*bars(600, seed=1), stamped)
 
 
 def state_of(model: nn.Module) -> dict[str, np.ndarray]:

@@ -30,6 +30,7 @@ from beyond_averaging.strategies.defences.trigger_unlearning import (
 from beyond_averaging.tasks.datasets import LabeledData
 from beyond_averaging.tasks.federation import load_server_splits
 from beyond_averaging.tasks.models import build_model
+from tests.factories import planted_backdoor
 from tests.test_byzantine_bounds import BOUNDS_OFF
 from tests.test_defences import aggregated, with_task
 from tests.test_trigger_unlearning import CLASSES, SIDE, accuracy, bars, state_of
@@ -83,21 +84,7 @@ def additive(images: torch.Tensor) -> torch.Tensor:
 def additive_backdoored() -> nn.Module:
     """A small MLP on the bars of tests/test_trigger_unlearning.py where every image of classes
     1 and 2 also appears with the additive trigger and label 0."""
-    torch.manual_seed(0)
-    images, labels = bars(600, seed=1)
-    poison = labels != 0
-    features = torch.cat([images, additive(images[poison])])
-    targets = torch.cat([labels, torch.zeros(int(poison.sum()), dtype=torch.long)])
-    model = nn.Sequential(
-        nn.Flatten(), nn.Linear(SIDE * SIDE, 32), nn.ReLU(), nn.Linear(32, CLASSES)
-    )
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    for _ in range(300):
-        loss = nn.functional.cross_entropy(model(features), targets)
-        optimizer.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-    return model
+    return planted_backdoor(*bars(600, seed=1), additive)
 
 
 def test_the_additive_search_finds_a_perturbation_that_sends_the_others_to_the_target(

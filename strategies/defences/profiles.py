@@ -6,9 +6,9 @@ run options; docs/reliability.md, "Defence profiles").
 - ``"iid"``: root-set trust and trigger unlearning (``robust_aggregation = "fltrust"``,
   ``TriggerUnlearning()``), which held the backdoors of the IID table;
 - ``"label-skew"``: trigger unlearning with 6 passes, the additive search and dormant inputs,
-  and the claim bound at one median (``max_claim_factor = 1``); for FedLAW (``fedlaw=True``)
-  also ``learn = "clients"``: the shrink factor gamma stays 1 (learned, it was above 1 in every
-  round of the tables and scaled up what the unlearning left of a backdoor).
+  and the claim bound at one median (``max_claim_factor = 1``); for FedLAW (``fedlaw=True``) also
+  ``learn = "clients"``: the shrink factor gamma stays 1 (learned, it was above 1 in every round
+  of the tables and scaled up what the unlearning left of a backdoor).
 
 Every profile that unlearns needs ``model=`` and ``proxy_set=`` (the server's root set) beside
 it::

@@ -93,6 +93,12 @@ class TriggerUnlearning:
         value in every root input at the last global model's values (:func:`dormant_positions`,
         :func:`freeze_dormant_inputs`): no honest client the server can check writes them, and
         the unlearning gives them no gradient, so an update there is unchecked.
+    input_bound : float
+        k > 0 bounds each round's change of the first layer's weight column of every input
+        position by k x the position's exercise in the root set (:func:`input_exercise`) x the
+        round's median change per unit of exercise (:func:`bound_rare_inputs`); 0: no bound. A
+        trigger written where the root inputs are seldom lit (a corner patch not blank in every
+        root input) moves those columns far more than their exercise supports.
     """
 
     l1_weight: float = 6.4
@@ -103,6 +109,7 @@ class TriggerUnlearning:
     min_success: float = 0.5
     additive_weight: float = 0.0
     dormant_inputs: bool = False
+    input_bound: float = 0.0
 
     def __post_init__(self) -> None:
         problems = [
@@ -113,6 +120,9 @@ class TriggerUnlearning:
         weight = self.additive_weight
         if not (isinstance(weight, int | float) and math.isfinite(weight) and weight >= 0):
             problems.append(f"additive_weight = {weight!r} (use a value >= 0; 0: no search)")
+        bound = self.input_bound
+        if not (isinstance(bound, int | float) and math.isfinite(bound) and bound >= 0):
+            problems.append(f"input_bound = {bound!r} (use a value >= 0; 0: no bound)")
         if not isinstance(self.dormant_inputs, bool):
             problems.append(f"dormant_inputs = {self.dormant_inputs!r} (use True or False)")
         problems += [
@@ -274,6 +284,46 @@ def freeze_dormant_inputs(
     weight = np.array(as_numpy(new[key]), copy=True)
     weight[:, dormant] = as_numpy(previous[key])[:, dormant]
     return {**new, key: weight}
+
+
+def input_exercise(features: torch.Tensor) -> torch.Tensor:
+    """Each input feature's (flattened) exercise in the root set: the root mean square over the
+    root inputs of its value's height above the set's smallest value, as a share of the set's
+    range (0: blank in every root input, a dormant position; 1: at the maximum in every one)."""
+    flat = features.reshape(len(features), -1).to(torch.float64)
+    low, high = float(flat.min()), float(flat.max())
+    height = (flat - low) / max(high - low, 1e-12)
+    return torch.sqrt(torch.mean(height**2, dim=0))
+
+
+def bound_rare_inputs(
+    previous: NDArrayDict,
+    new: NDArrayDict,
+    key: str,
+    exercise: npt.NDArray[np.float64],
+    factor: float,
+) -> tuple[NDArrayDict, int]:
+    """``new`` with the change of every column j of weight ``key`` (out, in) from ``previous``
+    scaled down to at most ``factor`` x ``exercise[j]`` x r, where r is the median over the
+    exercised columns (``exercise > 0``) of a column's change norm over its exercise; and how
+    many columns were scaled down.
+
+    An honest update of a first-layer column is a sum of input values times back-propagated
+    errors, so its size follows how much the data exercise the input: the bound lets every
+    column move as far as the typical column does for its exercise, ``factor`` times over, and
+    a column no root input exercises not at all (what :func:`freeze_dormant_inputs` does)."""
+    before = as_numpy(previous[key]).astype(np.float64)
+    update = as_numpy(new[key]).astype(np.float64) - before
+    norms = np.linalg.norm(update, axis=0)
+    exercised = exercise > 0
+    if not exercised.any():
+        return new, 0
+    per_unit = float(np.median(norms[exercised] / exercise[exercised]))
+    cap = factor * exercise * per_unit
+    over = norms > cap
+    scale = np.where(over, cap / np.where(norms > 0, norms, 1.0), 1.0)
+    bounded = (before + update * scale).astype(as_numpy(new[key]).dtype)
+    return {**new, key: bounded}, int(over.sum())
 
 
 def mask_shape(features: torch.Tensor) -> tuple[int, ...]:
