@@ -41,6 +41,7 @@ from beyond_averaging.strategies import (
     aggregate_fedavg,
 )
 from beyond_averaging.strategies.fedgma import fedgma_step
+from beyond_averaging.strategies.replies.validation import reply_bytes
 from beyond_averaging.strategies.secure import (
     SecAggOptions,
     SecureAggregation,
@@ -627,3 +628,50 @@ def test_the_default_secure_mean_is_the_plain_float32_mean_to_its_rounding(clien
         narrow = secure_float32_mean(clients, 32)
         spacing = np.spacing(np.abs(plain_mean["w"]))
         assert np.max(np.abs(narrow["w"] - plain_mean["w"]) / spacing) > 100
+
+
+def half_precision_app() -> ClientApp:
+    """Replies with a float16 model near the global one, and float16 records the rule asks for."""
+    app = ClientApp()
+
+    @app.train(mods=[secure_aggregation_mod])
+    def train(message: Message, context: Context) -> Message:
+        rng = np.random.default_rng(message.metadata.dst_node_id)
+        start = {k: v.numpy() for k, v in message.content["arrays"].items()}
+        model = {
+            k: (v + rng.normal(scale=1e-2, size=v.shape)).astype(np.float16)
+            for k, v in start.items()
+        }
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({k: Array(v) for k, v in model.items()}),
+                "metrics": MetricRecord({"num-examples": 50, "train-loss": 0.5}),
+            }
+        )
+        requested = str(message.content["config"].get("request-records", ""))
+        for name in filter(None, requested.split(",")):
+            noise = {k: rng.normal(size=v.shape).astype(np.float16) for k, v in model.items()}
+            content[name] = ArrayRecord({k: Array(v) for k, v in noise.items()})
+        return Message(content=content, reply_to=message)
+
+    return app
+
+
+def test_a_half_precision_models_masked_replies_fit_the_secure_byte_limit() -> None:
+    # Modulo 2^64 each value travels as 8 bytes, four times a float16 value: FedGMA's masked
+    # update, gradient and signs (12 x the model's bytes) outgrow the rule's own limit (4 x the
+    # model's bytes per record sent back, + 1 MiB), here at 200,000 values; a deployment pulls
+    # a reply up to 1.25 x the limit, so from about a million values every reply was refused.
+    rule = FedGMA(**BOUNDS_OFF)
+    grid = DroppingGrid(half_precision_app(), {})
+    secure = SecureAggregation(rule, SecAggOptions(), stage_timeout=30.0)
+    arrays = ArrayRecord({"w": Array(np.zeros((400, 500), np.float16))})
+    instructions = secure.configure_train(1, arrays, ConfigRecord({"seed": 0}), grid)
+    replies = list(grid.send_and_receive(instructions))
+    sizes = [reply_bytes(reply.content) for reply in replies]
+    assert len(sizes) == NUM_NODES
+    assert min(sizes) > rule.reply_byte_limit  # what the rule alone would have let through
+    assert max(sizes) <= secure.reply_byte_limit
+    new, _ = secure.aggregate_train(1, replies)
+    assert new is not None
+    assert secure.reply_byte_limit == rule.reply_byte_limit  # after the round: the rule's again

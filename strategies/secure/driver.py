@@ -54,6 +54,7 @@ from flwr.serverapp.strategy import Strategy
 
 from beyond_averaging.strategies.base import ContractStrategy
 from beyond_averaging.strategies.replies.reporting import reply_record
+from beyond_averaging.strategies.replies.validation import REPLY_BYTES_SLACK
 from beyond_averaging.strategies.replies.wire import ReplyObserver, record_arrays
 from beyond_averaging.tasks.protocol import TRAIN_LOSS_KEY
 from beyond_averaging.tasks.secure_aggregation import (
@@ -179,10 +180,19 @@ class SecureAggregation(Strategy):
     # ------------------------------------------------------------ what the ServerApp reads
     @property
     def reply_byte_limit(self) -> int:
-        """The rule's byte limit on a reply, 4 x the model's bytes per record sent back: for a
-        float32 model the masked vector (8 bytes a value modulo 2^64) stays within it, at most
-        6 x the model's bytes (FedGMA's hard mask: update, gradient and signs)."""
-        return self.strategy.reply_byte_limit
+        """The rule's byte limit on a reply, raised in a round to its masked vector's bytes
+        plus the rule's slack where that is more. The rule's own default (4 x the model's bytes
+        per record sent back) holds a float32 model's masked vector (at most 6 x the model's
+        bytes modulo 2^64, FedGMA's hard mask: update, gradient and signs), but not a float16
+        or bfloat16 model's (12 x): deployed, a large one's every masked reply was refused. A
+        limit the user set (``max_reply_bytes``) and no limit (0) are kept as they are."""
+        limit = self.strategy.reply_byte_limit
+        keys = self._round
+        if limit <= 0 or keys is None or self.strategy.max_reply_bytes:
+            return limit
+        values = sum(layout_sizes(keys.layout, keys.shapes))
+        masked = values * np.dtype(keys.options.dtype).itemsize + REPLY_BYTES_SLACK
+        return max(limit, masked)
 
     @property
     def last_round_metrics(self) -> dict[str, Any]:
