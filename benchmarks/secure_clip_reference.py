@@ -15,8 +15,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import re
 import tempfile
 from pathlib import Path
@@ -25,11 +23,13 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from benchmarks.spec import REPO
 from beyond_averaging.client import app as project
 from beyond_averaging.server.overrides import parse_overrides
+from beyond_averaging.server.runs.folder import read_summary
 from beyond_averaging.server.runtime.inprocess import run_inprocess
+from beyond_averaging.tasks.secure_aggregation import clip_scale
 
-REPO = Path(__file__).resolve().parent.parent
 BOUNDS_OFF = {f"{name}-factor": 0.0 for name in ("update-norm", "update-clip", "direction-outlier")}
 CLIP = {"norm": 0.0}
 app = ClientApp()
@@ -43,8 +43,7 @@ def train(message: Message, context: Context) -> Message:
     }
     reply = project.train(message, context)
     trained = {k: a.numpy() for k, a in reply.content.array_records["arrays"].items()}
-    norm = math.sqrt(sum(float(np.sum((trained[k] - received[k]) ** 2)) for k in received))
-    scale = min(1.0, CLIP["norm"] / norm) if norm > 0 else 1.0
+    scale = clip_scale({k: trained[k] - received[k] for k in received}, CLIP["norm"])
     clipped = {
         k: (received[k] + scale * (trained[k] - received[k])).astype(trained[k].dtype)
         for k in received
@@ -76,7 +75,7 @@ def main() -> None:
         overrides = {**parse_overrides(args.run_config), **BOUNDS_OFF, "max-claim-factor": 0.0}
         overrides |= {"output-dir": folder, "run-name": "clip-reference"}
         run_inprocess(Path(folder), overrides)
-        summary = json.loads((Path(folder) / "clip-reference" / "summary.json").read_text())
+        summary = read_summary(Path(folder) / "clip-reference")
     print(f"final test accuracy {summary['final']['test-accuracy']:.4f}")
 
 
