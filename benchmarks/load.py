@@ -26,6 +26,7 @@ from beyond_averaging.server.deploy.resources import (
     MIB,
     PeakSampler,
     ProcessWatch,
+    cpu_seconds,
     kinds_of,
     peak_rss_sampler,
     status_bytes,
@@ -90,11 +91,13 @@ def measure_load(
         watch = ProcessWatch(os.getpid(), groups, pss_every=math.inf)
         sampler = PeakSampler(lambda: node_parts(watch, load), interval=1.0)
         with sampler as nodes, peak_rss_sampler(deployment.serverapp_pids) as server:
-            run_started = time.monotonic()
+            run_started, link_cpu = time.monotonic(), cpu_seconds(deployment.superlink.pid)
             try:
                 run_dir = deployment.run(settings, timeout=args.timeout)
             finally:
                 row["run-seconds"] = round(time.monotonic() - run_started, 1)
+                link_cpu = cpu_seconds(deployment.superlink.pid) - link_cpu
+                row["superlink-cpu-s-per-round"] = round(link_cpu / args.rounds, 2)
                 row["superlink-peak-rss-mb"] = _mb(status_bytes("VmHWM", deployment.superlink.pid))
         metrics = read_metrics(run_dir)
         row["round-seconds"] = [round(float(m["round-seconds"]), 1) for m in metrics[1:]]
@@ -149,13 +152,13 @@ def load_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f" times, on {', '.join(row['superlink-locked-calls']) or 'internal writes'}"
             )
         if row["status"] == "skipped":
-            cells.append([row["supernodes"], *["-"] * 7, f"skipped: {row['why']}"])
+            cells.append([row["supernodes"], *["-"] * 8, f"skipped: {row['why']}"])
         elif row["status"] == "failed":
             first_line = row["error"].splitlines()[0][:300].replace("|", "/")
             online = row.get("seconds-to-online", "-")
             load = " / ".join(map(str, row.get("load-average", ["-"])))
             failure = f"failed: {first_line}{locked}"
-            cells.append([row["supernodes"], online, "-", load, *["-"] * 4, failure])
+            cells.append([row["supernodes"], online, "-", load, *["-"] * 5, failure])
         else:
             parts = ("node", "supernode", "superexec", "clientapp")
             per_node = [row[f"{part}-peak-rss-mb-per-node"] for part in parts]
@@ -165,12 +168,14 @@ def load_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                     ", ".join(map(str, row["round-seconds"])),
                     " / ".join(map(str, row["load-average"])),
                     *(row["serverapp-peak-rss-mb"], row["superlink-peak-rss-mb"]),
+                    row.get("superlink-cpu-s-per-round", "-"),
                     "{} = {} + {} + {}".format(*per_node),
                     *(row["replies-valid"], f"completed{locked}"),
                 ]
             )
     header = "SuperNodes | online after (s) | round seconds | load average min / mean / max"
-    header += " | ServerApp peak RSS (MB) | SuperLink peak RSS (MB) | per node peak RSS (MB): all"
+    header += " | ServerApp peak RSS (MB) | SuperLink peak RSS (MB) | SuperLink CPU s per round"
+    header += " | per node peak RSS (MB): all"
     header += " = SuperNode + SuperExec + ClientApp | valid replies | status"
     lines.append(markdown_table(header.split(" | "), cells))
     lines += [

@@ -224,6 +224,9 @@ class RunConfig(BaseModel):
         allow_inf_nan=False,
         description="bound first-layer column changes by the root set's exercise; 0: off",
     )
+    unlearning_memory: int = Field(
+        0, ge=0, le=1_000, description="unlearn again the triggers of the last k rounds; 0: none"
+    )
     server_noise_std: float = Field(
         0.0, ge=0.0, allow_inf_nan=False, description="Gaussian noise on each new model (weak DP)"
     )

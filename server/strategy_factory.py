@@ -103,6 +103,7 @@ def trigger_unlearning(config: RunConfig) -> TriggerUnlearning | None:
         additive_weight=config.unlearning_additive,
         dormant_inputs=config.unlearning_dormant_inputs,
         input_bound=config.unlearning_input_bound,
+        memory_rounds=config.unlearning_memory,
     )
 
 

@@ -395,14 +395,14 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
         NumPy arrays, numbers, strings and nested dicts/lists of them. A rule whose aggregation
         depends on earlier rounds (server-optimizer moments, buffers) returns that state, so that
         a resumed run continues bit for bit (``tests/test_resume.py``); node sampling needs none,
-        it is seeded by the round. The base carries the reply bounds' state
-        (:meth:`_bounds_state`); a rule adds its own.
+        it is seeded by the round. The base carries the reply bounds' and defences' state
+        (:meth:`_carried_state`); a rule adds its own.
         """
-        return self._bounds_state()
+        return self._carried_state()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a :meth:`state_dict` of the same strategy and configuration."""
-        state = self._load_bounds_state(state)
+        state = self._load_carried_state(state)
         if state:
             raise ValueError(
                 f"{type(self).__name__} carries no state between rounds, but the checkpoint "
@@ -570,13 +570,14 @@ class ContractStrategy(NamedArgumentErrors, Strategy):
             record_norms=norms,
         )
 
-    def _bounds_state(self) -> dict[str, Any]:
-        """The reply bounds' part of :meth:`state_dict` (nothing before their state is made)."""
+    def _carried_state(self) -> dict[str, Any]:
+        """What every rule carries, for :meth:`state_dict`: the reply bounds' state (nothing
+        before it is made); the defences add theirs (``DefendedStrategy``)."""
         bounds = self.bounds.state_dict()
         return {BOUNDS_STATE_KEY: bounds} if bounds else {}
 
-    def _load_bounds_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Restore :meth:`_bounds_state` from ``state``; the rest of ``state``, for the rule."""
+    def _load_carried_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Restore :meth:`_carried_state` from ``state``; the rest of ``state``, for the rule."""
         self.bounds.load_state_dict(state.get(BOUNDS_STATE_KEY) or {})
         return {key: value for key, value in state.items() if key != BOUNDS_STATE_KEY}
 

@@ -51,7 +51,7 @@ import dataclasses
 import math
 import time
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from logging import INFO, WARNING
 from typing import Any, ClassVar, Literal, Unpack, cast
 
@@ -84,6 +84,7 @@ from beyond_averaging.strategies.defences.root_set import (
 )
 from beyond_averaging.strategies.defences.trigger_unlearning import (
     DORMANT_ALARM_RATIO,
+    TriggerMemory,
     TriggerUnlearning,
     bound_rare_inputs,
     dormant_positions,
@@ -101,6 +102,9 @@ from .aggregate import NDArrayDict
 from .arguments import ProjectOptions
 from .base import ContractStrategy
 from .law_weights import learn_aggregation_weights, weights_are_usable
+
+#: Where :meth:`DefendedStrategy.state_dict` keeps the remembered triggers.
+TRIGGER_MEMORY_STATE_KEY = "trigger-memory"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +200,10 @@ class DefendedStrategy(ContractStrategy):
         self.pre_aggregation: PreAggregation = pre_aggregation
         self.bucket_size = bucket_size
         self.trigger_unlearning = trigger_unlearning
+        #: The triggers of the last rounds, unlearned again (``TriggerUnlearning.memory_rounds``).
+        self.trigger_memory = TriggerMemory(
+            trigger_unlearning.memory_rounds if trigger_unlearning is not None else 0
+        )
         self.root_set: RootSet | None = None
         self._dormant: tuple[str, npt.NDArray[np.bool_]] | None = None
         self._task: ClientTask | None = None  # fltrust: the clients' training of the round
@@ -395,6 +403,7 @@ class DefendedStrategy(ContractStrategy):
             self.root_set.features,
             self.root_set.labels,
             self.trigger_unlearning,
+            self.trigger_memory if self.trigger_memory.rounds else None,
         )
         self._defence_metrics |= figures
         if self.trigger_unlearning.dormant_inputs and previous is not None:
@@ -447,3 +456,18 @@ class DefendedStrategy(ContractStrategy):
     def round_metrics(self) -> dict[str, float | int | list[float]]:
         """The defences' figures of the last aggregation (``fltrust-*``, ``flame-*``)."""
         return dict(self._defence_metrics)
+
+    def _carried_state(self) -> dict[str, Any]:
+        """The reply bounds' state and the triggers remembered for the next rounds (with
+        ``TriggerUnlearning.memory_rounds``), so a resumed run unlearns what the interrupted one
+        found."""
+        state = super()._carried_state()
+        if self.trigger_memory.rounds:
+            state[TRIGGER_MEMORY_STATE_KEY] = self.trigger_memory.state_dict()
+        return state
+
+    def _load_carried_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Restore :meth:`_carried_state`; the rest of ``state``, for the rule."""
+        rest = super()._load_carried_state(state)
+        self.trigger_memory.load_state_dict(rest.pop(TRIGGER_MEMORY_STATE_KEY, []))
+        return rest

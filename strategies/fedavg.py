@@ -191,11 +191,11 @@ class FedAvg(DefendedStrategy):
 
     def state_dict(self) -> dict[str, Any]:
         """The server optimizer's moments."""
-        return {"optimizer": self.optimizer.state_dict(), **self._bounds_state()}
+        return {"optimizer": self.optimizer.state_dict(), **self._carried_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue with a checkpoint's server-optimizer moments."""
-        self.optimizer.load_state_dict(self._load_bounds_state(state)["optimizer"])
+        self.optimizer.load_state_dict(self._load_carried_state(state)["optimizer"])
 
     def aggregate_rule(
         self, server_round: int, global_arrays: NDArrayDict, replies: Sequence[ClientReply]

@@ -578,17 +578,17 @@ class FedLAW(DefendedStrategy):
     def state_dict(self) -> dict[str, Any]:
         """fedlaw-bn = "authors": the server's own buffers, carried across rounds."""
         if self._server_buffers is None:
-            return self._bounds_state()
+            return self._carried_state()
         return {
             "server-buffers": {
                 name: value.detach().cpu().numpy() for name, value in self._server_buffers.items()
             },
-            **self._bounds_state(),
+            **self._carried_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` (the server's buffers, if any)."""
-        state = self._load_bounds_state(state)
+        state = self._load_carried_state(state)
         unknown = sorted(set(state) - {"server-buffers"})
         if unknown:
             raise ValueError(f"FedLAW's checkpoint state holds unknown entries {unknown}")

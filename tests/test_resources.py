@@ -27,6 +27,7 @@ from beyond_averaging.server.deploy.resources import (
     ProcessWatch,
     ProcStat,
     Tracked,
+    cpu_seconds,
     cpu_seconds_by,
     kinds_of,
     parse_stat,
@@ -73,6 +74,29 @@ def test_this_process_s_own_stat_line_reads_back() -> None:
     stat = parse_stat(path.read_text())
     assert stat.state in "RS"
     assert stat.rss_pages > 0
+
+
+def test_a_process_s_cpu_seconds_grow_with_its_work_and_are_zero_once_it_is_gone() -> None:
+    if not Path("/proc/self/stat").is_file():
+        pytest.skip("no /proc on this system")
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; t = time.process_time()\n"
+            "while time.process_time() - t < 0.5: pass\ninput()",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while cpu_seconds(child.pid) < 0.45 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        used = cpu_seconds(child.pid)
+        assert 0.45 <= used < 30, used  # its busy half second (and its start), in seconds
+    finally:
+        child.communicate(b"\n", timeout=30)
+    assert cpu_seconds(child.pid) == 0.0  # reaped: nothing to read
 
 
 def stat(pid: int, comm: str, ppid: int, cpu: int, children: int = 0, start: int = 0) -> ProcStat:

@@ -133,6 +133,12 @@ def read_stat(pid: int) -> ProcStat | None:
         return None
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU seconds process ``pid`` has used so far, all its threads (0 once it is reaped)."""
+    stat = read_stat(pid)
+    return stat.cpu_ticks / os.sysconf("SC_CLK_TCK") if stat is not None else 0.0
+
+
 def status_bytes(field: str, pid: int | str = "self", path: str = "") -> int:
     """A memory line of ``/proc/<pid>/status`` (or ``path``, e.g. ``/proc/meminfo``) in bytes.
 

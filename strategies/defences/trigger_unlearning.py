@@ -40,6 +40,7 @@ unlearning visits the root set in its order), so a run is reproducible.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -110,6 +111,7 @@ class TriggerUnlearning:
     additive_weight: float = 0.0
     dormant_inputs: bool = False
     input_bound: float = 0.0
+    memory_rounds: int = 0
 
     def __post_init__(self) -> None:
         problems = [
@@ -125,6 +127,9 @@ class TriggerUnlearning:
             problems.append(f"input_bound = {bound!r} (use a value >= 0; 0: no bound)")
         if not isinstance(self.dormant_inputs, bool):
             problems.append(f"dormant_inputs = {self.dormant_inputs!r} (use True or False)")
+        memory = self.memory_rounds
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
+            problems.append(f"memory_rounds = {memory!r} (use a whole number >= 0; 0: none)")
         problems += [
             f"{name} = {value!r} (use a whole number >= 1)"
             for name, value in (("steps", self.steps), ("epochs", self.epochs))
@@ -161,6 +166,10 @@ class InvertedTrigger:
         """``features`` with the patch applied."""
         return (1.0 - self.mask) * features + self.mask * self.pattern
 
+    def to(self, device: torch.device) -> InvertedTrigger:
+        """The same patch with its tensors on ``device``."""
+        return dataclasses.replace(self, mask=self.mask.to(device), pattern=self.pattern.to(device))
+
 
 @dataclasses.dataclass(frozen=True)
 class AdditiveTrigger:
@@ -182,6 +191,79 @@ class AdditiveTrigger:
     def stamp(self, features: torch.Tensor) -> torch.Tensor:
         """``features`` with the perturbation added, clipped to the range."""
         return torch.clamp(features + self.delta, self.low, self.high)
+
+    def to(self, device: torch.device) -> AdditiveTrigger:
+        """The same perturbation with its tensor on ``device``."""
+        return dataclasses.replace(self, delta=self.delta.to(device))
+
+
+Found = InvertedTrigger | AdditiveTrigger
+
+
+class TriggerMemory:
+    """The triggers unlearned in each of the last ``rounds`` rounds, to unlearn again
+    (``TriggerUnlearning.memory_rounds``); a strategy's state between rounds, so a resumed run
+    recalls what the interrupted one found (:meth:`state_dict`)."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+        self._past: collections.deque[list[Found]] = collections.deque(maxlen=max(rounds, 1))
+
+    def recall(self, device: torch.device) -> list[Found]:
+        """Every remembered trigger, oldest round first, on ``device``."""
+        return [trigger.to(device) for found in self._past for trigger in found]
+
+    def remember(self, found: Sequence[Found]) -> None:
+        """Keep ``found`` (a round's unlearned triggers, moved to the CPU), forgetting the oldest
+        round beyond ``rounds``."""
+        if self.rounds > 0:
+            self._past.append([trigger.to(torch.device("cpu")) for trigger in found])
+
+    def state_dict(self) -> list[list[dict[str, Any]]]:
+        """The remembered triggers as NumPy arrays and numbers, a list per round."""
+        return [[_trigger_state(trigger) for trigger in found] for found in self._past]
+
+    def load_state_dict(self, state: Sequence[Sequence[Mapping[str, Any]]]) -> None:
+        """Recall what :meth:`state_dict` wrote."""
+        self._past.clear()
+        for found in state:
+            self._past.append([_trigger_from_state(trigger) for trigger in found])
+
+
+def _trigger_state(trigger: Found) -> dict[str, Any]:
+    if isinstance(trigger, InvertedTrigger):
+        return {
+            "kind": "patch",
+            "target": trigger.target,
+            "mask": trigger.mask.numpy(),
+            "pattern": trigger.pattern.numpy(),
+            "success": trigger.success,
+        }
+    return {
+        "kind": "additive",
+        "target": trigger.target,
+        "delta": trigger.delta.numpy(),
+        "low": trigger.low,
+        "high": trigger.high,
+        "success": trigger.success,
+    }
+
+
+def _trigger_from_state(state: Mapping[str, Any]) -> Found:
+    def tensor(key: str) -> torch.Tensor:
+        return torch.from_numpy(np.array(state[key], dtype=np.float32))
+
+    if state["kind"] == "patch":
+        return InvertedTrigger(
+            int(state["target"]), tensor("mask"), tensor("pattern"), float(state["success"])
+        )
+    return AdditiveTrigger(
+        int(state["target"]),
+        tensor("delta"),
+        float(state["low"]),
+        float(state["high"]),
+        float(state["success"]),
+    )
 
 
 def invert_additive(
@@ -381,7 +463,7 @@ def unlearn(
     model: nn.Module,
     features: torch.Tensor,
     labels: torch.Tensor,
-    triggers: Sequence[InvertedTrigger | AdditiveTrigger],
+    triggers: Sequence[Found],
     options: TriggerUnlearning,
 ) -> None:
     """Fine-tune ``model`` in place on ``features`` as they are and stamped with each of
@@ -412,11 +494,14 @@ def unlearn_triggers(
     features: torch.Tensor,
     labels: torch.Tensor,
     options: TriggerUnlearning,
+    memory: TriggerMemory | None = None,
 ) -> tuple[NDArrayDict, dict[str, float | int | list[float]]]:
     """``arrays`` (a model's state) with every working patch inverted on the root set
     (``features``, ``labels``, on ``model``'s device) and unlearned, and the figures of it:
     ``unlearning-patches`` (how many were unlearned), ``unlearning-anomaly`` (Neural Cleanse's
     anomaly index), ``unlearning-mask-l1`` (per class) and ``unlearning-success`` (per class).
+    With a ``memory``, the triggers it recalls are unlearned too (``unlearning-remembered``:
+    how many) and the round's own are remembered.
 
     ``model`` is a scratch module of the arrays' architecture: it is overwritten. Tensors that
     are not floating point (counters) are returned as they came.
@@ -429,15 +514,16 @@ def unlearn_triggers(
         parameter.requires_grad_(True)
     classes = sorted(int(c) for c in torch.unique(labels).tolist())
     triggers = [invert_trigger(model, features, labels, c, options) for c in classes]
-    used: list[InvertedTrigger | AdditiveTrigger] = [
-        trigger for trigger in triggers if trigger.success >= options.min_success
-    ]
+    used: list[Found] = [trigger for trigger in triggers if trigger.success >= options.min_success]
     additive: list[AdditiveTrigger] = []
     if options.additive_weight > 0:
         additive = [invert_additive(model, features, labels, c, options) for c in classes]
         used += [trigger for trigger in additive if trigger.success >= options.min_success]
-    if used:
-        unlearn(model, features, labels, used, options)
+    recalled = memory.recall(features.device) if memory is not None else []
+    if used or recalled:
+        unlearn(model, features, labels, used + recalled, options)
+    if memory is not None:
+        memory.remember(used)
     state = model.state_dict()
     new_arrays = {
         key: (
@@ -453,6 +539,8 @@ def unlearn_triggers(
         "unlearning-mask-l1": [trigger.mask_l1 for trigger in triggers],
         "unlearning-success": [trigger.success for trigger in triggers],
     }
+    if memory is not None:
+        figures["unlearning-remembered"] = len(recalled)
     if additive:
         figures["unlearning-additive-size"] = [trigger.size for trigger in additive]
         figures["unlearning-additive-success"] = [trigger.success for trigger in additive]
