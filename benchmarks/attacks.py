@@ -162,7 +162,7 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
         chosen: dict[str, Any] = {}
         if attack.trigger == "adaptive" and attackers:
             attack, chosen = adaptive_attack(fed, config, attack, range(first, first + attackers))
-        triggered = backdoor_test_set(fed.test_set, attack.trigger)
+        triggered = backdoor_test_set(fed.test_set, attack.in_round(1).trigger)
         node_ids = sorted(fed.grid.get_node_ids())
         fed.grid = AttackGrid(fed.grid, node_ids[first : first + attackers], attack, config.seed)
         chance = chance_accuracy(fed.test_set.labels)
@@ -179,9 +179,10 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
         )
         for server_round in range(1, config.num_server_rounds + 1):
             started, sent = time.perf_counter(), fed.arrays
-            with poisoned_partitions(poisoned_ids, attack):
+            with poisoned_partitions(poisoned_ids, played := attack.in_round(server_round)):
                 fed.round(server_round)
             loss, accuracy = fed.evaluate()
+            triggered = backdoor_test_set(fed.test_set, played.trigger)  # a rotation's own
             figures: dict[str, Any] = {}
             if isinstance(fed.strategy, ContractStrategy):  # Flower's keep no round metrics
                 figures = dict(fed.strategy.last_round_metrics)

@@ -103,7 +103,20 @@ NEW_BACKDOORS = [
     "backdoor-additive-0.4",
     "backdoor-dba-corner-4",
     "backdoor-adaptive",
+    "backdoor-rotating",
 ]
+
+
+def test_the_rotating_backdoor_takes_its_triggers_in_turn_one_per_round() -> None:
+    attack = ATTACKS["backdoor-rotating"]
+    played = [attack.in_round(r).trigger for r in range(1, 6)]
+    assert played == ["corner-4-top-right", "additive-0.4"] * 2 + ["corner-4-top-right"]
+    features, labels = batch(), torch.tensor([3, 4, 5, 6, 7])
+    second = poisoned(DeviceData(features, labels, 10), attack.in_round(2))
+    torch.testing.assert_close(second.features[0::2], with_trigger(features[0::2], "additive-0.4"))
+    torch.testing.assert_close(second.labels, torch.tensor([0, 4, 0, 6, 0]))
+    plain = ATTACKS["backdoor-corner-4"]
+    assert plain.in_round(7) is plain  # without a rotation, the same attack every round
 
 
 @pytest.mark.parametrize("name", NEW_BACKDOORS)

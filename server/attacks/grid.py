@@ -64,6 +64,17 @@ class Attack:
     trigger: str = "patch"
     #: A distributed backdoor (DBA): each attacker stamps one band of the patch's rows.
     distributed: bool = False
+    #: Triggers (names of :data:`~.triggers.TRIGGERS`) taken in turn, one per round, in place of
+    #: ``trigger`` (:meth:`in_round`): the best response to a defence that remembers the
+    #: triggers it found in earlier rounds (``TriggerUnlearning(memory_rounds=k)``).
+    rotation: tuple[str, ...] = ()
+
+    def in_round(self, server_round: int) -> Attack:
+        """The attack as played in ``server_round`` (from 1): with a ``rotation``, that round's
+        trigger in place of ``trigger``; otherwise itself."""
+        if not self.rotation:
+            return self
+        return replace(self, trigger=self.rotation[(server_round - 1) % len(self.rotation)])
 
 
 ATTACKS: dict[str, Attack] = {
@@ -109,6 +120,11 @@ ATTACKS: dict[str, Attack] = {
         model=to_clip_bound, backdoor=True, trigger="corner-4", distributed=True
     ),
     "backdoor-adaptive": Attack(model=to_clip_bound, backdoor=True, trigger="adaptive"),
+    # the best response to a memory of found triggers: a new trigger each round, in turn (the
+    # two the published defence held worst before it remembered), measured with the round's own
+    "backdoor-rotating": Attack(
+        model=to_clip_bound, backdoor=True, rotation=("corner-4-top-right", "additive-0.4")
+    ),
 }
 
 
