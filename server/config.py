@@ -70,10 +70,15 @@ DEFENCE_PROFILES: dict[str, dict[str, Any]] = {
         "unlearning-epochs": 6,
         "unlearning-additive": 1.0,
         "unlearning-dormant-inputs": True,
+        "unlearning-memory": 1,
         # FedLAW's only (set for strategy = "fedlaw"): its learned shrink factor, above 1 in
         # every round of these runs, scaled up what the unlearning left of a backdoor
         # (docs/reliability.md, "A defence aimed at why they pass").
         "fedlaw-learn": "clients",
+        # Elastic's only (strategy = "elastic"): zeta up to 1 + tau scaled up by half the
+        # update of the weights its clients are least sensitive to, where a backdoor lives
+        # (docs/reliability.md, "Remembering what was found").
+        "elastic-tau": 0.0,
     },
 }
 
@@ -285,8 +290,8 @@ class RunConfig(BaseModel):
             name = key.replace("-", "_")
             if name == "unlearning_dormant_inputs" and convolutional:
                 continue  # no weight belongs to one input position: refused if set by hand
-            if name.startswith("fedlaw_") and strategy != "fedlaw":
-                continue  # FedLAW's own key: other rules' configs stay as they were
+            if name.startswith(("fedlaw_", "elastic_")) and not name.startswith(strategy):
+                continue  # a rule's own key: other rules' configs stay as they were
             given = expanded.get(key, expanded.get(name, cls.model_fields[name].default))
             if given == cls.model_fields[name].default and type(given) is type(
                 cls.model_fields[name].default

@@ -21,6 +21,7 @@ def test_label_skew_sets_the_documented_combination() -> None:
     assert config.unlearning_epochs == 6
     assert config.unlearning_additive == 1.0
     assert config.unlearning_dormant_inputs is True
+    assert config.unlearning_memory == 1
     assert config.robust_aggregation == "none"
 
 
@@ -67,7 +68,7 @@ def test_the_library_helper_refuses_an_unknown_name_naming_the_closest() -> None
     with pytest.raises(ValueError, match="the closest is 'label-skew'"):
         defence_profile("labelskew")
     assert defence_profile("label-skew")["trigger_unlearning"] == TriggerUnlearning(
-        epochs=6, additive_weight=1.0, dormant_inputs=True
+        epochs=6, additive_weight=1.0, dormant_inputs=True, memory_rounds=1
     )
 
 
@@ -101,3 +102,25 @@ def test_label_skew_fixes_fedlaws_shrink_factor_for_fedlaw_only() -> None:
         config, ServerResources(model, proxy_set, torch.device("cpu"), test_set)
     )
     assert strategy.learn == "clients"  # type: ignore[attr-defined]
+
+
+def test_label_skew_keeps_elastics_zeta_at_most_1_for_elastic_only() -> None:
+    # zeta up to 1 + tau scaled up the update of the weights Elastic's clients are least
+    # sensitive to, where the backdoors of the tables lived: the profile sets tau = 0.
+    config = parse_run_config({"defence-profile": "label-skew", "strategy": "elastic"})
+    assert config.elastic_tau == 0.0
+    assert parse_run_config({"defence-profile": "label-skew"}).elastic_tau == 0.5  # fedavg
+    assert parse_run_config({"defence-profile": "iid", "strategy": "elastic"}).elastic_tau == 0.5
+    kept = parse_run_config(
+        {"defence-profile": "label-skew", "strategy": "elastic", "elastic-tau": 0.2}
+    )
+    assert kept.elastic_tau == 0.2
+    assert defence_profile("label-skew", elastic=True)["tau"] == 0.0
+    assert "tau" not in defence_profile("label-skew")
+    test_set, proxy_set = load_server_splits(data_spec(config))
+    model = build_model("mlp", test_set.input_shape, test_set.num_classes, seed=0)
+    strategy = build_strategy(
+        config, ServerResources(model, proxy_set, torch.device("cpu"), test_set)
+    )
+    assert strategy.tau == 0.0  # type: ignore[attr-defined]
+    assert strategy.trigger_unlearning.memory_rounds == 1  # type: ignore[attr-defined]

@@ -5,16 +5,20 @@ run options; docs/reliability.md, "Defence profiles").
 - ``"none"``: the defaults (the reply bounds only);
 - ``"iid"``: root-set trust and trigger unlearning (``robust_aggregation = "fltrust"``,
   ``TriggerUnlearning()``), which held the backdoors of the IID table;
-- ``"label-skew"``: trigger unlearning with 6 passes, the additive search and dormant inputs,
-  and the claim bound at one median (``max_claim_factor = 1``); for FedLAW (``fedlaw=True``) also
-  ``learn = "clients"``: the shrink factor gamma stays 1 (learned, it was above 1 in every round
-  of the tables and scaled up what the unlearning left of a backdoor).
+- ``"label-skew"``: trigger unlearning with 6 passes, the additive search, dormant inputs and a
+  memory of the last round's triggers, and the claim bound at one median
+  (``max_claim_factor = 1``); for FedLAW (``fedlaw=True``) also ``learn = "clients"``: the
+  shrink factor gamma stays 1 (learned, it was above 1 in every round of the tables and scaled
+  up what the unlearning left of a backdoor); for Elastic (``elastic=True``) also ``tau = 0``:
+  zeta at most 1 (up to 1 + tau it scaled up the weights the clients are least sensitive to,
+  where a backdoor lives).
 
 Every profile that unlearns needs ``model=`` and ``proxy_set=`` (the server's root set) beside
 it::
 
     FedAvg(model=net, proxy_set=(x, y), **defence_profile("label-skew"))
     FedLAW(model=net, proxy_set=(x, y), **defence_profile("label-skew", fedlaw=True))
+    ElasticAggregation(model=net, proxy_set=(x, y), **defence_profile("label-skew", elastic=True))
 """
 
 from __future__ import annotations
@@ -29,17 +33,19 @@ PROFILE_NAMES: tuple[ProfileName, ...] = ("none", "iid", "label-skew")
 
 
 class ProfileOptions(TypedDict, total=False):
-    """The keyword options a profile sets: those of every rule, and FedLAW's ``learn``."""
+    """The keyword options a profile sets: those of every rule, FedLAW's ``learn`` and
+    Elastic's ``tau``."""
 
     robust_aggregation: str
     trigger_unlearning: TriggerUnlearning
     max_claim_factor: float
     learn: Literal["both", "shrink", "clients"]
+    tau: float
 
 
-def defence_profile(name: str, *, fedlaw: bool = False) -> ProfileOptions:
+def defence_profile(name: str, *, fedlaw: bool = False, elastic: bool = False) -> ProfileOptions:
     """The keyword options of profile ``name`` for any rule, with ``fedlaw`` FedLAW's own one
-    too (module docstring).
+    too and with ``elastic`` Elastic's (module docstring).
 
     Raises
     ------
@@ -53,12 +59,14 @@ def defence_profile(name: str, *, fedlaw: bool = False) -> ProfileOptions:
     if name == "label-skew":
         options: ProfileOptions = {
             "trigger_unlearning": TriggerUnlearning(
-                epochs=6, additive_weight=1.0, dormant_inputs=True
+                epochs=6, additive_weight=1.0, dormant_inputs=True, memory_rounds=1
             ),
             "max_claim_factor": 1.0,
         }
         if fedlaw:
             options["learn"] = "clients"
+        if elastic:
+            options["tau"] = 0.0
         return options
     close = difflib.get_close_matches(str(name), PROFILE_NAMES, n=1, cutoff=0.0)
     raise ValueError(
