@@ -38,7 +38,7 @@ from flwr.supercore import log
 
 from beyond_averaging.strategies.replies.validation import REPLY_OVERSIZED_ERROR_CODE
 
-from .pull import PollingGrid, PullSchedule, retry_objects_sooner
+from .pull import PollingGrid, PullSchedule, polling
 
 #: Flower versions whose ``HttpGrid.pull_messages`` this module re-implements with a bound.
 SUPPORTED_FLOWER = ("1.39.",)
@@ -226,13 +226,8 @@ def round_grid(
         from flwr.superlink.grid.inmemory_grid import InMemoryGrid
     except ImportError:  # a Flower without them: nothing to wrap
         return grid
-    if type(grid) is HttpGrid:  # a reply pulled mid-upload: its objects are asked for again soon
-        retry_objects_sooner()
-    bounded = bound_reply_bytes(grid, byte_limit, schedule)
-    if isinstance(bounded, PollingGrid):
-        return bounded
-    if type(grid) is HttpGrid:  # a Flower whose bounded pull is not written here
-        return PollingGrid(grid, schedule)
+    if type(grid) is HttpGrid:  # pulled as a user's ServerApp is by polling(), byte-bounded
+        return polling(bound_reply_bytes(grid, byte_limit, schedule), schedule)
     if type(grid) is InMemoryGrid:
         every = grid.pull_interval
         return PollingGrid(grid, PullSchedule(first=every, growth=1.0, cap=every))
