@@ -62,7 +62,7 @@ def test_a_failed_size_stays_one_table_row_and_names_the_lock_errors() -> None:
     assert len(table) == 1
     row = table[0]
     assert "Traceback line two" not in row
-    assert row.count("|") == 10  # 9 columns: the error's own "|" must not open a tenth
+    assert row.count("|") == 11  # 10 columns: the error's own "|" must not open an eleventh
     assert '"database is locked" 2 times, on /flwr.proto.Fleet/PullObject' in row
 
 
@@ -80,4 +80,16 @@ def completed_row(size: int) -> dict[str, object]:
         "superexec-peak-rss-mb-per-node": 122.0,
         "clientapp-peak-rss-mb-per-node": 327.0,
         "replies-valid": [size],
+        "superlink-cpu-s-per-round": 0.8,
     }
+
+
+def test_a_completed_size_shows_the_superlink_s_cpu_per_round_beside_its_memory() -> None:
+    lines = markdown([completed_row(30)], META).splitlines()
+    header = next(line for line in lines if line.startswith("| SuperNodes"))
+    row = next(line for line in lines if line.startswith("| 30 "))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert len(cells) == len(columns) == 10
+    assert cells[columns.index("SuperLink CPU s per round")] == "0.8"
+    assert cells[columns.index("SuperLink peak RSS (MB)")] == "150.0"

@@ -30,6 +30,10 @@ model has learned, which is what inversion reads. What differs from the paper, a
   inputs of any size, the L1 norm is divided by the number of positions the mask covers, P
   (64 on 8 x 8 digits, 784 on 28 x 28 images): lambda weighs the share of the input the patch
   covers, not its pixel count.
+- With ``memory_rounds`` the triggers unlearned in the last rounds are unlearned again each
+  round (:class:`TriggerMemory`): the paper's one removal meets a backdoor written once, the
+  federation's attackers write theirs back every round, and the search recovers it only in the
+  rounds the model holds it strongly.
 - The model is fine-tuned in ``eval()`` mode, so normalisation statistics stay those the
   federation computed; every parameter is trained.
 
