@@ -182,7 +182,8 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
             with poisoned_partitions(poisoned_ids, played := attack.in_round(server_round)):
                 fed.round(server_round)
             loss, accuracy = fed.evaluate()
-            triggered = backdoor_test_set(fed.test_set, played.trigger)  # a rotation's own
+            if attack.rotation:  # measured with the round's own trigger
+                triggered = backdoor_test_set(fed.test_set, played.trigger)
             figures: dict[str, Any] = {}
             if isinstance(fed.strategy, ContractStrategy):  # Flower's keep no round metrics
                 figures = dict(fed.strategy.last_round_metrics)
