@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -289,7 +289,7 @@ def measure(app: str, app_dir: Path, workdir: Path, args: argparse.Namespace) ->
         file_state=False,
         executor="warm" if executor == "warm" else "subprocess",
         pull_every=args.pull_every,
-        warm=f"{TASK_MODULE}:warm" if app == "user-warmed" else None,
+        warm=f"{TASK_MODULE}:warm" if app.startswith("user-warmed") else None,
     )
     row: dict[str, Any] = {"app": app, "nodes": nodes, "rounds": rounds}
     supervised = project or app.startswith("user-warm")
@@ -409,12 +409,12 @@ def round_median(row: Mapping[str, Any]) -> float:
     return float(row["run-seconds"]) / int(row["rounds"])
 
 
-def summarize(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Each app's figures (medians over its completed runs) and the ratios project/quickstart,
+def summarize(rows: Sequence[Mapping[str, Any]], legs: Iterable[str] = APPS) -> dict[str, Any]:
+    """Each of ``legs``' figures (medians over its completed runs), the ratios project/quickstart,
     each taken within a repeat (both apps of a repeat ran back to back) and then the median."""
     done = [row for row in rows if row["status"] == "completed"]
     apps: dict[str, dict[str, Any]] = {}
-    for app in APPS:
+    for app in legs:
         mine = [row for row in done if row["app"] == app]
         if not mine:
             continue
@@ -567,13 +567,14 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------ the user-app leg
-#: ``--user RULE``: the quickstart copy with the rule's recipes from docs/ (as tests/apps/ has
-#: them applied) and the docs' ``warm()``, under Flower's subprocess isolation and under
-#: ``ba-supernode``'s warm executor, without and with ``--warm`` (docs/deployment.md).
+#: ``--user RULE``: the quickstart copy with the rule's recipes from docs/ and the docs' ``warm()``,
+#: under Flower's subprocess isolation and under ``ba-supernode``'s warm executor, without and
+#: with ``--warm`` (docs/deployment.md), and with it and docs/library.md's ``polling-server``.
 USER_APPS = {
     "user-flower": "Flower's subprocess isolation",
     "user-warm": "`ba-supernode` (warm executor)",
     "user-warmed": f"the same, `--warm {TASK_MODULE}:warm`",
+    "user-warmed-polled": "the same, and `polling(grid)`",
 }
 _RECIPE = re.compile(r"^<!-- recipe: ([\w-]+) -->\n```diff\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
@@ -593,13 +594,16 @@ def apply_recipe(source: str, name: str) -> str:
     return text[1:]
 
 
-def user_app(quickstart: Path, destination: Path, rule: str) -> Path:
-    """The quickstart copy with ``rule``'s server and client recipes and the docs' ``warm()``."""
+def user_app(quickstart: Path, destination: Path, rule: str, *extras: str) -> Path:
+    """The quickstart copy with ``rule``'s recipes, then server recipes ``extras``, and warm()."""
     shutil.copytree(quickstart, destination)
     package = destination / "pytorchexample"
-    for module, part in (("server_app.py", "server"), ("client_app.py", "client")):
+    recipes = {"server_app.py": (f"{rule}-server", *extras), "client_app.py": (f"{rule}-client",)}
+    for module, names in recipes.items():
         source = (package / module).read_text(encoding="utf-8")
-        (package / module).write_text(apply_recipe(source, f"{rule}-{part}"), encoding="utf-8")
+        for name in names:
+            source = apply_recipe(source, name)
+        (package / module).write_text(source, encoding="utf-8")
     page = (REPO / "docs" / "deployment.md").read_text(encoding="utf-8")
     warm = re.search(r"^def warm\(node_config\):\n.*?(?=^```)", page, re.MULTILINE | re.DOTALL)
     assert warm is not None, "docs/deployment.md has no def warm(node_config):"
@@ -622,22 +626,16 @@ def in_process_round(app_dir: Path, nodes: int) -> float:
 
 
 def user_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per leg, the medians of its completed runs, and per repeat its ClientApp CPU per message
-    over Flower's isolation's."""
+    """Per leg, :func:`summarize`'s figures, and per repeat its ClientApp CPU per message over
+    Flower's isolation's."""
     done = [row for row in rows if row["status"] == "completed"]
     flower = {row["repeat"]: message_cpu(row) for row in done if row["app"] == "user-flower"}
-    medians = {"seconds-per-round": round_median, "cpu-per-round": per_round}
-    legs: dict[str, dict[str, Any]] = {}
-    for app in USER_APPS:
-        if mine := [row for row in done if row["app"] == app]:
-            legs[app] = {key: statistics.median(map(f, mine)) for key, f in medians.items()}
-            legs[app]["cpu-per-message"] = statistics.median(map(message_cpu, mine))
-            legs[app]["cpu-per-message-ratios"] = [
-                round(message_cpu(row) / flower[row["repeat"]], 3)
-                for row in mine
-                if row["repeat"] in flower
-            ]
-            legs[app]["final-accuracy"] = [row["final-accuracy"] for row in mine]
+    legs: dict[str, dict[str, Any]] = summarize(done, USER_APPS)["apps"]
+    for app, leg in legs.items():
+        mine = [row for row in done if row["app"] == app and row["repeat"] in flower]
+        leg["cpu-per-message-ratios"] = [
+            round(message_cpu(row) / flower[row["repeat"]], 3) for row in mine
+        ]
     return legs
 
 
@@ -780,6 +778,7 @@ def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
         order, apps = [], ["project", "quickstart"]
         if args.user:  # the warm-up's module is imported where ba-supernode runs
             user = user_app(scratch / "quickstart", scratch / "user", args.user)
+            user_app(scratch / "quickstart", scratch / "user-polled", args.user, "polling-server")
             os.environ["PYTHONPATH"] = os.pathsep.join(
                 [str(user), os.environ.get("PYTHONPATH", "")]
             )
@@ -791,6 +790,7 @@ def measure_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
             for app in apps:
                 app_dir = REPO if app in ("project", *SECURE_APPS) else scratch / "quickstart"
                 app_dir = scratch / "user" if app in USER_APPS else app_dir
+                app_dir = scratch / "user-polled" if app.endswith("-polled") else app_dir
                 row = measure(app, app_dir, scratch / f"{app}-{repeat}", args)
                 rows.append({"repeat": repeat, **row})
                 print(json.dumps(rows[-1]), flush=True)

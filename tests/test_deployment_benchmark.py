@@ -22,6 +22,7 @@ from benchmarks.deployment import (
     secure_figures,
     secure_table,
     summarize,
+    user_app,
 )
 from beyond_averaging.tasks.models import build_model
 
@@ -214,3 +215,15 @@ def test_the_secure_table_shows_each_leg_s_medians_and_a_failed_leg_s_error() ->
     assert table[0].startswith("| secure aggregation | ServerApp CPU s |")
     assert table[2] == "| no | 0.30 | 1.00 | 487 | 238 | 5.1 | 0.9400 |"
     assert table[3] == "| secaggplus | failed: LaunchError: no more |"
+
+
+def test_the_user_leg_s_app_is_the_quickstart_as_the_user_tests_patch_it(tmp_path: Path) -> None:
+    # The benchmark's own reading of the docs' recipes, checked against the user tests' parser
+    # (tests/test_user_apps.py), which applies each hunk by whole lines.
+    from tests.test_user_apps import POLLED_ELASTIC, SHAPES, patched_files
+
+    app = user_app(QUICKSTART, tmp_path / "user", "elastic", *POLLED_ELASTIC.server_extras)
+    for module, (_, patched) in patched_files(SHAPES[0], POLLED_ELASTIC).items():
+        assert (app / module).read_text(encoding="utf-8") == patched, module
+    assert "grid = polling(grid)" in (app / SHAPES[0].server_module).read_text(encoding="utf-8")
+    assert "def warm(node_config):" in (app / QUICKSTART_TASK).read_text(encoding="utf-8")

@@ -54,6 +54,7 @@ from flwr.supercore.constant import DEFAULT_SIMULATION_CONFIG
 
 from beyond_averaging.server.deploy.flower_release import FlowerRelease
 from beyond_averaging.server.deploy.warm_executor import READY
+from beyond_averaging.server.pull import PollingGrid
 from beyond_averaging.server.runtime import inprocess
 from tests.flower_runtime import (
     FlowerInstall,
@@ -225,6 +226,11 @@ FEDLAW_HOLDOUT = Rule("fedlaw-holdout", "FedLAW", "fedlaw-server", None, ("fedla
 #: FedAvg inside Flower's server-side DP wrapper (docs/library.md): in process, on the
 #: quickstart's own federation, so that the wrapper's client count is checked against it.
 PRIVATE_FEDAVG = Rule("dp", "DifferentialPrivacyServerSideFixedClipping", "dp-server", None)
+#: Elastic with the ServerApp's Grid wrapped by ``polling`` (docs/library.md, "Waiting for
+#: replies"): in process and on a local deployment of every release.
+POLLED_ELASTIC = Rule(
+    "elastic-polled", "ElasticAggregation", "elastic-server", "elastic-client", ("polling-server",)
+)
 
 
 @dataclass(frozen=True)
@@ -299,6 +305,7 @@ def test_every_recipe_the_apps_copy_is_in_the_docs_exactly_once() -> None:
     blocks = docs_blocks()
     wanted = {r.server_recipe for r in RULES} | {r.client_recipe for r in RULES if r.client_recipe}
     wanted |= {"app-dependency", *FEDLAW_HOLDOUT.server_extras, PRIVATE_FEDAVG.server_recipe}
+    wanted |= set(POLLED_ELASTIC.server_extras)
     assert {name: len(blocks.get(name, [])) for name in sorted(wanted)} == dict.fromkeys(
         sorted(wanted), 1
     )
@@ -395,6 +402,22 @@ def run_patched_in_process(
     assert sorted(result.evaluate_metrics_serverapp) == list(range(ROUNDS + 1))
     assert (tmp_path / "final_model.pt").is_file()
     return strategy, result
+
+
+def test_the_polling_recipe_hands_the_strategy_a_polling_grid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grids: list[Any] = []
+    flower_start = Strategy.start
+
+    def spying_start(self: Strategy, *args: Any, **kwargs: Any) -> Any:
+        grids.append(kwargs["grid"])
+        return flower_start(self, *args, **kwargs)
+
+    monkeypatch.setattr(Strategy, "start", spying_start)
+    run_patched_in_process(SHAPES[0], POLLED_ELASTIC, NUM_SUPERNODES, tmp_path, monkeypatch)
+    [grid] = grids
+    assert isinstance(grid, PollingGrid)
 
 
 @pytest.mark.parametrize(
@@ -818,8 +841,9 @@ def test_the_quickstart_runs_elastic_on_a_local_deployment(
     # Elastic's clients keep their sensitivity average in context.state across rounds: on a
     # deployment that state lives in each SuperNode, between ClientApp processes. From flwr
     # 1.39 the SuperNodes run under ba-supernode, their ClientApps forked from the warm
-    # executor (docs/deployment.md, "Your own app on the warm executor").
-    run_and_check(deployment, flower, SHAPES[0], RULES[1], tmp_path)
+    # executor (docs/deployment.md, "Your own app on the warm executor"). Its ServerApp waits
+    # for the replies through polling(grid) (docs/library.md, "Waiting for replies").
+    run_and_check(deployment, flower, SHAPES[0], POLLED_ELASTIC, tmp_path)
     logs = [path.read_text(errors="replace") for path in deployment.supernode_logs]
     assert logs
     # The wheel brings ba-supernode, so every release with the executor interface runs warm.
