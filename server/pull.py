@@ -36,10 +36,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
+
+if TYPE_CHECKING:  # flwr 1.21-1.2x have no flwr.supercore.run; annotations only
+    from flwr.supercore.run import Run
 
 
 class DelegatingGrid(Grid):

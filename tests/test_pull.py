@@ -487,3 +487,19 @@ def test_flowers_own_strategy_runs_over_polling_as_docs_library_md_shows(
     assert isinstance(wrapped, PollingGrid)
     np.testing.assert_array_equal(trained(wrapped), trained(InProcessGrid(app, 3, {})))
     assert wrapped.pulls == 2  # one a round: every reply was in at the push
+
+
+def test_the_users_helper_imports_only_flower_s_public_app_api_at_run_time() -> None:
+    # `polling` (and the attack set's Grid, built on DelegatingGrid) is for users' ServerApps on
+    # every supported Flower, down to the floor (1.21), which has no flwr.supercore.run: at run
+    # time server/pull.py may import only what every release has, flwr.app and flwr.serverapp
+    # (other names, for annotations, under TYPE_CHECKING). The userapp matrix deploys it there.
+    import ast
+    from pathlib import Path
+
+    import beyond_averaging.server.pull as pull
+
+    tree = ast.parse(Path(pull.__file__).read_text(encoding="utf-8"))
+    runtime = [node for node in tree.body if isinstance(node, ast.ImportFrom)]
+    flower = sorted({str(node.module) for node in runtime if str(node.module).startswith("flwr")})
+    assert flower == ["flwr.app", "flwr.serverapp"]
