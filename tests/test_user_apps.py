@@ -227,9 +227,9 @@ FEDLAW_HOLDOUT = Rule("fedlaw-holdout", "FedLAW", "fedlaw-server", None, ("fedla
 #: quickstart's own federation, so that the wrapper's client count is checked against it.
 PRIVATE_FEDAVG = Rule("dp", "DifferentialPrivacyServerSideFixedClipping", "dp-server", None)
 #: Elastic with the ServerApp's Grid wrapped by ``polling`` (docs/library.md, "Waiting for
-#: replies"): in process and on a local deployment of every release.
+#: replies"): in process and on a local deployment of every release (the matrix's Elastic cell).
 POLLED_ELASTIC = Rule(
-    "elastic-polled", "ElasticAggregation", "elastic-server", "elastic-client", ("polling-server",)
+    "elastic", "ElasticAggregation", "elastic-server", "elastic-client", ("polling-server",)
 )
 
 
