@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
-if TYPE_CHECKING:  # flwr 1.21-1.2x have no flwr.supercore.run; annotations only
+if TYPE_CHECKING:  # flwr 1.21, the library's floor, has no flwr.supercore.run; annotations only
     from flwr.supercore.run import Run
 
 

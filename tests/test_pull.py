@@ -490,10 +490,11 @@ def test_flowers_own_strategy_runs_over_polling_as_docs_library_md_shows(
 
 
 def test_the_users_helper_imports_only_flower_s_public_app_api_at_run_time() -> None:
-    # `polling` (and the attack set's Grid, built on DelegatingGrid) is for users' ServerApps on
-    # every supported Flower, down to the floor (1.21), which has no flwr.supercore.run: at run
-    # time server/pull.py may import only what every release has, flwr.app and flwr.serverapp
-    # (other names, for annotations, under TYPE_CHECKING). The userapp matrix deploys it there.
+    # `polling` is for users' ServerApps on every supported Flower, down to the floor (1.21),
+    # which has no flwr.supercore.run: at run time server/pull.py may import only what every
+    # release has, flwr.app and flwr.serverapp (other names, for annotations, under
+    # TYPE_CHECKING). The userapp matrix deploys it there. (The attack set's AttackGrid, built on
+    # DelegatingGrid, needs flwr 1.39+ for its other imports: docs/library.md.)
     import ast
     from pathlib import Path
 
