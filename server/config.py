@@ -71,6 +71,10 @@ DEFENCE_PROFILES: dict[str, dict[str, Any]] = {
         "unlearning-additive": 1.0,
         "unlearning-dormant-inputs": True,
         "unlearning-memory": 1,
+        # With the memory about 40 triggers share the stamped part of each unlearning step: at
+        # 0.2 the additive pattern survived on FedGMA and FedLAW (docs/reliability.md, "A
+        # larger share of stamped inputs").
+        "unlearning-patched-share": 0.4,
         # FedLAW's only (set for strategy = "fedlaw"): its learned shrink factor, above 1 in
         # every round of these runs, scaled up what the unlearning left of a backdoor
         # (docs/reliability.md, "A defence aimed at why they pass").

@@ -22,6 +22,7 @@ def test_label_skew_sets_the_documented_combination() -> None:
     assert config.unlearning_additive == 1.0
     assert config.unlearning_dormant_inputs is True
     assert config.unlearning_memory == 1
+    assert config.unlearning_patched_share == 0.4
     assert config.robust_aggregation == "none"
 
 
@@ -68,7 +69,7 @@ def test_the_library_helper_refuses_an_unknown_name_naming_the_closest() -> None
     with pytest.raises(ValueError, match="the closest is 'label-skew'"):
         defence_profile("labelskew")
     assert defence_profile("label-skew")["trigger_unlearning"] == TriggerUnlearning(
-        epochs=6, additive_weight=1.0, dormant_inputs=True, memory_rounds=1
+        epochs=6, additive_weight=1.0, dormant_inputs=True, memory_rounds=1, patched_share=0.4
     )
 
 

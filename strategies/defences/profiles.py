@@ -5,8 +5,9 @@ run options; docs/reliability.md, "Defence profiles").
 - ``"none"``: the defaults (the reply bounds only);
 - ``"iid"``: root-set trust and trigger unlearning (``robust_aggregation = "fltrust"``,
   ``TriggerUnlearning()``), which held the backdoors of the IID table;
-- ``"label-skew"``: trigger unlearning with 6 passes, the additive search, dormant inputs and a
-  memory of the last round's triggers, and the claim bound at one median
+- ``"label-skew"``: trigger unlearning with 6 passes, the additive search, dormant inputs, a
+  memory of the last round's triggers and 0.4 of each unlearning step's loss on the stamped
+  inputs (``patched_share``), and the claim bound at one median
   (``max_claim_factor = 1``); for FedLAW (``fedlaw=True``) also ``learn = "clients"``: the
   shrink factor gamma stays 1 (learned, it was above 1 in every round of the tables and scaled
   up what the unlearning left of a backdoor); for Elastic (``elastic=True``) also ``tau = 0``:
@@ -59,7 +60,11 @@ def defence_profile(name: str, *, fedlaw: bool = False, elastic: bool = False) -
     if name == "label-skew":
         options: ProfileOptions = {
             "trigger_unlearning": TriggerUnlearning(
-                epochs=6, additive_weight=1.0, dormant_inputs=True, memory_rounds=1
+                epochs=6,
+                additive_weight=1.0,
+                dormant_inputs=True,
+                memory_rounds=1,
+                patched_share=0.4,
             ),
             "max_claim_factor": 1.0,
         }
