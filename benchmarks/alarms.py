@@ -11,7 +11,7 @@ judged by the rule as it is now). Then, per spec:
   than its honest twin (the run of the same labels with ``attack = "none"``; a run with no twin
   counts), and that raises no alarm: it would end plain ``completed``;
 - a **missed backdoor** is a run whose last ``backdoor-success`` is at least ``BACKDOOR_MISS``
-  and that raises no alarm (``backdoor-suspected``, recorded by the run, counts).
+  and that raises no alarm (``backdoor-suspected``, replayed from the recorded figures, counts).
 
 Chance is the share of the test split's most frequent label, as the ServerApp computes it::
 
@@ -31,6 +31,7 @@ from benchmarks.report import RunData, read_run
 from benchmarks.spec import load_spec
 from beyond_averaging.server.app import CHANCE_MARGIN, chance_accuracy, data_spec, round_alarms
 from beyond_averaging.server.config import parse_run_config
+from beyond_averaging.strategies.defences import trigger_unlearning as unlearning
 from beyond_averaging.tasks.federation import DataSpec, load_server_splits
 
 HONEST_ATTACK = "none"
@@ -40,17 +41,19 @@ BACKDOOR_MISS = 0.2
 
 
 def replayed_alarms(rounds: Sequence[Mapping[str, Any]], chance: float) -> dict[str, list[int]]:
-    """Alarm kind -> the rounds that raise it, judged by :func:`round_alarms` as the ServerApp
-    judges them: each round against the rounds before it (round 0 first), the last as the last.
-    """
+    """Alarm kind -> the rounds that raise it, judged by :func:`round_alarms` and
+    ``backdoor_alarms`` as the ServerApp judges them: each round against the rounds before it
+    (round 0 first), the last as the last."""
     figures = [(float(r["test-accuracy"]), float(r["test-loss"])) for r in rounds]
     raised: dict[str, list[int]] = {}
+    flagged = 0  # rounds whose dormant-inputs check fired (the strategy's recorded figure)
     for index in range(1, len(figures)):
         last = index == len(figures) - 1
-        for kind in round_alarms(figures[:index], *figures[index], chance, last=last):
+        kinds = round_alarms(figures[:index], *figures[index], chance, last=last)
+        kinds |= unlearning.backdoor_alarms(rounds[index], flagged)
+        flagged += unlearning.dormant_flagged(rounds[index])
+        for kind in kinds:
             raised.setdefault(kind, []).append(int(rounds[index]["round"]))
-        if rounds[index].get("backdoor-suspected"):  # the strategy's own, as recorded
-            raised.setdefault("backdoor-suspected", []).append(int(rounds[index]["round"]))
     return raised
 
 

@@ -50,6 +50,7 @@ from beyond_averaging.strategies import ContractStrategy
 from beyond_averaging.strategies.defences.trigger_unlearning import (
     TriggerUnlearning,
     backdoor_alarms,
+    dormant_flagged,
 )
 from beyond_averaging.tasks.evaluation import DeviceData
 from beyond_averaging.tasks.federation import DataSpec, load_server_splits
@@ -60,8 +61,7 @@ def poisoned_partitions(partitions: frozenset[int], attack: Attack) -> Iterator[
     """While the block runs, the ClientApp trains ``partitions`` on :func:`poisoned` data.
 
     The ClientApp reads its partition through ``client.app.device_partition``; for the
-    ``partitions`` the replacement returns the poisoned copy.
-    """
+    ``partitions`` the replacement returns the poisoned copy."""
     honest = client_module.device_partition
 
     order = sorted(partitions)
@@ -136,8 +136,7 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
     Raises
     ------
     ValueError
-        An unknown attack or Flower strategy, or a run configuration the app refuses.
-    """
+        An unknown attack or Flower strategy, or a run configuration the app refuses."""
     attack_name = str(settings.get("attack", "none"))
     if attack_name not in ATTACKS:
         raise ValueError(f"attack = {attack_name!r}: use one of {sorted(ATTACKS)}")
@@ -167,7 +166,7 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
         fed.grid = AttackGrid(fed.grid, node_ids[first : first + attackers], attack, config.seed)
         chance = chance_accuracy(fed.test_set.labels)
         loss, accuracy = fed.evaluate()
-        history = [(accuracy, loss)]  # the ServerApp's alarms, judged as it judges them
+        history, flagged = [(accuracy, loss)], 0  # the ServerApp's alarms, judged as it does
         recorder.log_round(
             {
                 "round": 0,
@@ -189,8 +188,9 @@ def run_attacked(settings: Mapping[str, Any]) -> None:
                 figures = dict(fed.strategy.last_round_metrics)
             last = server_round == config.num_server_rounds
             alarms = round_alarms(history, accuracy, loss, chance, last=last)
-            alarms |= backdoor_alarms(figures)
+            alarms |= backdoor_alarms(figures, flagged)
             history.append((accuracy, loss))
+            flagged += dormant_flagged(figures)
             recorder.log_round(
                 {
                     **figures,

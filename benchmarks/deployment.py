@@ -117,8 +117,7 @@ def round_intervals(receipts: Mapping[int, Sequence[float]], rounds: int) -> lis
     ``receipts`` holds the times each node received a train instruction. Every node trains
     once per round, so its k-th receipt belongs to round k, and round k starts at the first
     node's. With any other count (a node missed a round) the rounds cannot be told apart and
-    None is returned.
-    """
+    None is returned."""
     if not receipts or any(len(times) != rounds for times in receipts.values()):
         return None
     firsts = [min(sorted(times)[k] for times in receipts.values()) for k in range(rounds)]
@@ -154,8 +153,7 @@ def quickstart_task(original: str, data_file: Path, features: int, hidden: int) 
     Its imports, ``train`` and ``test`` stay as Flower wrote them; from ``class Net`` to
     ``def train`` is replaced: ``Net`` becomes this project's MLP (``features``-``hidden``-
     ``hidden``-10, ReLU) and ``load_data``/``load_centralized_dataset`` read the digits
-    partitions and test split that :func:`write_digits` saved in ``data_file``.
-    """
+    partitions and test split that :func:`write_digits` saved in ``data_file``."""
     start, end = original.index("class Net(nn.Module):"), original.index("def train(")
     middle = f'''import numpy as np
 from torch.utils.data import StackDataset

@@ -311,8 +311,7 @@ def time_clients(options: argparse.Namespace) -> tuple[dict[str, float], dict[st
     setting with the median seconds of ``compute_sensitivity`` alone over one epoch.
 
     The strategies take turns within each repeat (round -1 warms up, untimed), so that a burst of
-    load from elsewhere spreads over all of them; each node's Context persists across repeats.
-    """
+    load from elsewhere spreads over all of them; each node's Context persists across repeats."""
     task = {"dataset": options.dataset, "model": options.model, "partition": options.partition}
     task |= {"num-clients": options.num_clients, "device": "cpu"}
     federations = {rule: federation({**task, **overrides}) for rule, overrides in RULES.items()}

@@ -34,7 +34,10 @@ from beyond_averaging.server.runs.plots import write_run_plot
 from beyond_averaging.server.runs.recorder import RunRecorder
 from beyond_averaging.server.runs.tracking import open_run_tracker
 from beyond_averaging.server.runtime.inprocess import InProcessGrid
-from beyond_averaging.strategies.defences.trigger_unlearning import backdoor_alarms
+from beyond_averaging.strategies.defences.trigger_unlearning import (
+    backdoor_alarms,
+    dormant_flagged,
+)
 from beyond_averaging.strategies.diagnostics import ClientDiagnostics
 from beyond_averaging.strategies.secure import RunStrategy
 from beyond_averaging.tasks.datasets import LabeledData
@@ -239,6 +242,7 @@ class CentralEvaluation:
         self.history: list[tuple[float, float]] = [
             (float(r["test-accuracy"]), float(r["test-loss"])) for r in recorder.rounds
         ]
+        self.dormant_flags = sum(dormant_flagged(r) for r in recorder.rounds)
 
     def __call__(
         self, server_round: int, arrays: ArrayRecord, extra: Mapping[str, Any] | None = None
@@ -270,7 +274,8 @@ class CentralEvaluation:
         )
         last = server_round == self.num_rounds
         alarms = round_alarms(self.history, accuracy, loss, self.chance, last=last)
-        alarms |= backdoor_alarms(train_metrics)
+        alarms |= backdoor_alarms(train_metrics, self.dormant_flags)
+        self.dormant_flags += dormant_flagged(train_metrics)
         for kind, message in alarms.items():
             log(WARNING, "round %d: ALARM %s: %s", server_round, kind, message)
         self.history.append((accuracy, loss))

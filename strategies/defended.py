@@ -412,12 +412,12 @@ class DefendedStrategy(ContractStrategy):
             ratio = dormant_update_ratio(previous, aggregate, key, dormant)
             self._defence_metrics["unlearning-dormant-inputs"] = int(dormant.sum())
             self._defence_metrics["unlearning-dormant-update"] = ratio
-            self._defence_metrics["backdoor-suspected"] = int(ratio >= DORMANT_ALARM_RATIO)
-            if ratio >= DORMANT_ALARM_RATIO:
+            self._defence_metrics["unlearning-dormant-flagged"] = int(ratio >= DORMANT_ALARM_RATIO)
+            if ratio >= DORMANT_ALARM_RATIO:  # the run's alarm: server.app, from 2 such rounds
                 log(
                     WARNING,
                     "round %d: the aggregate update on the weights of the %d inputs blank in the "
-                    "whole root set is %.2f x its size elsewhere (alarm at %.2f): honest data "
+                    "whole root set is %.2f x its size elsewhere (flagged at %.2f): honest data "
                     "leave them alone, a trigger there does not; the update was not applied",
                     server_round,
                     int(dormant.sum()),

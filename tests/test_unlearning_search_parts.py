@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from flwr.app import ArrayRecord
 from torch import nn
 
 from beyond_averaging.server.app import data_spec
@@ -18,6 +19,7 @@ from beyond_averaging.server.strategy_factory import ServerResources, build_stra
 from beyond_averaging.strategies import FedAvg, TriggerUnlearning
 from beyond_averaging.strategies.defences.trigger_unlearning import (
     DORMANT_ALARM_RATIO,
+    DORMANT_ALARM_ROUNDS,
     AdditiveTrigger,
     backdoor_alarms,
     dormant_positions,
@@ -156,7 +158,7 @@ def test_a_rule_with_dormant_inputs_keeps_their_first_layer_weights_at_the_globa
     assert figures["unlearning-dormant-inputs"] == 1
     # the replies moved column 2 as much as the others: the alarm's figure sees it
     assert figures["unlearning-dormant-update"] > DORMANT_ALARM_RATIO
-    assert figures["backdoor-suspected"] == 1
+    assert figures["unlearning-dormant-flagged"] == 1
 
 
 def test_dormant_inputs_on_a_model_without_a_linear_first_layer_is_refused_naming_the_fix() -> None:
@@ -227,21 +229,66 @@ def test_the_dormant_update_ratio_ignores_a_rescaling_of_the_whole_layer() -> No
     assert dormant_update_ratio(previous, written, "w", dormant) == pytest.approx(expected)
 
 
-def test_the_backdoor_alarm_fires_only_on_a_round_whose_check_fired_and_names_the_figure() -> None:
-    assert backdoor_alarms({"unlearning-dormant-update": 0.1, "backdoor-suspected": 0}) == {}
-    assert backdoor_alarms({}) == {}
-    alarm = backdoor_alarms({"unlearning-dormant-update": 0.8, "backdoor-suspected": 1})
-    assert list(alarm) == ["backdoor-suspected"]
-    assert "0.80 x its size elsewhere" in alarm["backdoor-suspected"]
-    assert f"alarm at {DORMANT_ALARM_RATIO}" in alarm["backdoor-suspected"]
+def test_the_backdoor_alarm_fires_from_the_runs_second_flagged_round_naming_the_figures() -> None:
+    # a round is flagged when its dormant update is at least the ratio; one flagged round (the
+    # false alarms of the tables were all one round) raises nothing, a second one does
+    assert DORMANT_ALARM_ROUNDS == 2
+    assert backdoor_alarms({"unlearning-dormant-update": 0.1}, flagged_before=4) == {}
+    assert backdoor_alarms({}, flagged_before=4) == {}
+    assert backdoor_alarms({"unlearning-dormant-update": 0.8}, flagged_before=0) == {}
+    at_ratio = backdoor_alarms({"unlearning-dormant-update": DORMANT_ALARM_RATIO}, 1)
+    assert list(at_ratio) == ["backdoor-suspected"]
+    alarm = backdoor_alarms({"unlearning-dormant-update": 0.8}, flagged_before=2)
+    message = alarm["backdoor-suspected"]
+    assert "0.80 x its size elsewhere" in message
+    assert f"flagged at {DORMANT_ALARM_RATIO}" in message
+    assert "3 rounds of this run flagged" in message
 
 
 def test_a_round_with_the_backdoor_alarm_ends_the_run_completed_with_alarms(tmp_path: Any) -> None:
     from beyond_averaging.server.runs.recorder import RunRecorder
 
     recorder = RunRecorder(str(tmp_path), "run", {"seed": 0})
-    alarm = backdoor_alarms({"unlearning-dormant-update": 0.7, "backdoor-suspected": 1})
+    alarm = backdoor_alarms({"unlearning-dormant-update": 0.7}, flagged_before=1)
     recorder.log_round({"round": 1, "test-accuracy": 0.9, "test-loss": 0.3}, alarm)
     summary = recorder.alarm_summary()
     assert list(summary) == ["backdoor-suspected"]
     assert summary["backdoor-suspected"]["rounds"] == 1
+
+
+def test_the_servers_evaluation_alarms_at_the_second_flagged_round_also_after_a_resume(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    # The ServerApp's evaluation counts the run's flagged rounds (the strategy's recorded
+    # dormant update): round 1 flagged, round 2 not, round 3 flagged -> alarm in round 3 only;
+    # a resumed run counts the rounds its folder kept.
+    from types import SimpleNamespace
+
+    from beyond_averaging.server.app import CentralEvaluation
+    from beyond_averaging.server.runs.recorder import RunRecorder
+
+    monkeypatch.setattr("beyond_averaging.server.app.evaluate", lambda *a, **k: (0.3, 0.9))
+    model = nn.Linear(2, 2)
+    arrays = ArrayRecord(model.state_dict())
+    strategy: Any = SimpleNamespace(last_round_metrics={})
+
+    def evaluation(recorder: RunRecorder) -> CentralEvaluation:
+        return CentralEvaluation(model, None, torch.device("cpu"), strategy, recorder, 4)
+
+    recorder = RunRecorder(str(tmp_path), "run", {"seed": 0})
+    evaluate_round = evaluation(recorder)
+    for server_round, ratio in ((1, 0.6), (2, 0.1), (3, 0.4)):
+        strategy.last_round_metrics = {"unlearning-dormant-update": ratio}
+        evaluate_round(server_round, arrays)
+    alarmed = [r["round"] for r in recorder.rounds if r.get("alarm-backdoor-suspected")]
+    assert alarmed == [3]
+    recorder.write_summary("interrupted")
+    recorder.close()
+
+    # resumed after round 2: one flagged round kept, so a flagged round 3 alarms again
+    resumed = RunRecorder(str(tmp_path), "run", {"seed": 0}, resume_round=2)
+    evaluate_round = evaluation(resumed)
+    strategy.last_round_metrics = {"unlearning-dormant-update": 0.5}
+    evaluate_round(3, arrays)
+    assert resumed.rounds[-1].get("alarm-backdoor-suspected") == 1
+    resumed.close()

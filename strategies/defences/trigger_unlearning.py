@@ -322,10 +322,15 @@ def first_layer_key(model: nn.Module, num_inputs: int) -> str | None:
 
 
 #: A round whose aggregate update on the dormant inputs' weights is at least this share of its
-#: update on the other inputs' (root mean squares, :func:`dormant_update_ratio`) raises the
-#: ``backdoor-suspected`` alarm: honest clients' data are as blank there as the root set's, so
+#: update on the other inputs' (root mean squares, :func:`dormant_update_ratio`) is flagged
+#: (``unlearning-dormant-flagged``): honest clients' data are as blank there as the root set's, so
 #: only weight decay writes them (docs/reliability.md, "Alarms").
 DORMANT_ALARM_RATIO = 0.25
+#: The ``backdoor-suspected`` alarm is raised from the run's second flagged round on: every false
+#: alarm of the tables flagged one round only (round 2, while the model still moves a lot), every
+#: backdoor at or above 20 % two rounds or more, and a one-round write is undone anyway (the
+#: dormant weights keep the last model's values).
+DORMANT_ALARM_ROUNDS = 2
 
 
 def dormant_update_ratio(
@@ -347,17 +352,27 @@ def dormant_update_ratio(
     return float(np.sqrt(np.mean(np.square(update[:, dormant])))) / active if active > 0 else 0.0
 
 
-def backdoor_alarms(metrics: Mapping[str, Any]) -> dict[str, str]:
+def dormant_flagged(metrics: Mapping[str, Any]) -> bool:
+    """Whether a round's metrics show the dormant inputs' check fired
+    (``unlearning-dormant-update`` at least :data:`DORMANT_ALARM_RATIO`)."""
+    return float(metrics.get("unlearning-dormant-update", 0.0)) >= DORMANT_ALARM_RATIO
+
+
+def backdoor_alarms(metrics: Mapping[str, Any], flagged_before: int) -> dict[str, str]:
     """The run alarm a round's metrics call for: ``backdoor-suspected`` when the dormant inputs'
-    check (``backdoor-suspected`` = 1, :data:`DORMANT_ALARM_RATIO`) fired, naming the figure."""
-    if not metrics.get("backdoor-suspected"):
+    check fired this round (:func:`dormant_flagged`) and, with the ``flagged_before`` earlier
+    rounds of the run that it fired in, in :data:`DORMANT_ALARM_ROUNDS` rounds or more; the
+    message names the figure and the count."""
+    if not dormant_flagged(metrics) or flagged_before + 1 < DORMANT_ALARM_ROUNDS:
         return {}
-    ratio = float(metrics.get("unlearning-dormant-update", 0.0))
+    ratio = float(metrics["unlearning-dormant-update"])
     return {
         "backdoor-suspected": (
             f"the aggregate update on the weights of inputs blank in the whole root set was "
-            f"{ratio:.2f} x its size elsewhere (alarm at {DORMANT_ALARM_RATIO}): a trigger "
-            "there is likely; check the replies' clients and test the model with triggers"
+            f"{ratio:.2f} x its size elsewhere (flagged at {DORMANT_ALARM_RATIO}; "
+            f"{flagged_before + 1} rounds of this run flagged, alarm from "
+            f"{DORMANT_ALARM_ROUNDS}): a trigger there is likely; check the replies' clients and "
+            "test the model with triggers"
         )
     }
 
