@@ -43,10 +43,11 @@ def test_a_recorded_backdoor_alarm_counts_and_a_silent_backdoor_above_20_percent
     from benchmarks.alarms import BACKDOOR_MISS
 
     rounds = rounds_of([0.09, 0.5, 0.6, 0.7, 0.8, 0.8])
-    rounds[2]["unlearning-dormant-update"] = 0.9  # flagged once: no alarm yet
+    rounds[1]["unlearning-dormant-update"] = 0.9
+    rounds[2]["unlearning-dormant-update"] = 0.9  # flagged twice: no alarm yet
     assert replayed_alarms(rounds, CHANCE) == {}
     rounds[3]["unlearning-dormant-update"] = 0.1  # below the ratio: not flagged
-    rounds[5]["unlearning-dormant-update"] = 0.3  # the second flagged round alarms
+    rounds[5]["unlearning-dormant-update"] = 0.3  # the third flagged round alarms
     assert replayed_alarms(rounds, CHANCE) == {"backdoor-suspected": [5]}
     silent = Judged("run", False, 0.9, 0.9, CHANCE, {}, backdoor=BACKDOOR_MISS)
     assert silent.missed_backdoor

@@ -230,13 +230,13 @@ def test_the_dormant_update_ratio_ignores_a_rescaling_of_the_whole_layer() -> No
 
 
 def test_the_backdoor_alarm_fires_from_the_runs_second_flagged_round_naming_the_figures() -> None:
-    # a round is flagged when its dormant update is at least the ratio; one flagged round (the
-    # false alarms of the tables were all one round) raises nothing, a second one does
-    assert DORMANT_ALARM_ROUNDS == 2
-    assert backdoor_alarms({"unlearning-dormant-update": 0.1}, flagged_before=4) == {}
+    # a round is flagged when its dormant update is at least the ratio; one or two flagged
+    # rounds (honest runs flag at most two, early) raise nothing, a third one does
+    assert (DORMANT_ALARM_RATIO, DORMANT_ALARM_ROUNDS) == (0.2, 3)
+    assert backdoor_alarms({"unlearning-dormant-update": 0.19}, flagged_before=4) == {}
     assert backdoor_alarms({}, flagged_before=4) == {}
-    assert backdoor_alarms({"unlearning-dormant-update": 0.8}, flagged_before=0) == {}
-    at_ratio = backdoor_alarms({"unlearning-dormant-update": DORMANT_ALARM_RATIO}, 1)
+    assert backdoor_alarms({"unlearning-dormant-update": 0.8}, flagged_before=1) == {}
+    at_ratio = backdoor_alarms({"unlearning-dormant-update": 0.2}, flagged_before=2)
     assert list(at_ratio) == ["backdoor-suspected"]
     alarm = backdoor_alarms({"unlearning-dormant-update": 0.8}, flagged_before=2)
     message = alarm["backdoor-suspected"]
@@ -249,7 +249,7 @@ def test_a_round_with_the_backdoor_alarm_ends_the_run_completed_with_alarms(tmp_
     from beyond_averaging.server.runs.recorder import RunRecorder
 
     recorder = RunRecorder(str(tmp_path), "run", {"seed": 0})
-    alarm = backdoor_alarms({"unlearning-dormant-update": 0.7}, flagged_before=1)
+    alarm = backdoor_alarms({"unlearning-dormant-update": 0.7}, flagged_before=2)
     recorder.log_round({"round": 1, "test-accuracy": 0.9, "test-loss": 0.3}, alarm)
     summary = recorder.alarm_summary()
     assert list(summary) == ["backdoor-suspected"]
@@ -260,8 +260,8 @@ def test_the_servers_evaluation_alarms_at_the_second_flagged_round_also_after_a_
     tmp_path: Any, monkeypatch: Any
 ) -> None:
     # The ServerApp's evaluation counts the run's flagged rounds (the strategy's recorded
-    # dormant update): round 1 flagged, round 2 not, round 3 flagged -> alarm in round 3 only;
-    # a resumed run counts the rounds its folder kept.
+    # dormant update): rounds 1, 3 and 4 flagged, round 2 not -> alarm in round 4 only; a
+    # resumed run counts the rounds its folder kept.
     from types import SimpleNamespace
 
     from beyond_averaging.server.app import CentralEvaluation
@@ -277,18 +277,18 @@ def test_the_servers_evaluation_alarms_at_the_second_flagged_round_also_after_a_
 
     recorder = RunRecorder(str(tmp_path), "run", {"seed": 0})
     evaluate_round = evaluation(recorder)
-    for server_round, ratio in ((1, 0.6), (2, 0.1), (3, 0.4)):
+    for server_round, ratio in ((1, 0.6), (2, 0.1), (3, 0.4), (4, 0.3)):
         strategy.last_round_metrics = {"unlearning-dormant-update": ratio}
         evaluate_round(server_round, arrays)
     alarmed = [r["round"] for r in recorder.rounds if r.get("alarm-backdoor-suspected")]
-    assert alarmed == [3]
+    assert alarmed == [4]
     recorder.write_summary("interrupted")
     recorder.close()
 
-    # resumed after round 2: one flagged round kept, so a flagged round 3 alarms again
-    resumed = RunRecorder(str(tmp_path), "run", {"seed": 0}, resume_round=2)
+    # resumed after round 3: two flagged rounds kept, so a flagged round 4 alarms again
+    resumed = RunRecorder(str(tmp_path), "run", {"seed": 0}, resume_round=3)
     evaluate_round = evaluation(resumed)
     strategy.last_round_metrics = {"unlearning-dormant-update": 0.5}
-    evaluate_round(3, arrays)
+    evaluate_round(4, arrays)
     assert resumed.rounds[-1].get("alarm-backdoor-suspected") == 1
     resumed.close()

@@ -324,13 +324,14 @@ def first_layer_key(model: nn.Module, num_inputs: int) -> str | None:
 #: A round whose aggregate update on the dormant inputs' weights is at least this share of its
 #: update on the other inputs' (root mean squares, :func:`dormant_update_ratio`) is flagged
 #: (``unlearning-dormant-flagged``): honest clients' data are as blank there as the root set's, so
-#: only weight decay writes them (docs/reliability.md, "Alarms").
-DORMANT_ALARM_RATIO = 0.25
-#: The ``backdoor-suspected`` alarm is raised from the run's second flagged round on: every false
-#: alarm of the tables flagged one round only (round 2, while the model still moves a lot), every
-#: backdoor at or above 20 % two rounds or more, and a one-round write is undone anyway (the
-#: dormant weights keep the last model's values).
-DORMANT_ALARM_ROUNDS = 2
+#: only weight decay writes them (docs/reliability.md, "Alarms over the attack tables").
+DORMANT_ALARM_RATIO = 0.2
+#: The ``backdoor-suspected`` alarm is raised from the run's third flagged round on. Chosen on the
+#: 117 profile runs of 2026-12-06: honest runs flag at most 2 rounds, both early (rounds 2-3,
+#: while the model still moves a lot; IID data light positions a small root set leaves blank),
+#: every backdoor at or above 20 % flagged 3 rounds or more; a write in one or two rounds is
+#: undone anyway (the dormant weights keep the last model's values).
+DORMANT_ALARM_ROUNDS = 3
 
 
 def dormant_update_ratio(
