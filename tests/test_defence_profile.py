@@ -125,3 +125,16 @@ def test_label_skew_keeps_elastics_zeta_at_most_1_for_elastic_only() -> None:
     )
     assert strategy.tau == 0.0  # type: ignore[attr-defined]
     assert strategy.trigger_unlearning.memory_rounds == 1  # type: ignore[attr-defined]
+
+
+def test_a_profile_and_its_options_written_out_are_one_run_to_resume_and_to_the_sweep() -> None:
+    # The name is a shorthand: what fixes a run's result are the options it sets, so a table
+    # whose methods write out an earlier profile's options still matches the runs made with it.
+    from beyond_averaging.server.runs.checkpoint import config_differences
+
+    profile = parse_run_config({"defence-profile": "label-skew"}).to_run_config()
+    options = DEFENCE_PROFILES["label-skew"].items()
+    written = {k: v for k, v in options if not k.startswith(("fedlaw-", "elastic-"))}
+    assert config_differences(profile, parse_run_config(written).to_run_config()) == []
+    iid = parse_run_config({"defence-profile": "iid"}).to_run_config()
+    assert "robust-aggregation: 'none' -> 'fltrust'" in "".join(config_differences(profile, iid))

@@ -42,9 +42,10 @@ from .folder import CHECKPOINT_FILE
 
 FORMAT_VERSION = 1
 #: Keys that may differ between a run and its resume: where it runs from and writes to, how
-#: many rounds it runs in all (a finished run can be extended), and which experiment tracker it
+#: many rounds it runs in all (a finished run can be extended), which experiment tracker it
 #: also reports to (none changes a result; checkpoints written before the tracker keys existed
-#: resume too).
+#: resume too), and the defence profile's name (a shorthand: the options it sets are in the
+#: configuration themselves, so a profile and its options written out are one run).
 RESUME_FREE_KEYS = frozenset(
     {
         "resume-from",
@@ -54,6 +55,7 @@ RESUME_FREE_KEYS = frozenset(
         "tracker",
         "tracker-uri",
         "tracker-project",
+        "defence-profile",
     }
 )
 
