@@ -327,7 +327,7 @@ def first_layer_key(model: nn.Module, num_inputs: int) -> str | None:
 #: only weight decay writes them (docs/reliability.md, "Alarms over the attack tables").
 DORMANT_ALARM_RATIO = 0.2
 #: The ``backdoor-suspected`` alarm is raised from the run's third flagged round on. Chosen on the
-#: 117 profile runs of 2026-12-06: honest runs flag at most 2 rounds, both early (rounds 2-3,
+#: 164 dormant-input runs of 2026-12-06: honest runs flag at most 2 rounds, both early (rounds 2-3,
 #: while the model still moves a lot; IID data light positions a small root set leaves blank),
 #: every backdoor at or above 20 % flagged 3 rounds or more; a write in one or two rounds is
 #: undone anyway (the dormant weights keep the last model's values).
