@@ -412,8 +412,9 @@ class DefendedStrategy(ContractStrategy):
             ratio = dormant_update_ratio(previous, aggregate, key, dormant)
             self._defence_metrics["unlearning-dormant-inputs"] = int(dormant.sum())
             self._defence_metrics["unlearning-dormant-update"] = ratio
-            self._defence_metrics["unlearning-dormant-flagged"] = int(ratio >= DORMANT_ALARM_RATIO)
-            if ratio >= DORMANT_ALARM_RATIO:  # the run's alarm: server.app, from 2 such rounds
+            flagged = ratio >= DORMANT_ALARM_RATIO
+            self._defence_metrics["unlearning-dormant-flagged"] = int(flagged)
+            if flagged:  # the run's alarm comes from server.app (backdoor_alarms), counting these
                 log(
                     WARNING,
                     "round %d: the aggregate update on the weights of the %d inputs blank in the "

@@ -84,8 +84,9 @@ except ImportError:  # pragma: no cover - Windows
 
 PRIVATE_DIR_MODE = 0o700
 #: What a round's figures may raise, with the rule (see :func:`server.app.round_alarms`), and
-#: ``backdoor-suspected`` (trigger unlearning's dormant-inputs check, flagged in a second round
-#: of the run: :func:`strategies.defences.trigger_unlearning.backdoor_alarms`).
+#: ``backdoor-suspected`` (trigger unlearning's dormant-inputs check, raised from the run's
+#: ``DORMANT_ALARM_ROUNDS``-th flagged round on:
+#: :func:`strategies.defences.trigger_unlearning.backdoor_alarms`).
 ALARMS = ("accuracy-at-chance", "loss-exploded", "never-above-chance", "backdoor-suspected")
 
 
