@@ -265,6 +265,8 @@ def test_the_summary_records_versions_commit_command_line_times_host_cpu_and_gpu
     assert before.replace(microsecond=0) <= started <= ended
     assert environment["host"] == socket.gethostname()
     assert environment["cpu"]["cores"] == os.cpu_count()
+    # Machines of one model name differ in these, and torch's float kernels with them.
+    assert environment["cpu"]["vector-instructions"] == torch.backends.cpu.get_cpu_capability()
     assert environment["gpu"] == [
         torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
     ]
@@ -484,3 +486,27 @@ def test_the_strategy_banner_names_the_least_connected_nodes_a_round_waits_for(
     text = caplog.text
     assert "available 2" not in text  # read as "2 nodes are up" while 10 were
     assert "a round waits for at least 2 connected nodes (min_available_nodes)" in text
+
+
+def test_the_cpu_s_family_and_model_numbers_come_from_the_first_processor_s_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two machines named "AMD EPYC" are told apart by these numbers (docs/benchmarks.md)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+        "model name\t: AMD EPYC 9454\n\nprocessor\t: 1\ncpu family\t: 23\nmodel\t\t: 49\n"
+        "model name\t: another\n",
+        encoding="utf-8",
+    )
+    real_path = provenance.Path
+    monkeypatch.setattr(
+        provenance,
+        "Path",
+        lambda name: cpuinfo if name == "/proc/cpuinfo" else real_path(name),
+    )
+    cpu = provenance.cpu_description()
+    assert (cpu["model"], cpu["family"], cpu["model-number"]) == ("AMD EPYC 9454", "25", "17")
+    assert provenance.hardware_line().startswith(
+        f"AMD EPYC 9454 (family 25, model 17, {cpu['vector-instructions']}), "
+    )

@@ -85,16 +85,42 @@ def git_state(checkout: Path | None = None) -> dict[str, Any] | None:
 
 
 def cpu_description() -> dict[str, Any]:
-    """The CPU model (``/proc/cpuinfo``, else the platform's name), its cores and those this
-    process may use."""
+    """The CPU model (``/proc/cpuinfo``, else the platform's name), its family and model numbers
+    (None where ``/proc/cpuinfo`` has none), the vector instructions torch's kernels use, its
+    cores and those this process may use.
+
+    Two machines with the same model name may differ in the numbers and the instructions, and
+    torch's float kernels with them, so a run's last digits do too (docs/benchmarks.md, "The
+    runner")."""
     model = platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
     with suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip():  # the first processor's block ends at a blank line
                 break
+            fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name", model)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return {"model": model, "cores": os.cpu_count(), "usable-cores": usable}
+    return {
+        "model": model,
+        "family": fields.get("cpu family"),
+        "model-number": fields.get("model"),
+        "vector-instructions": _cpu_capability(),
+        "cores": os.cpu_count(),
+        "usable-cores": usable,
+    }
+
+
+def _cpu_capability() -> str | None:
+    """The widest vector instructions torch dispatches its CPU kernels to (``"AVX2"``,
+    ``"AVX512"``, ...), or None where torch cannot say."""
+    try:
+        import torch
+
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # an old or broken torch must not stop the run
+        return None
 
 
 def gpu_description() -> list[str]:
@@ -110,14 +136,23 @@ def gpu_description() -> list[str]:
 
 
 def hardware_line() -> str:
-    """The machine in one line, as a sweep's page and the benchmarks print it: CPU model, cores
-    this process may use, GPU, torch and its threads, Python."""
+    """The machine in one line, as a sweep's page and the benchmarks print it: CPU model (with its
+    family and model numbers and vector instructions), cores this process may use, GPU, torch and
+    its threads, Python."""
     import torch
 
     cpu = cpu_description()
     gpus = gpu_description()
+    numbers = [
+        f"{name} {cpu[key]}"
+        for name, key in (("family", "family"), ("model", "model-number"))
+        if cpu[key] is not None
+    ]
+    if cpu["vector-instructions"]:
+        numbers.append(cpu["vector-instructions"])
+    detail = f" ({', '.join(numbers)})" if numbers else ""
     return (
-        f"{cpu['model']}, {cpu['usable-cores'] or cpu['cores']} cores visible, "
+        f"{cpu['model']}{detail}, {cpu['usable-cores'] or cpu['cores']} cores visible, "
         f"{gpus[0] if gpus else 'no GPU'}, torch {torch.__version__} "
         f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}"
     )
