@@ -95,13 +95,13 @@ def adaptive_attack(
     root = DeviceData.from_labeled(load_server_splits(data_spec(config))[1], cpu)
     fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
     defence = trigger_unlearning(config) or TriggerUnlearning(epochs=6)
-    best, survived = choose_trigger(
+    best, survived, probability = choose_trigger(
         fed.model, DeviceData(pooled[0], pooled[1], parts[0].num_classes), root, defence,
         learning_rate=task.learning_rate, batch_size=task.batch_size, seed=config.seed,
     )  # fmt: skip
-    figures = {
-        "adaptive-trigger": ADAPTIVE_CANDIDATES.index(best),
-        "adaptive-survival": [survived[name] for name in ADAPTIVE_CANDIDATES],
+    figures = {"adaptive-trigger": ADAPTIVE_CANDIDATES.index(best)} | {
+        f"adaptive-{key}": [values[name] for name in ADAPTIVE_CANDIDATES]
+        for key, values in (("survival", survived), ("target-probability", probability))
     }
     return replace(attack, trigger=best), figures
 

@@ -155,7 +155,7 @@ def test_the_adaptive_attacker_keeps_the_candidate_that_survives_the_rehearsed_d
 
     features, labels = batch(), torch.tensor([3, 4, 5, 6, 7])
     data = DeviceData(features, labels, 10)
-    best, survived = choose_trigger(
+    best, survived, _ = choose_trigger(
         TopLeft(), data, data, triggers.TriggerUnlearning(),
         learning_rate=0.0, batch_size=2, seed=0,
     )  # fmt: skip
@@ -163,3 +163,39 @@ def test_the_adaptive_attacker_keeps_the_candidate_that_survives_the_rehearsed_d
     assert best == "corner-3"
     assert survived["corner-3"] == survived["corner-4"] == 1.0
     assert survived["corner-4-top-right"] == 0.0
+
+
+def test_where_no_candidate_survives_the_attacker_keeps_the_one_left_closest_to_the_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No candidate flips an input (the target's logit stays below class 1's), but the target's
+    # logit grows with the stamped image's mean: the 5 x 5 patch, which raises it most on these
+    # blank images with one lit pixel, is kept, not the first candidate.
+    import beyond_averaging.server.attacks.triggers as triggers
+
+    monkeypatch.setattr(triggers, "unlearn_triggers", lambda _m, arrays, *_: (arrays, {}))
+
+    class Brightness(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            target = x.flatten(1).mean(dim=1) * self.scale
+            rest = [torch.full_like(target, 10.0)] + [torch.zeros_like(target)] * 8
+            return torch.stack([target, *rest], dim=1)
+
+    features = torch.zeros(4, 1, 8, 8)
+    features[:, 0, 4, 4] = 1.0  # the range [0, 1], where the patches are stamped at 1
+    data = DeviceData(features, torch.tensor([3, 4, 5, 6]), 10)
+    best, survived, probability = choose_trigger(
+        Brightness(), data, data, triggers.TriggerUnlearning(),
+        learning_rate=0.0, batch_size=2, seed=0,
+    )  # fmt: skip
+    assert set(survived.values()) == {0.0}
+    # Independent reference: the target's softmax probability on one stamped image.
+    for name in ADAPTIVE_CANDIDATES:
+        mean = float(triggers.with_trigger(features, name)[0].mean())
+        expected = np.exp(mean) / (np.exp(mean) + np.exp(10.0) + 8.0)
+        assert probability[name] == pytest.approx(expected, rel=1e-5)
+    assert best == "corner-5" != ADAPTIVE_CANDIDATES[0]

@@ -14,7 +14,14 @@ docs/library.md ("Testing a defence against the attack set") shows one in a user
 """
 
 from .grid import ATTACKS, Attack, AttackGrid, backdoor_success, backdoor_test_set, poisoned
-from .triggers import ADAPTIVE_CANDIDATES, BACKDOOR_TARGET, TRIGGERS, Trigger, choose_trigger
+from .triggers import (
+    ADAPTIVE_CANDIDATES,
+    BACKDOOR_TARGET,
+    TRIGGERS,
+    Trigger,
+    TriggerChoice,
+    choose_trigger,
+)
 from .updates import RoundView, alie_z, claim_bound, clip_bound, shejwalkar_gamma
 
 __all__ = [
@@ -26,6 +33,7 @@ __all__ = [
     "AttackGrid",
     "RoundView",
     "Trigger",
+    "TriggerChoice",
     "alie_z",
     "backdoor_success",
     "backdoor_test_set",

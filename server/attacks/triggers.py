@@ -8,7 +8,8 @@ al. 2017); ``additive``, x + a (high - low) s clipped to the range, s one fixed 
 whole-image pattern no mask (1 - m) x + m p with a small m reproduces (issue 45). A distributed
 backdoor (DBA, Xie et al., ICLR 2020) gives each attacker one band of a patch's rows.
 :func:`choose_trigger` rehearses the server's published defence on the attacker's poisoned
-model and keeps the candidate that survives it best.
+model and keeps the candidate that survives it best (where none survives, the one it left
+closest to working).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -100,6 +101,17 @@ def poison_half(
     return DeviceData(features, labels, data.num_classes)
 
 
+class TriggerChoice(NamedTuple):
+    """What :func:`choose_trigger` found: the candidate it keeps, and per candidate the share of
+    the root set's other-class inputs its stamped trigger still sends to the target after the
+    rehearsed defence (``survived``) and the target's mean softmax probability on them
+    (``target_probability``)."""
+
+    best: str
+    survived: dict[str, float]
+    target_probability: dict[str, float]
+
+
 def choose_trigger(
     model: nn.Module,
     attacker_data: DeviceData,
@@ -110,14 +122,17 @@ def choose_trigger(
     batch_size: int,
     seed: int,
     candidates: Sequence[str] = ADAPTIVE_CANDIDATES,
-) -> tuple[str, dict[str, float]]:
-    """The candidate trigger that survives the server's published defence best, and each one's
-    surviving success (ties: the earlier). Per candidate: a copy of ``model`` trained
+) -> TriggerChoice:
+    """The candidate trigger that survives the server's published defence best, with each one's
+    surviving success and target probability. Per candidate: a copy of ``model`` trained
     :data:`REHEARSAL_EPOCHS` epochs on ``attacker_data`` half poisoned, :func:`unlearn_triggers`
     with ``defence`` on ``root`` (the search's inputs) and its dormant inputs kept at ``model``'s,
     then the share of ``root``'s other-class inputs the stamped trigger still sends to the
-    target."""
+    target. Where shares tie (all 0 when the defence removes every candidate in one round), the
+    higher target probability wins: the candidate the defence left closest to working is the
+    one that rounds of poisoning are likeliest to bring back; then the earlier."""
     survived: dict[str, float] = {}
+    probability: dict[str, float] = {}
     generator = torch.Generator().manual_seed(seed)
     others = root.features[root.labels != BACKDOOR_TARGET]
     for name in candidates:
@@ -140,6 +155,13 @@ def choose_trigger(
         rehearsal.load_state_dict({key: torch.from_numpy(value) for key, value in arrays.items()})
         rehearsal.eval()
         with torch.no_grad():
-            hits = rehearsal(with_trigger(others, name)).argmax(dim=1) == BACKDOOR_TARGET
-        survived[name] = float(hits.float().mean()) if len(others) else 0.0
-    return max(candidates, key=lambda name: survived[name]), survived
+            logits = rehearsal(with_trigger(others, name))
+        empty = len(others) == 0
+        survived[name] = (
+            0.0 if empty else float((logits.argmax(dim=1) == BACKDOOR_TARGET).float().mean())
+        )
+        probability[name] = (
+            0.0 if empty else float(torch.softmax(logits, dim=1)[:, BACKDOOR_TARGET].mean())
+        )
+    best = max(candidates, key=lambda name: (survived[name], probability[name]))
+    return TriggerChoice(best, survived, probability)
