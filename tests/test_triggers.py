@@ -9,6 +9,8 @@ and keeps its true claim (the project's ``backdoor`` attack does the same).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from beyond_averaging.server.attacks.triggers import (
     choose_trigger,
     with_trigger,
 )
+from beyond_averaging.strategies.defences.trigger_unlearning import TriggerUnlearning
 from beyond_averaging.tasks.evaluation import DeviceData
 
 
@@ -135,28 +138,39 @@ def test_each_new_backdoor_boosts_its_own_update_to_0_99_of_the_clip_bound_with_
     np.testing.assert_allclose(sent, 0.99 * 4.0 * own["w"] / np.linalg.norm(own["w"]))
 
 
-def test_the_adaptive_attacker_keeps_the_candidate_that_survives_the_rehearsed_defence(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A defence that removes nothing and a model that answers 0 exactly when the top-left pixel
-    # is at the maximum: only the corner patches survive, the first of them is kept.
+class Rule(torch.nn.Module):
+    """A model whose logits are ``rule(x)`` times one trainable scale (training at learning rate 0
+    leaves it as it is)."""
+
+    def __init__(self, rule: Callable[[torch.Tensor], list[torch.Tensor]]) -> None:
+        super().__init__()
+        self.rule = rule
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.rule(x), dim=1) * self.scale
+
+
+@pytest.fixture
+def defence_removes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rehearsed unlearning returns the attacker's model as it is."""
     import beyond_averaging.server.attacks.triggers as triggers
 
     monkeypatch.setattr(triggers, "unlearn_triggers", lambda _m, arrays, *_: (arrays, {}))
 
-    class TopLeft(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(()))
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            hit = (x[:, 0, 0, 0] >= 0.999).float() * self.scale
-            return torch.stack([hit, 1.0 - hit] + [torch.zeros_like(hit)] * 8, dim=1)
+@pytest.mark.usefixtures("defence_removes_nothing")
+def test_the_adaptive_attacker_keeps_the_candidate_that_survives_the_rehearsed_defence() -> None:
+    # A model that answers 0 exactly when the top-left pixel is at the maximum: only the corner
+    # patches survive, the first of them is kept.
+    def top_left(x: torch.Tensor) -> list[torch.Tensor]:
+        hit = (x[:, 0, 0, 0] >= 0.999).float()
+        return [hit, 1.0 - hit] + [torch.zeros_like(hit)] * 8
 
     features, labels = batch(), torch.tensor([3, 4, 5, 6, 7])
     data = DeviceData(features, labels, 10)
     best, survived, _ = choose_trigger(
-        TopLeft(), data, data, triggers.TriggerUnlearning(),
+        Rule(top_left), data, data, TriggerUnlearning(),
         learning_rate=0.0, batch_size=2, seed=0,
     )  # fmt: skip
     assert set(survived) == set(ADAPTIVE_CANDIDATES)
@@ -165,37 +179,28 @@ def test_the_adaptive_attacker_keeps_the_candidate_that_survives_the_rehearsed_d
     assert survived["corner-4-top-right"] == 0.0
 
 
-def test_where_no_candidate_survives_the_attacker_keeps_the_one_left_closest_to_the_target(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.usefixtures("defence_removes_nothing")
+def test_where_no_candidate_survives_the_attacker_keeps_the_one_left_closest_to_the_target() -> (
+    None
+):
     # No candidate flips an input (the target's logit stays below class 1's), but the target's
     # logit grows with the stamped image's mean: the 5 x 5 patch, which raises it most on these
     # blank images with one lit pixel, is kept, not the first candidate.
-    import beyond_averaging.server.attacks.triggers as triggers
-
-    monkeypatch.setattr(triggers, "unlearn_triggers", lambda _m, arrays, *_: (arrays, {}))
-
-    class Brightness(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(()))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            target = x.flatten(1).mean(dim=1) * self.scale
-            rest = [torch.full_like(target, 10.0)] + [torch.zeros_like(target)] * 8
-            return torch.stack([target, *rest], dim=1)
+    def brightness(x: torch.Tensor) -> list[torch.Tensor]:
+        target = x.flatten(1).mean(dim=1)
+        return [target, torch.full_like(target, 10.0)] + [torch.zeros_like(target)] * 8
 
     features = torch.zeros(4, 1, 8, 8)
     features[:, 0, 4, 4] = 1.0  # the range [0, 1], where the patches are stamped at 1
     data = DeviceData(features, torch.tensor([3, 4, 5, 6]), 10)
     best, survived, probability = choose_trigger(
-        Brightness(), data, data, triggers.TriggerUnlearning(),
+        Rule(brightness), data, data, TriggerUnlearning(),
         learning_rate=0.0, batch_size=2, seed=0,
     )  # fmt: skip
     assert set(survived.values()) == {0.0}
     # Independent reference: the target's softmax probability on one stamped image.
     for name in ADAPTIVE_CANDIDATES:
-        mean = float(triggers.with_trigger(features, name)[0].mean())
+        mean = float(with_trigger(features, name)[0].mean())
         expected = np.exp(mean) / (np.exp(mean) + np.exp(10.0) + 8.0)
         assert probability[name] == pytest.approx(expected, rel=1e-5)
     assert best == "corner-5" != ADAPTIVE_CANDIDATES[0]
