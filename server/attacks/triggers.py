@@ -129,8 +129,8 @@ def choose_trigger(
     with ``defence`` on ``root`` (the search's inputs) and its dormant inputs kept at ``model``'s,
     then the share of ``root``'s other-class inputs the stamped trigger still sends to the
     target. Where shares tie (all 0 when the defence removes every candidate in one round), the
-    higher target probability wins: the candidate the defence left closest to working is the
-    one that rounds of poisoning are likeliest to bring back; then the earlier."""
+    higher target probability wins (the candidate the defence left closest to working, which
+    further rounds of poisoning may bring back); then the earlier."""
     survived: dict[str, float] = {}
     probability: dict[str, float] = {}
     generator = torch.Generator().manual_seed(seed)
