@@ -135,6 +135,9 @@ def choose_trigger(
     probability: dict[str, float] = {}
     generator = torch.Generator().manual_seed(seed)
     others = root.features[root.labels != BACKDOOR_TARGET]
+    if len(others) == 0:  # no input to flip: nothing to rehearse, every candidate ties at 0
+        zeros = dict.fromkeys(candidates, 0.0)
+        return TriggerChoice(candidates[0], zeros, dict(zeros))
     for name in candidates:
         rehearsal, data = copy.deepcopy(model), poison_half(attacker_data, name)
         order = [
@@ -156,12 +159,7 @@ def choose_trigger(
         rehearsal.eval()
         with torch.no_grad():
             logits = rehearsal(with_trigger(others, name))
-        empty = len(others) == 0
-        survived[name] = (
-            0.0 if empty else float((logits.argmax(dim=1) == BACKDOOR_TARGET).float().mean())
-        )
-        probability[name] = (
-            0.0 if empty else float(torch.softmax(logits, dim=1)[:, BACKDOOR_TARGET].mean())
-        )
+        survived[name] = float((logits.argmax(dim=1) == BACKDOOR_TARGET).float().mean())
+        probability[name] = float(torch.softmax(logits, dim=1)[:, BACKDOOR_TARGET].mean())
     best = max(candidates, key=lambda name: (survived[name], probability[name]))
     return TriggerChoice(best, survived, probability)
