@@ -250,7 +250,11 @@ class Deployment:
         """Run the service's compose health check now (podman) or read its status (Docker)."""
         container = self.stack.container(service)
         probe = subprocess.run(
-            ["docker", "healthcheck", "run", container], capture_output=True, text=True, check=False
+            ["docker", "healthcheck", "run", container],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
         if "unknown command" not in probe.stderr.lower() and "is not a docker command" not in (
             probe.stderr.lower()
@@ -260,6 +264,7 @@ class Deployment:
             ["docker", "inspect", "--format", "{{.State.Health.Status}}", container],
             capture_output=True,
             text=True,
+            timeout=60,
             check=False,
         ).stdout.strip()
         return status == "healthy"
@@ -501,6 +506,7 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
             ],
             capture_output=True,
             text=True,
+            timeout=60,
             check=True,
         ).stdout.split()[0]
         key = tls_certificates.supernode_key(NUM_SUPERNODES)
@@ -543,7 +549,11 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
                 assert time.monotonic() < deadline, f"the intruder was not refused:\n{logs}"
                 time.sleep(2.0)
                 read = subprocess.run(
-                    ["docker", "logs", intruder_name], capture_output=True, text=True, check=False
+                    ["docker", "logs", intruder_name],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    check=False,
                 )
                 logs = read.stdout + read.stderr
             assert "Failed to activate SuperNode" in logs
@@ -552,7 +562,9 @@ def test_tls_stack_with_authentication_runs_and_refuses_an_unregistered_node(
             assert "ended with status 1" in logs
             assert len(deployment.online_node_ids()) == NUM_SUPERNODES
         finally:
-            subprocess.run(["docker", "rm", "-f", intruder_name], capture_output=True, check=False)
+            subprocess.run(
+                ["docker", "rm", "-f", intruder_name], capture_output=True, timeout=120, check=False
+            )
 
 
 # ------------------------------------------------------------------ the newcomer's path, as written
