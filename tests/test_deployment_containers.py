@@ -115,8 +115,8 @@ def timed(label: str, started: float) -> None:
 
 #: A cold build takes under 2 minutes from the wheelhouse here (1 min 45 s, FLEET=http, no layer
 #: cache). A build still running after this long is stuck, not slow: podman's RUN steps are known
-#: to hang now and then (containers/podman#21504), and one such build once ran a CI job past its
-#: limit. It is stopped and tried once more.
+#: to hang now and then (containers/podman#21504), and a CI job once ran past its limit inside the
+#: first test of this module, where the build runs. It is stopped and tried once more.
 BUILD_TIMEOUT_S = 900.0
 
 
