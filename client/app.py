@@ -10,7 +10,7 @@ import functools
 import threading
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from beyond_averaging import __version__
@@ -18,6 +18,7 @@ from beyond_averaging.tasks.batching import shuffle_seed, shuffled_batches
 from beyond_averaging.tasks.evaluation import DeviceData, evaluate, resolve_device
 from beyond_averaging.tasks.federation import DataSpec, load_client_partition
 from beyond_averaging.tasks.models import ModelName, build_model
+from beyond_averaging.tasks.packing import Layout, array_layout, is_packed, pack, unpack
 from beyond_averaging.tasks.protocol import (
     ARRAYS_RECORD,
     CLIENT_RECORD,
@@ -106,14 +107,28 @@ def prepare(
         threading.get_ident(),
     )
     received: ArrayRecord = message.content[ARRAYS_RECORD]  # type: ignore[assignment]
-    model.load_state_dict(received.to_torch_state_dict())
+    model.load_state_dict(received_state(received, model))
     server_round = int(config.get(SERVER_ROUND_KEY, 1))  # type: ignore[arg-type]
     return task, data, model, server_round
 
 
-def cpu_state(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
-    """An ArrayRecord of CPU copies (a model trained on CUDA is sent from host memory)."""
-    return ArrayRecord({key: value.detach().cpu() for key, value in tensors.items()})
+def received_state(record: ArrayRecord, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The received model as a state dict for ``model``, sent per tensor or packed
+    (:mod:`tasks.packing`; a packed model for another architecture is refused, naming both)."""
+    if not is_packed(record):
+        return record.to_torch_state_dict()
+    arrays = {key: array.numpy() for key, array in record.items()}
+    unpacked = unpack(arrays, array_layout(model.state_dict()), whole=True)
+    return {key: torch.from_numpy(value) for key, value in unpacked.items()}
+
+
+def cpu_state(tensors: dict[str, torch.Tensor], packed: Layout | None = None) -> ArrayRecord:
+    """An ArrayRecord of CPU copies (a model trained on CUDA is sent from host memory); packed
+    by the model's layout ``packed`` when the model came packed (:func:`tasks.packing.pack`)."""
+    if packed is None:
+        return ArrayRecord({key: value.detach().cpu() for key, value in tensors.items()})
+    arrays = {key: value.detach().cpu().numpy() for key, value in tensors.items()}
+    return ArrayRecord({key: Array(value) for key, value in pack(arrays, packed).items()})
 
 
 # Secure aggregation's stages (client/secure.py): a train message without them passes through.
@@ -129,6 +144,8 @@ def train(message: Message, context: Context) -> Message:
             f"(it supports {sorted(SUPPORTED_RECORDS)})"
         )
     task, data, model, server_round = prepare(message, context)
+    # A model that came packed is answered packed (its layout: the model's own).
+    packed = array_layout(model.state_dict()) if is_packed(message.content[ARRAYS_RECORD]) else None
     partition_id, _ = node_partition(context)
     seed = shuffle_seed(task.seed, server_round, partition_id)
     plan = shuffled_batches(len(data), task.batch_size, task.local_epochs, seed)
@@ -152,7 +169,7 @@ def train(message: Message, context: Context) -> Message:
     )
     content = RecordDict(
         {
-            ARRAYS_RECORD: cpu_state(model.state_dict()),
+            ARRAYS_RECORD: cpu_state(model.state_dict(), packed),
             METRICS_RECORD: MetricRecord(
                 {NUM_EXAMPLES_KEY: result.num_examples, TRAIN_LOSS_KEY: result.mean_loss}
             ),
@@ -160,9 +177,11 @@ def train(message: Message, context: Context) -> Message:
         }
     )
     if result.last_gradient is not None:
-        content[GRADIENT_RECORD] = cpu_state(result.last_gradient)
+        content[GRADIENT_RECORD] = cpu_state(result.last_gradient, packed)
     if sensitivity is not None:
-        content[SENSITIVITY_RECORD] = sensitivity
+        content[SENSITIVITY_RECORD] = (
+            sensitivity if packed is None else cpu_state(sensitivity.to_torch_state_dict(), packed)
+        )
     return Message(content=content, reply_to=message)
 
 

@@ -48,6 +48,7 @@ from beyond_averaging.tasks.protocol import LIBRARY_VERSION_KEY, ClientTask
 
 from .bounded_pull import round_grid
 from .config import ConfigError, RunConfig, parse_run_config
+from .packed_grid import PackedGrid
 from .rounds import RoundOutcome, run_rounds
 from .strategy_factory import ServerResources, build_strategy
 
@@ -483,6 +484,10 @@ def main(grid: Grid, context: Context) -> None:
         # Behind a SuperLink, replies are pulled soon after they arrive (server/pull.py) and
         # those over the strategy's byte limit are dropped while pulled.
         grid = round_grid(grid, lambda: strategy.reply_byte_limit)
+        if config.pack_model and config.secure_aggregation == "none" and in_process is None:
+            # One array per message on the wire (SecAgg+'s clients read the model per tensor).
+            grid = PackedGrid(grid)
+            log(INFO, "the model is sent packed, one array per message (pack-model = true)")
         progress = RunProgress(
             config,
             strategy,

@@ -116,6 +116,9 @@ class RunConfig(BaseModel):
         5, ge=1, description="the run fails after this many rounds in a row without aggregation"
     )
     resume_from: str = Field("", description="run folder to continue from its checkpoint")
+    pack_model: bool = Field(
+        True, description="send the model as one array per message (server/packed_grid.py)"
+    )
     # --- data --------------------------------------------------------------------------------
     dataset: DatasetChoice = "digits"
     data_dir: str = Field("", description="IDX folder; empty: the dataset's default location")

@@ -338,6 +338,14 @@ class PollingGrid(DelegatingGrid):
             self.pulls += wait.pulls
 
 
+def polling_grid(grid: Grid) -> PollingGrid | None:
+    """The :class:`PollingGrid` that pulls for ``grid``: itself, or the one inside the wrappers
+    that change only what is sent (:class:`server.packed_grid.PackedGrid`); None without one."""
+    while not isinstance(grid, PollingGrid) and isinstance(grid, DelegatingGrid):
+        grid = grid.inner
+    return grid if isinstance(grid, PollingGrid) else None
+
+
 def polling(grid: Grid, schedule: PullSchedule | None = None) -> Grid:
     """``grid`` as a :class:`PollingGrid` (unless it is one already).
 

@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
-from .pull import PollingGrid
+from .pull import polling_grid
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,9 @@ def awaited_nodes(grid: Grid, sent: Iterable[int]) -> Callable[[], list[int]]:
     """What tells, during a ``send_and_receive`` of ``grid``, the nodes whose replies are still
     due: the Grid itself where it keeps them, else every node of ``sent``."""
     sent = list(sent)
-    if isinstance(grid, PollingGrid):
-        return lambda: sent if (due := grid.awaited()) is None else due
+    polling = polling_grid(grid)
+    if polling is not None:
+        return lambda: sent if (due := polling.awaited()) is None else due
     return lambda: sent
 
 
@@ -163,8 +164,9 @@ def run_rounds(
     on_round_end : RoundHook
         Called after each round with the global arrays and the round's :class:`RoundOutcome`.
     """
+    polling = polling_grid(grid)
     for server_round in range(first_round, num_rounds + 1):
-        pulls_before = grid.pulls if isinstance(grid, PollingGrid) else None
+        pulls_before = None if polling is None else polling.pulls
         log(INFO, "")
         log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
         instructions = list(strategy.configure_train(server_round, arrays, train_config, grid))
@@ -200,8 +202,8 @@ def run_rounds(
                 )
             evaluate_metrics = strategy.aggregate_evaluate(server_round, evaluate_replies)
         pulls = None
-        if isinstance(grid, PollingGrid) and pulls_before is not None:
-            pulls = grid.pulls - pulls_before
+        if polling is not None and pulls_before is not None:
+            pulls = polling.pulls - pulls_before
         on_round_end(
             arrays,
             RoundOutcome(

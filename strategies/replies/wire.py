@@ -27,6 +27,14 @@ from flwr.app import Array, ArrayRecord
 from numpy.lib import format as npy_format
 
 from beyond_averaging.strategies.aggregate import NDArrayDict, is_floating
+from beyond_averaging.tasks.packing import (
+    PackingError,
+    array_layout,
+    is_packed,
+    packed_key,
+    packed_tensors,
+    unpack,
+)
 from beyond_averaging.tasks.protocol import ARRAYS_RECORD
 
 from .influence import read_only_tensor, record_norms, squared_norm
@@ -246,6 +254,61 @@ class DecodedRecord(NamedTuple):
     norm: float | None
 
 
+def _check_keys(name: str, keys: set[str], global_arrays: NDArrayDict, subset: bool) -> None:
+    expected = (
+        set(global_arrays)
+        if not subset
+        else {k for k, v in global_arrays.items() if is_floating(v)}
+    )
+    if (subset and (not keys or not keys <= expected)) or (not subset and keys != expected):
+        unknown, missing = sorted(keys - expected), sorted(expected - keys)
+        raise ReplyRejected(
+            _reason(name, "key-mismatch"),
+            f"record '{name}' keys differ from the global model's"
+            f"{' floating tensors' if subset else ''} (unknown: {unknown[:5]}, missing: "
+            f"{[] if subset else missing[:5]})",
+        )
+
+
+def _unpacked(
+    name: str, record: ArrayRecord, global_arrays: NDArrayDict, subset: bool
+) -> NDArrayDict:
+    """A packed record's tensors (:mod:`tasks.packing`): views of its one decoded array, split
+    by the global model's layout; its integer tensors decoded as in an unpacked record.
+
+    Raises
+    ------
+    ReplyRejected
+        ``bad-packing`` (the model record) or ``bad-<name>`` for a record that does not fit the
+        global model's layout; any reason of :func:`decode_array`.
+    """
+    layout = array_layout(global_arrays)
+    try:
+        key = packed_key(record)
+        size = sum(math.prod(shape) for _, shape in packed_tensors(key, layout, whole=not subset))
+        # Decoded as any floating tensor of that length (the dtype policy of an extra record).
+        expected = np.broadcast_to(np.zeros((), np.float32), (size,))
+        arrays = {
+            k: decode_array(
+                name,
+                k,
+                array,
+                expected if k == key else global_arrays[k],
+                floating_only=k == key or subset,
+            )
+            for k, array in record.items()
+            if k == key or k in global_arrays
+        }
+        if len(arrays) < len(record):  # a key the model does not have
+            unknown = sorted(set(record) - set(arrays))
+            raise PackingError(f"keys {unknown[:5]} are not the model's")
+        return unpack(arrays, layout, whole=not subset)
+    except PackingError as error:
+        raise ReplyRejected(
+            _reason(name, "bad-packing"), f"record '{name}': {error}"[:300]
+        ) from None
+
+
 def decode_record(
     name: str,
     record: ArrayRecord,
@@ -266,24 +329,17 @@ def decode_record(
     ReplyRejected
         ``key-mismatch`` (model record) or ``bad-<name>``, or any reason of the two helpers.
     """
-    keys = set(record)
-    expected = (
-        set(global_arrays)
-        if not subset
-        else {k for k, v in global_arrays.items() if is_floating(v)}
-    )
-    if (subset and (not keys or not keys <= expected)) or (not subset and keys != expected):
-        unknown, missing = sorted(keys - expected), sorted(expected - keys)
-        raise ReplyRejected(
-            _reason(name, "key-mismatch"),
-            f"record '{name}' keys differ from the global model's"
-            f"{' floating tensors' if subset else ''} (unknown: {unknown[:5]}, missing: "
-            f"{[] if subset else missing[:5]})",
-        )
+    if is_packed(record):
+        received = _unpacked(name, record, global_arrays, subset)
+    else:
+        _check_keys(name, set(record), global_arrays, subset)
+        received = {
+            key: decode_array(name, key, array, global_arrays[key], floating_only=subset)
+            for key, array in record.items()
+        }
     decoded: NDArrayDict = {}
     squares: float | None = 0.0
-    for key, array in record.items():
-        value = decode_array(name, key, array, global_arrays[key], floating_only=subset)
+    for key, value in received.items():
         tensor_squares = check_values(name, key, value, minimum)
         if squares is not None and (tensor_squares is not None or not is_floating(value)):
             squares += tensor_squares or 0.0
