@@ -54,7 +54,9 @@ MODULES = (
     "beyond_averaging.tasks.protocol",
     "beyond_averaging.server.interactive",
     "beyond_averaging.server.pull",
+    "beyond_averaging.server.packed_grid",
     "beyond_averaging.server.attacks",
+    "beyond_averaging.tasks.packing",
 )
 #: The modules whose ``app`` object (the Flower component) is recorded, by its type only.
 APP_MODULES = ("beyond_averaging.server.app", "beyond_averaging.client.app")
