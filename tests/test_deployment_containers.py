@@ -332,7 +332,6 @@ def test_two_rounds_of_each_strategy_through_the_compose_stack(
     assert_every_round_aggregated(read_metrics(run_dir), NUM_SUPERNODES)
 
 
-@pytest.mark.http_fleet
 def test_a_secure_elastic_round_through_the_compose_stack(
     insecure_stack: Deployment, staged_app: Path
 ) -> None:

@@ -259,7 +259,6 @@ def test_a_supernode_killed_mid_round_is_dropped_from_that_round_and_trains_agai
     assert f"round 2: dropped reply from node {gone} (partition 0)" in streamed
 
 
-@pytest.mark.http_fleet
 def test_a_warm_executor_killed_mid_run_is_started_again_and_the_run_completes(
     deployment: LocalDeployment,
 ) -> None:
