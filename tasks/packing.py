@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-#: The first part of a packed array's key. A ``/`` never appears in a torch module's parameter
-#: names, so no state-dict key can be mistaken for it.
+#: The first part of a packed array's key. State-dict keys are dotted attribute names
+#: (``fc1.weight``), so none starts with it in practice; a record holding one is read as packed.
 PACKED_PREFIX = "packed/"
 
 #: (name, shape, floating) of each tensor of a model, in state-dict order.
