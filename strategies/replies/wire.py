@@ -322,12 +322,15 @@ def decode_record(
     The model record (``subset=False``) must have exactly the global model's keys; another record
     (``subset=True``) a non-empty subset of its floating tensors, all floating. Each tensor is
     decoded by :func:`decode_array` and checked by :func:`check_values`; the record's L2 norm
-    comes back with it where those checks computed every tensor's sum of squares.
+    comes back with it where those checks computed every tensor's sum of squares. A packed record
+    (:mod:`tasks.packing`: the floating tensors as one array) is decoded as one array and split
+    into views by the global model's layout, then checked tensor by tensor the same way.
 
     Raises
     ------
     ReplyRejected
-        ``key-mismatch`` (model record) or ``bad-<name>``, or any reason of the two helpers.
+        ``key-mismatch`` (model record) or ``bad-<name>``, ``bad-packing`` for a packed model
+        record that does not fit the global model, or any reason of the two helpers.
     """
     if is_packed(record):
         received = _unpacked(name, record, global_arrays, subset)
