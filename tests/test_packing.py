@@ -13,6 +13,8 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from beyond_averaging.client.app import evaluate_local, train
 from beyond_averaging.server.app import client_task
@@ -320,3 +322,35 @@ def test_packing_a_tensor_the_layout_does_not_name_is_refused() -> None:
         pack({"a.bias": np.zeros(3, F32)}, LAYOUT)
     torch_layout = array_layout({"w": torch.zeros(2, 3), "n": torch.tensor(1)})
     assert torch_layout == [("w", (2, 3), True), ("n", (), False)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    suffix=st.text(alphabet="0123456789abcdef/xyz", max_size=40),
+    length=st.integers(min_value=0, max_value=14),
+    dtype=st.sampled_from(["<f2", "<f4", ">f8", "<i4", "|b1", "<c8"]),
+    extra=st.sampled_from(
+        [{}, {"bn.num_batches_tracked": np.array(1, np.int64)}, {"z": np.ones(2, F32)}]
+    ),
+)
+def test_no_packed_record_raises_anything_but_a_dropped_reply(
+    suffix: str, length: int, dtype: str, extra: dict[str, np.ndarray]
+) -> None:
+    """Whatever the key, length, dtype and company of a packed array, decoding either reads it
+    or drops the reply with a reason: nothing else escapes to the round."""
+    record = {f"packed/{suffix}": np.zeros(length, dtype=dtype), **extra}
+    allowed = {"bad-packing", "shape-mismatch", "bad-dtype", "bad-encoding", "bad-sensitivity"}
+    for name, subset in (("arrays", False), ("sensitivity", True)):
+        reason, keys = decoded_or_reason(name, record, subset)
+        assert (reason in allowed) if reason else (keys <= set(small_model_arrays()))
+
+
+def decoded_or_reason(
+    name: str, record: dict[str, np.ndarray], subset: bool
+) -> tuple[str, set[str]]:
+    """The drop reason of ``record`` decoded against the small model, or "" and its keys."""
+    try:
+        decoded = decode_record(name, as_record(record), small_model_arrays(), subset=subset)
+    except ReplyRejected as rejected:
+        return rejected.reason, set()
+    return "", set(decoded.arrays)
