@@ -42,9 +42,9 @@ from tests.deploy_helpers import (
     reply_record_sizes,
 )
 
-# CI also runs on the newest Flower's HTTP Fleet API (.ci/run) the tests marked http_fleet: every
-# strategy's insecure round, FedAvg's TLS round and the refused node (TLS is the transport's,
-# not a strategy's: the other strategies' TLS rounds run on flwr 1.39).
+# CI runs on the newest Flower's HTTP Fleet API (.ci/run) the tests marked http_fleet: every
+# strategy's insecure round, FedAvg's TLS round and the refused node; the other strategies' TLS
+# rounds are marked extended (TLS is the transport's, not a strategy's).
 pytestmark = [pytest.mark.deployment]
 
 NUM_SUPERNODES = 3
@@ -65,9 +65,11 @@ TRANSPORT = FlowerRelease.installed().transport
 AVAILABLE = available_strategies(STRATEGIES, RUN_SETTINGS)
 
 
-def strategy_params(http_fleet: tuple[str, ...] = STRATEGIES) -> list[Any]:
-    """Every strategy, those of ``http_fleet`` marked so; one this build lacks is skipped with
-    the reason, not dropped silently."""
+def strategy_params(
+    http_fleet: tuple[str, ...] = STRATEGIES, extended: tuple[str, ...] = ()
+) -> list[Any]:
+    """Every strategy, those of ``http_fleet`` and ``extended`` marked so; one this build lacks
+    is skipped with the reason, not dropped silently."""
     return [
         pytest.param(
             name,
@@ -78,6 +80,7 @@ def strategy_params(http_fleet: tuple[str, ...] = STRATEGIES) -> list[Any]:
                     else []
                 ),
                 *([pytest.mark.http_fleet] if name in http_fleet else []),
+                *([pytest.mark.extended] if name in extended else []),
             ],
             id=name,
         )
@@ -220,7 +223,12 @@ def test_insecure_round_carries_each_strategys_records_over_the_fleet_api(
         )
 
 
-@pytest.mark.parametrize("strategy", strategy_params(http_fleet=("fedavg",)))
+# TLS is the transport's: CI runs FedAvg's on HTTP; the other strategies' are marked extended
+# (gRPC's TLS is in CI through the container stack's and `ba-deploy local`'s TLS tests).
+@pytest.mark.parametrize(
+    "strategy",
+    strategy_params(http_fleet=("fedavg",), extended=("elastic", "fedlaw", "fedgma")),
+)
 def test_tls_round_of_each_strategy_is_encrypted_on_the_wire(
     tls: TappedDeployment, strategy: str
 ) -> None:
