@@ -163,6 +163,7 @@ def test_one_attacker_neither_crashes_nor_poisons_the_run(
     assert attacked >= honest - ACCURACY_MARGIN
 
 
+@pytest.mark.extended  # 3.7 min (its round waits 150 s); left out of CI for its time (.ci/run)
 def test_a_hanging_node_costs_each_round_the_round_timeout_and_counts_as_dropped(
     deployment: LocalDeployment,
 ) -> None:
@@ -180,6 +181,7 @@ def test_a_hanging_node_costs_each_round_the_round_timeout_and_counts_as_dropped
         assert entry["aggregated"] == 1
 
 
+@pytest.mark.extended  # 2.8 min (two runs); left out of CI for its time (.ci/run)
 def test_unrequested_record_does_not_grow_the_serverapp_beyond_one_reply(
     deployment: LocalDeployment,
 ) -> None:

@@ -73,6 +73,7 @@ def cached_partitions(folder: Path) -> list[Path]:
 
 
 @pytest.mark.deployment
+@pytest.mark.extended  # left out of CI for its time (.ci/run)
 def test_a_two_node_ray_cluster_runs_the_clientapps_on_both_nodes_with_the_one_node_result(
     tmp_path: Path,
 ) -> None:

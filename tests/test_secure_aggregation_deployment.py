@@ -89,6 +89,7 @@ def secure_round(workdir: Path, executor: str) -> Path:
     return run_dir
 
 
+@pytest.mark.extended  # left out of CI for its time (.ci/run)
 def test_a_secure_round_on_the_warm_executor_trains_the_model_subprocess_isolation_trains(
     tmp_path: Path,
 ) -> None:
