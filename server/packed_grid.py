@@ -4,8 +4,8 @@ Over Flower's HTTP Fleet API (flwr 1.40 and later) every object of a message is 
 the message, its records, each array and each array's chunks. The content of the digits MLP's
 train message is 15 objects, 12 of them its six tensors; packed (:mod:`tasks.packing`), its
 model is one array and the content 5 objects, and this project's ClientApp answers in kind, its
-model and any ``sensitivity`` or ``gradient`` record one array each. docs/deployment.md, "What a reply
-costs", has the counts and the rounds' seconds measured both ways.
+model and any ``sensitivity`` or ``gradient`` record one array each. docs/deployment.md, "What a
+reply costs", has the counts and the rounds' seconds measured both ways.
 
 :class:`PackedGrid` wraps the Grid the ServerApp's rounds use and packs the ``arrays`` record of
 every message it sends; the strategies' wire decoding reads packed and unpacked replies alike
