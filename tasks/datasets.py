@@ -10,6 +10,7 @@ client's data is generated from its id (:mod:`tasks.synthetic`).
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import os
@@ -271,10 +272,21 @@ def digits_csv_path() -> Path:
 
 
 def _load_digits() -> LabeledData:
+    path = digits_csv_path()
+    status = path.stat()
+    return _parsed_digits(str(path), status.st_mtime_ns, status.st_size)
+
+
+# Parsed once per process and file version (path, modification time, size): the text parse
+# costs about 50 ms of CPU, more than a digits ClientApp's two epochs of training. The warm
+# executor's parent parses it before it forks (client.app.warm), so every ClientApp it forks
+# inherits the table instead of parsing it again for its message. Read-only, as it is shared
+# by every caller of the process (the splits below copy what they select).
+@functools.lru_cache(maxsize=2)
+def _parsed_digits(path: str, _mtime_ns: int, _size: int) -> LabeledData:
     # The table sklearn.datasets.load_digits parses, parsed the way it does (gzip text mode,
     # np.loadtxt with "," into float64; pixels are columns 0..63, the label is column 64), so
     # the arrays are bit-identical to scikit-learn's (tests/test_load_digits.py checks it).
-    path = digits_csv_path()
     with gzip.open(path, mode="rt", encoding="utf-8") as text:
         table = np.loadtxt(text, delimiter=",")
     if table.ndim != 2 or table.shape[1] != _DIGITS_COLUMNS:
@@ -284,7 +296,10 @@ def _load_digits() -> LabeledData:
             "or reinstall scikit-learn)"
         )
     images = table[:, :-1].reshape(-1, 8, 8).astype(np.float32)[:, None, :, :] / np.float32(16.0)
-    return LabeledData(images, table[:, -1].astype(np.int64), 10)
+    digits = LabeledData(images, table[:, -1].astype(np.int64), 10)
+    digits.features.setflags(write=False)
+    digits.labels.setflags(write=False)
+    return digits
 
 
 def _stratified_heldout_split(

@@ -113,3 +113,59 @@ def test_without_scikit_learn_or_the_variable_the_error_gives_both_ways(
     assert "scikit-learn is not installed" in message
     assert f"set {DIGITS_CSV_ENV} to a copy of sklearn/datasets/data/digits.csv.gz" in message
     assert "pip install 'scikit-learn>=1.4'" in message
+
+
+def test_the_table_is_parsed_once_per_file_version_and_cannot_be_written_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each ClientApp the warm executor forks inherits the parent's parse (client.app.warm);
+    # a second parse per message is what the cache is there to avoid, and a changed file must
+    # not be served from it.
+    import os
+
+    import sklearn
+
+    copy = tmp_path / "digits.csv.gz"
+    shutil.copyfile(Path(sklearn.__file__).parent / "datasets" / "data" / "digits.csv.gz", copy)
+    monkeypatch.setenv(DIGITS_CSV_ENV, str(copy))
+    first = datasets._load_digits()
+    assert datasets._load_digits() is first
+    with pytest.raises(ValueError, match="read-only"):
+        first.features[0, 0, 0, 0] = 1.0
+    with pytest.raises(ValueError, match="read-only"):
+        first.labels[0] = 1
+    # The splits a run trains on are copies: writable, and not views of the shared table.
+    train_pool, _ = datasets.load_dataset("digits")
+    train_pool.features[0, 0, 0, 0] = 2.0
+    assert not np.shares_memory(train_pool.features, first.features)
+    assert first.features.max() <= 1.0
+    # The same path rewritten (a later modification time): parsed again.
+    status = copy.stat()
+    os.utime(copy, ns=(status.st_atime_ns, status.st_mtime_ns + 1_000_000_000))
+    again = datasets._load_digits()
+    assert again is not first
+    assert again.features.tobytes() == first.features.tobytes()
+
+
+def test_the_clientapps_warm_up_parses_the_table_its_forked_clientapps_inherit() -> None:
+    from beyond_averaging.client.app import warm
+
+    datasets._parsed_digits.cache_clear()
+    warm({"partition-id": 0, "num-partitions": 2})
+    path = digits_csv_path()
+    status = path.stat()
+    assert datasets._parsed_digits.cache_info().currsize == 1
+    hits = datasets._parsed_digits.cache_info().hits
+    datasets._parsed_digits(str(path), status.st_mtime_ns, status.st_size)
+    assert datasets._parsed_digits.cache_info().hits == hits + 1
+
+
+def test_the_warm_up_leaves_a_missing_table_to_the_clientapp_to_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from beyond_averaging.client.app import warm
+
+    monkeypatch.setenv(DIGITS_CSV_ENV, str(tmp_path / "nowhere.csv.gz"))
+    warm({})  # no error here: the message's ClientApp names the missing table
+    with pytest.raises(DatasetNotFoundError):
+        datasets.load_dataset("digits")

@@ -197,6 +197,27 @@ def test_a_warm_up_that_leaves_a_thread_running_is_refused_with_the_thread_s_nam
         STOP_THREAD.set()
 
 
+def test_without_warm_the_parent_runs_this_project_s_warm_up_which_is_fit_to_fork(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The default --warm parses the digits table in the parent; it must start no thread and
+    # touch no CUDA, or no ClientApp could be forked after it.
+    from beyond_averaging.tasks import datasets
+
+    seen: list[str] = []
+    # main() as far as its serving loop, without renaming or freezing this test's process.
+    monkeypatch.setattr(warm_executor, "serve", lambda *args, **kwargs: None)
+    monkeypatch.setattr(warm_executor, "set_process_name", lambda name: None)
+    monkeypatch.setattr(warm_executor.gc, "freeze", lambda: None)
+    monkeypatch.setattr(warm_executor, "warm_up", lambda target, config: seen.append(target))
+    assert warm_executor.main(["--insecure"]) == 0
+    assert seen == [warm_executor.DEFAULT_WARM] == ["beyond_averaging.client.app:warm"]
+    monkeypatch.undo()
+    datasets._parsed_digits.cache_clear()
+    warm_executor.warm_up(warm_executor.DEFAULT_WARM, {"partition-id": 0, "num-partitions": 2})
+    assert datasets._parsed_digits.cache_info().currsize == 1
+
+
 @pytest.mark.parametrize("target", ["pytorchexample.task", ":warm", "tests.test_warm_executor:"])
 def test_a_warm_up_target_that_is_not_module_colon_function_is_refused(target: str) -> None:
     with pytest.raises(ValueError, match="MODULE:FUNCTION"):

@@ -74,6 +74,10 @@ DEFAULT_PRELOAD = (
     "torch",
     "beyond_averaging.client.app",
 )
+#: The warm-up run when ``--warm`` names none: this project's ClientApp's (it parses the digits
+#: table, which its ClientApps would otherwise parse once per message). A user's ``--warm``
+#: replaces it.
+DEFAULT_WARM = "beyond_averaging.client.app:warm"
 #: Seconds a ClientApp may run before the parent kills it (Flower's SuperNode then answers its
 #: message with an error reply; the server's own ``round-timeout`` is 600 s by default too).
 DEFAULT_TASK_TIMEOUT = 600.0
@@ -537,8 +541,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--warm",
         metavar="MODULE:FUNCTION",
+        default=DEFAULT_WARM,
         help="call FUNCTION(node_config) once before the first fork, so that every ClientApp "
-        "inherits what it loads and caches (the app's data, its first training step's kernels)",
+        "inherits what it loads and caches (the app's data, its first training step's kernels; "
+        f"default {DEFAULT_WARM}, this project's app's)",
     )
     parser.add_argument(
         "--node-config",
