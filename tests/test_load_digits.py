@@ -66,14 +66,21 @@ def test_a_table_of_the_wrong_width_is_refused_with_its_path(
         datasets.load_dataset("digits")
 
 
-def test_a_table_named_by_the_environment_variable_is_read_first_and_gives_scikit_learns_digits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def copied_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of scikit-learn's digits table, named by ``$BA_DIGITS_CSV``."""
     import sklearn
 
     copy = tmp_path / "digits.csv.gz"
     shutil.copyfile(Path(sklearn.__file__).parent / "datasets" / "data" / "digits.csv.gz", copy)
     monkeypatch.setenv(DIGITS_CSV_ENV, str(copy))
+    return copy
+
+
+def test_a_table_named_by_the_environment_variable_is_read_first_and_gives_scikit_learns_digits(
+    copied_table: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy = copied_table
     # scikit-learn's own table can no longer be found: only the copy can give the data.
     monkeypatch.setattr(datasets, "_DIGITS_CSV", ("datasets", "data", "no-such-table.csv.gz"))
     assert digits_csv_path() == copy
@@ -116,18 +123,14 @@ def test_without_scikit_learn_or_the_variable_the_error_gives_both_ways(
 
 
 def test_the_table_is_parsed_once_per_file_version_and_cannot_be_written_through(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    copied_table: Path,
 ) -> None:
     # Each ClientApp the warm executor forks inherits the parent's parse (client.app.warm);
     # a second parse per message is what the cache is there to avoid, and a changed file must
     # not be served from it.
     import os
 
-    import sklearn
-
-    copy = tmp_path / "digits.csv.gz"
-    shutil.copyfile(Path(sklearn.__file__).parent / "datasets" / "data" / "digits.csv.gz", copy)
-    monkeypatch.setenv(DIGITS_CSV_ENV, str(copy))
+    copy = copied_table
     first = datasets._load_digits()
     assert datasets._load_digits() is first
     with pytest.raises(ValueError, match="read-only"):
