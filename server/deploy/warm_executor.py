@@ -10,9 +10,10 @@ machine, while the ClientApp's own data, model and training take a few hundredth
 This executor is Flower's own SuperExec loop (``run_superexec``: ask the Runtime API for a task,
 hand the task's token to an executor) with one difference, the executor: instead of
 ``subprocess.Popen(["flwr-clientapp", ...])`` it forks itself. The parent imports Flower's
-ClientApp runtime, torch and the app (``--preload``) once, before the first task; each task's
-ClientApp then runs Flower's ``run_clientapp`` in a forked child, which exits when the message is
-answered. So:
+ClientApp runtime, torch and the app (``--preload``) once, and runs the app's warm-up
+(``--warm``; by default this project's, which parses the digits table), before the first task;
+each task's ClientApp then runs Flower's ``run_clientapp`` in a forked child, which exits when
+the message is answered. So:
 
 - **kept**: one process per message. A message's ClientApp cannot see what an earlier message's
   left in memory (each child starts from the parent's state at the time it was forked, which
@@ -27,7 +28,8 @@ answered. So:
   calling thread, so a parent that had started OpenMP's thread pool or initialised CUDA would hand
   its children a broken runtime, and a thread holding a lock at the fork leaves it held in the
   child for ever (Flower's ``--parent-pid`` watch is such a thread: :class:`ForkExecutor` watches
-  in the loop instead). The parent only imports (torch starts no thread on import) and refuses to
+  in the loop instead). The parent only imports and warms up (torch starts no thread on import;
+a warm-up that leaves a thread is refused) and refuses to
   start if CUDA was initialised by a preloaded module; each child initialises CUDA itself, once
   per message, when its ClientApp first touches the GPU (docs/deployment.md, "Warm executor").
 
