@@ -29,9 +29,9 @@ the message is answered. So:
   its children a broken runtime, and a thread holding a lock at the fork leaves it held in the
   child for ever (Flower's ``--parent-pid`` watch is such a thread: :class:`ForkExecutor` watches
   in the loop instead). The parent only imports and warms up (torch starts no thread on import;
-a warm-up that leaves a thread is refused) and refuses to
-  start if CUDA was initialised by a preloaded module; each child initialises CUDA itself, once
-  per message, when its ClientApp first touches the GPU (docs/deployment.md, "Warm executor").
+  a warm-up that leaves a thread is refused) and refuses to start if CUDA was initialised by a
+  preloaded module; each child initialises CUDA itself, once per message, when its ClientApp
+  first touches the GPU (docs/deployment.md, "Warm executor").
 
 ``ba-supernode`` (server/deploy/supervise.py) starts one next to each SuperNode by default and
 starts it again when it ends; by hand, beside ``flower-supernode --isolation process``::
