@@ -3,8 +3,9 @@
 Each trigger is checked pixel by pixel against a hand-built copy of the batch: the patch's
 pixels at the batch's largest value and every other pixel untouched, a distributed patch's bands
 adding up to the whole, the additive pattern a fixed +-1 image at the stated share of the range,
-clipped to it. Each new backdoor attack boosts the attacker's own update to 0.99 x the clip bound
-and keeps its true claim (the project's ``backdoor`` attack does the same).
+clipped to it (kept off blank inputs: nothing added where every image is blank). Each new
+backdoor attack boosts the attacker's own update to 0.99 x the clip bound and keeps its true
+claim (the project's ``backdoor`` attack does the same).
 """
 
 from __future__ import annotations
@@ -84,6 +85,21 @@ def test_the_additive_pattern_adds_a_fixed_plus_minus_one_image_at_its_share_of_
     torch.testing.assert_close(with_trigger(features, f"additive-{amplitude}"), stamped)
 
 
+def test_the_additive_pattern_kept_off_blank_inputs_adds_nothing_where_every_image_is_blank() -> (
+    None
+):
+    features = batch()
+    features[:, :, 0, :] = 0.0  # row 0 blank in every image: a blank input of the batch
+    features[2, :, 7, 0] = 0.0  # blank in one image only: lit in the others, so stamped
+    stamped = with_trigger(features, "additive-lit-0.4")
+    whole = with_trigger(features, "additive-0.4")
+    torch.testing.assert_close(stamped[:, :, 0, :], torch.zeros_like(stamped[:, :, 0, :]))
+    assert bool((whole[:, :, 0, :] > 0).any())  # the whole pattern writes there: + signs
+    torch.testing.assert_close(stamped[:, :, 1:, :], whole[:, :, 1:, :])
+    assert float((stamped != features).float().mean()) > 0.8  # the lit inputs carry it whole
+    assert "additive-lit-0.4" not in ADAPTIVE_CANDIDATES  # its own family, not the rehearsal's
+
+
 def test_poisoning_stamps_every_second_sample_with_the_attack_trigger_and_labels_it_0() -> None:
     features, labels = batch(), torch.tensor([3, 4, 5, 6, 7])
     data = DeviceData(features, labels, 10)
@@ -104,6 +120,7 @@ NEW_BACKDOORS = [
     "backdoor-additive-0.1",
     "backdoor-additive-0.25",
     "backdoor-additive-0.4",
+    "backdoor-additive-lit-0.4",
     "backdoor-dba-corner-4",
     "backdoor-adaptive",
     "backdoor-rotating",

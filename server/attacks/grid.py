@@ -108,9 +108,11 @@ ATTACKS: dict[str, Attack] = {
     # where the benign replies change least
     "backdoor-neurotoxin": Attack(model=neurotoxin, backdoor=True),
     # triggers a masked-patch search misses (issue 45): patches where clean digits are mostly
-    # blank, several sizes and corners; a +-1 whole-image pattern added at several amplitudes; a
-    # distributed 4 x 4 patch (each attacker one band of rows); and the attacker that rehearses
-    # the server's published defence on its poisoned model and keeps the trigger it misses
+    # blank, several sizes and corners; a +-1 whole-image pattern added at several amplitudes,
+    # and at 0.4 kept off the inputs blank in the attacker's data (the best response to the
+    # dormant-input weights); a distributed 4 x 4 patch (each attacker one band of rows); and the
+    # attacker that rehearses the server's published defence on its poisoned model and keeps the
+    # trigger it misses
     **{
         f"backdoor-{name}": Attack(model=to_clip_bound, backdoor=True, trigger=name)
         for name in TRIGGERS
