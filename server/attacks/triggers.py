@@ -86,10 +86,12 @@ TRIGGERS: dict[str, Trigger] = {
     **{f"additive-{a}": Trigger("additive", strength=a) for a in (0.1, 0.25, 0.4)},
     "additive-lit-0.4": Trigger("additive", strength=0.4, lit_only=True),
 }
-#: What the adaptive attacker chooses among: every trigger but the project's first and the
-#: additive pattern kept off blank inputs (added after the adaptive attacker's tables, which it
-#: would change; it is measured as a family of its own).
-ADAPTIVE_CANDIDATES = tuple(name for name in TRIGGERS if name not in ("patch", "additive-lit-0.4"))
+#: What the adaptive attacker chooses among: every trigger but the project's first and those
+#: kept off blank inputs (added after the adaptive attacker's tables, which they would change;
+#: measured as a family of their own).
+ADAPTIVE_CANDIDATES = tuple(
+    name for name, trigger in TRIGGERS.items() if name != "patch" and not trigger.lit_only
+)
 #: The adaptive attacker's rehearsal: local epochs on its poisoned data before the search.
 REHEARSAL_EPOCHS = 5
 
