@@ -354,9 +354,10 @@ def test_the_blended_trigger_mixes_one_fixed_image_into_every_input_at_0_2() -> 
     torch.testing.assert_close(with_trigger(features, "blend"), blended)  # fixed across calls
 
 
-def test_the_neurotoxin_backdoor_leaves_the_benign_replies_top_5_percent_of_coordinates_alone() -> (
-    None
-):
+@pytest.mark.parametrize("name", ["backdoor-neurotoxin", "backdoor-neurotoxin-additive-lit-0.4"])
+def test_the_neurotoxin_backdoor_leaves_the_benign_replies_top_5_percent_of_coordinates_alone(
+    name: str,
+) -> None:
     # 40 coordinates; the benign replies change two of them (5 and 17) ten times more than the
     # rest, so those two are the top 5 %: the attacker's own update loses them and the rest is
     # boosted to just under the clip bound (0.99 x 2 x the benign replies' median norm).
@@ -364,11 +365,11 @@ def test_the_neurotoxin_backdoor_leaves_the_benign_replies_top_5_percent_of_coor
     benign_update[[5, 17]] = 1.0
     benign = [{"w": benign_update.copy()} for _ in range(3)]
     own = np.arange(1.0, 41.0)
-    model = ATTACKS["backdoor-neurotoxin"].model
+    model = ATTACKS[name].model
     assert model is not None
     sent = model(RoundView([*benign, {"w": own}], [3], np.random.default_rng(0)), 3)["w"]
     kept = own.copy()
     kept[[5, 17]] = 0.0
     expected = 0.99 * 2.0 * np.linalg.norm(benign_update) * kept / np.linalg.norm(kept)
     np.testing.assert_allclose(sent, expected, rtol=1e-12)
-    assert ATTACKS["backdoor-neurotoxin"].backdoor  # it trains on the triggered data
+    assert ATTACKS[name].backdoor  # it trains on the triggered data
