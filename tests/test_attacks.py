@@ -354,7 +354,14 @@ def test_the_blended_trigger_mixes_one_fixed_image_into_every_input_at_0_2() -> 
     torch.testing.assert_close(with_trigger(features, "blend"), blended)  # fixed across calls
 
 
-@pytest.mark.parametrize("name", ["backdoor-neurotoxin", "backdoor-neurotoxin-additive-lit-0.4"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "backdoor-neurotoxin",
+        "backdoor-neurotoxin-corner-4-top-right",
+        "backdoor-neurotoxin-additive-lit-0.4",
+    ],
+)
 def test_the_neurotoxin_backdoor_leaves_the_benign_replies_top_5_percent_of_coordinates_alone(
     name: str,
 ) -> None:

@@ -127,16 +127,17 @@ NEW_BACKDOORS = [
 ]
 
 
-def test_the_neurotoxin_additive_backdoor_trains_on_the_pattern_kept_off_blank_inputs() -> None:
+@pytest.mark.parametrize("trigger", ["corner-4-top-right", "additive-lit-0.4"])
+def test_each_neurotoxin_backdoor_trains_on_its_own_trigger(trigger: str) -> None:
     features, labels = batch(), torch.tensor([3, 4, 5, 6, 7])
     features[:, :, 0, :] = 0.0  # row 0 blank in every image: the whole pattern would write there
-    out = poisoned(
-        DeviceData(features, labels, 10), ATTACKS["backdoor-neurotoxin-additive-lit-0.4"]
-    )
+    out = poisoned(DeviceData(features, labels, 10), ATTACKS[f"backdoor-neurotoxin-{trigger}"])
     torch.testing.assert_close(out.labels, torch.tensor([0, 4, 0, 6, 0]))
     torch.testing.assert_close(out.features[1::2], features[1::2])
-    torch.testing.assert_close(out.features[0::2], with_trigger(features[0::2], "additive-lit-0.4"))
-    assert not torch.equal(out.features[0::2], with_trigger(features[0::2], "additive-0.4"))
+    torch.testing.assert_close(out.features[0::2], with_trigger(features[0::2], trigger))
+    assert not torch.equal(out.features[0::2], with_trigger(features[0::2], "patch"))
+    if trigger == "additive-lit-0.4":  # not the whole pattern: nothing on the blank row
+        assert not torch.equal(out.features[0::2], with_trigger(features[0::2], "additive-0.4"))
 
 
 def test_the_rotating_backdoor_takes_its_triggers_in_turn_one_per_round() -> None:

@@ -107,12 +107,14 @@ ATTACKS: dict[str, Attack] = {
     # the best response to removal by fine-tuning (trigger unlearning): the backdoor written only
     # where the benign replies change least
     "backdoor-neurotoxin": Attack(model=neurotoxin, backdoor=True),
-    # Neurotoxin with the trigger family the label-skew profile holds worst, kept off the inputs
-    # blank in the attacker's data: durable against the profile's fine-tuning and silent to its
-    # dormant-input weights at once (the literature's best response and the project's together)
-    "backdoor-neurotoxin-additive-lit-0.4": Attack(
-        model=neurotoxin, backdoor=True, trigger="additive-lit-0.4"
-    ),
+    # Neurotoxin with the trigger families the label-skew profile holds worst: the patch where
+    # the root set is not blank, and the additive pattern kept off the inputs blank in the
+    # attacker's data, durable against the profile's fine-tuning and silent to its dormant-input
+    # weights at once (the literature's best response and the project's together)
+    **{
+        f"backdoor-neurotoxin-{name}": Attack(model=neurotoxin, backdoor=True, trigger=name)
+        for name in ("corner-4-top-right", "additive-lit-0.4")
+    },
     # triggers a masked-patch search misses (issue 45): patches where clean digits are mostly
     # blank, several sizes and corners; a +-1 whole-image pattern added at several amplitudes,
     # and at 0.4 kept off the inputs blank in the attacker's data (the best response to the
